@@ -1,0 +1,1 @@
+from repsim.data.spec import DataSpec, load_spec

@@ -1,0 +1,271 @@
+"""Data specs: YAML files that say where samples come from and what they mean.
+
+A spec names a source (one of the types below), the class list with each class's WordNet synset,
+caption templates for labelled data without captions, how samples are split and how shards are
+written. Relative paths are resolved against the spec file's folder. Every validation error names
+the file, the field and the fix, in one line.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union, get_args
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from repsim.errors import SpecError
+
+FASHION_MNIST_ROOT = Path("/usr/share/datasets/fashion-mnist")
+SYNSET_PATTERN = re.compile(r"^.+\.[nvasr]\.\d{2}$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FashionMnistSource(_Strict):
+    """The IDX files of Fashion-MNIST (Debian package ``dataset-fashion-mnist``); splits train/test."""
+
+    type: Literal["fashion_mnist"]
+    root: Path = FASHION_MNIST_ROOT
+
+
+class AnimalMnistSource(_Strict):
+    """The gzip pickles of the PyPI package ``animal-mnist``; ``root`` defaults to the package's data."""
+
+    type: Literal["animal_mnist"]
+    root: Path | None = None
+
+
+class ImageFolderSource(_Strict):
+    """``root/<class>/<image>``, or ``root/<split>/<class>/<image>`` with ``split: {type: source}``."""
+
+    type: Literal["image_folder"]
+    root: Path
+    extensions: tuple[str, ...] = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
+
+
+class ManifestSource(_Strict):
+    """A CSV or Parquet table with a ``path`` column and ``label`` and/or ``caption`` (``split`` optional).
+
+    ``label`` holds class names from ``classes``; relative image paths are resolved against ``root``
+    (default: the manifest's folder).
+    """
+
+    type: Literal["manifest"]
+    path: Path
+    root: Path | None = None
+
+
+class WebDatasetSource(_Strict):
+    """Existing WebDataset shards as img2dataset writes them (``jpg`` + ``txt`` + ``json``).
+
+    ``urls`` is a brace pattern or glob, e.g. ``cc3m/{00000..00331}.tar``; ``label_field`` names a
+    key of each sample's json that holds its class name, if any.
+    """
+
+    type: Literal["webdataset"]
+    urls: str
+    image_ext: str = "jpg"
+    label_field: str | None = None
+
+
+Source = Annotated[
+    Union[FashionMnistSource, AnimalMnistSource, ImageFolderSource, ManifestSource, WebDatasetSource],
+    Field(discriminator="type"),
+]
+
+
+class SourceSplit(_Strict):
+    """Keep the splits the source defines (e.g. Fashion-MNIST's official train/test)."""
+
+    type: Literal["source"]
+
+
+class RandomSplit(_Strict):
+    """A seeded random split, stratified by label when the data is labelled."""
+
+    type: Literal["random"]
+    fractions: dict[str, float] = {"train": 0.8, "test": 0.2}
+    seed: int = 0
+    stratify: bool = True
+
+    @field_validator("fractions")
+    @classmethod
+    def _fractions_sum_to_one(cls, fractions: dict[str, float]) -> dict[str, float]:
+        if not fractions or any(f <= 0 for f in fractions.values()):
+            raise ValueError("every split fraction must be positive")
+        if abs(sum(fractions.values()) - 1.0) > 1e-6:
+            raise ValueError(f"fractions sum to {sum(fractions.values()):g}, not 1")
+        return fractions
+
+
+Split = Annotated[Union[SourceSplit, RandomSplit], Field(discriminator="type")]
+
+
+class Captions(_Strict):
+    """Caption templates for samples without a caption; ``{name}`` is the class name."""
+
+    templates: tuple[str, ...] = ("a photo of a {name}.",)
+
+    @field_validator("templates")
+    @classmethod
+    def _templates_name_the_class(cls, templates: tuple[str, ...]) -> tuple[str, ...]:
+        if not templates:
+            raise ValueError("give at least one template")
+        for template in templates:
+            try:
+                template.format(name="x")
+            except (KeyError, IndexError, ValueError) as err:
+                raise ValueError(f"template {template!r} may only use the field {{name}}") from err
+        return templates
+
+
+class DataSpec(_Strict):
+    """One dataset: its source, classes (name -> WordNet synset), captions, split and shard layout."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    source: Source
+    classes: dict[str, str] | None = None
+    captions: Captions = Captions()
+    split: Split = SourceSplit(type="source")
+    image_format: Literal["png", "jpg"] = "png"
+    jpeg_quality: int = Field(95, ge=1, le=100)
+    shard_size: int = Field(10_000, gt=0)
+    shuffle_seed: int | None = 0
+    on_error: Literal["skip", "fail"] = "fail"
+
+    @field_validator("classes")
+    @classmethod
+    def _every_class_has_a_synset(cls, classes: dict[str, str] | None) -> dict[str, str] | None:
+        for name, synset in (classes or {}).items():
+            if not SYNSET_PATTERN.match(synset):
+                raise ValueError(f"class {name!r} has synset {synset!r}, not of the form lemma.n.01")
+        return classes
+
+    @model_validator(mode="after")
+    def _labelled_sources_need_classes(self) -> DataSpec:
+        if self.classes is None and isinstance(self.source, (FashionMnistSource, AnimalMnistSource,
+                                                             ImageFolderSource)):
+            raise ValueError(f"source type {self.source.type!r} is labelled and needs a classes list")
+        return self
+
+    @property
+    def class_names(self) -> list[str]:
+        return list(self.classes or {})
+
+    @property
+    def synsets(self) -> list[str]:
+        return list((self.classes or {}).values())
+
+    def caption_for(self, label: int, index: int) -> str:
+        """The template caption of a labelled sample; templates rotate deterministically by index."""
+        template = self.captions.templates[index % len(self.captions.templates)]
+        return template.format(name=self.class_names[label])
+
+
+def load_spec(path: str | Path) -> DataSpec:
+    """Read and validate a data spec; relative paths resolve against the spec's folder.
+
+    Raises SpecError with one line naming the file, the field and the fix.
+    """
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise SpecError(f"data spec {path} does not exist", "check the path") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise SpecError(f"{path}: not valid YAML{where}", "fix the YAML syntax") from None
+    if not isinstance(raw, dict):
+        raise SpecError(f"{path}: a data spec is a YAML mapping", "start from data_specs/fashion-mnist.yaml")
+    try:
+        spec = DataSpec.model_validate(_resolve_paths(raw, path.parent.resolve()))
+    except ValidationError as err:
+        raise SpecError(*_describe(err, path)) from None
+    _check_paths_exist(spec, path)
+    return spec
+
+
+def _resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
+    source = raw.get("source")
+    if not isinstance(source, dict):
+        return raw
+    source = dict(source)
+    for field in ("root", "path"):
+        if isinstance(source.get(field), str):
+            source[field] = str(base / Path(source[field]).expanduser())
+    if isinstance(source.get("urls"), str) and not source["urls"].startswith(("/", "http", "s3:", "gs:", "pipe:")):
+        source["urls"] = str(base / source["urls"])
+    return {**raw, "source": source}
+
+
+def _check_paths_exist(spec: DataSpec, spec_path: Path) -> None:
+    for field in ("root", "path"):
+        value = getattr(spec.source, field, None)
+        if value is not None and not Path(value).exists():
+            raise SpecError(f"{spec_path}: field 'source.{field}' points at {value}, which does not exist",
+                            _missing_path_fix(spec.source))
+
+
+def _missing_path_fix(source: BaseModel) -> str:
+    if isinstance(source, FashionMnistSource):
+        return "install it with 'apt-get install dataset-fashion-mnist' or set source.root to its IDX files"
+    return "correct the path (relative paths start at the spec's folder)"
+
+
+def _describe(err: ValidationError, path: Path) -> tuple[str, str]:
+    """Turn the first pydantic error into (what, fix) naming the file and the field."""
+    first = err.errors()[0]
+    kind, loc = first["type"], first["loc"]
+    _, field = _model_at(DataSpec, loc)
+    dotted = ".".join(field) or "(top level)"
+    if kind == "extra_forbidden":
+        parent, _ = _model_at(DataSpec, loc[:-1])
+        allowed = sorted(parent.model_fields) if parent else []
+        close = difflib.get_close_matches(field[-1], allowed, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        return f"{path}: unknown field '{dotted}'", f"{hint}allowed here: {', '.join(allowed)}"
+    if kind == "union_tag_invalid":
+        tags = first["ctx"]["expected_tags"]
+        return (f"{path}: field '{dotted}.type' is {first['ctx']['tag']!r}, which is not known",
+                f"use one of {tags}")
+    if kind == "union_tag_not_found":
+        return f"{path}: field '{dotted}' has no 'type'", f"add 'type:' with one of {first['ctx']['discriminator']}"
+    if kind == "missing":
+        return f"{path}: field '{dotted}' is required", "add it"
+    if field[:1] == ("classes",) and len(field) == 2:
+        return (f"{path}: class '{field[1]}' in field 'classes' has no valid WordNet synset",
+                f"write it as '{field[1]}: lemma.n.01' (run 'repsim synsets \"{field[1]}\"' for candidates)")
+    message = first["msg"].removeprefix("Value error, ")
+    return f"{path}: field '{dotted}': {message}", "correct that value"
+
+
+def _model_at(model: type[BaseModel], loc: tuple[Any, ...]) -> tuple[type[BaseModel] | None, tuple[str, ...]]:
+    """Walk a pydantic error location: the innermost model and the field path without union tags."""
+    current: type[BaseModel] | None = model
+    union: list[type[BaseModel]] = []
+    field: list[str] = []
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        tagged = [m for m in union if m.model_fields["type"].annotation == Literal[part]]
+        if tagged:
+            current, union = tagged[0], []
+            continue
+        field.append(str(part))
+        inner = current.model_fields.get(part) if current is not None else None
+        candidates = _models_in(inner.annotation) if inner is not None else []
+        current = candidates[0] if len(candidates) == 1 else None
+        union = candidates if len(candidates) > 1 else []
+    return current, tuple(field)
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in get_args(annotation) for m in _models_in(arg)]

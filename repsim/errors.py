@@ -1,0 +1,22 @@
+"""Typed errors whose message says what went wrong and how to fix it, in one line."""
+
+
+class RepsimError(Exception):
+    """A user-facing error: ``<what>; <how to fix>``. The CLI prints it and exits 2."""
+
+    def __init__(self, what: str, fix: str = ""):
+        self.what = what
+        self.fix = fix
+        super().__init__(f"{what}; {fix}" if fix else what)
+
+
+class SpecError(RepsimError):
+    """A data spec or config is malformed or points at something that does not exist."""
+
+
+class DataError(RepsimError):
+    """Source data is missing, unreadable or inconsistent."""
+
+
+class StageError(RepsimError):
+    """A stage output directory is not what the cache contract expects."""
