@@ -1,2 +1,81 @@
-def main():
-    pass
+"""The ``repsim`` command line. Flows are imported lazily, inside each command, so ``--help`` and
+user mistakes answer at once. A user mistake prints one line, ``error: <what>; <how to fix>``, and
+exits 2."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+from repsim.errors import RepsimError
+
+EXIT_USER_ERROR = 2
+
+
+def cmd_shard(args: argparse.Namespace) -> None:
+    from repsim.data import load_spec
+
+    for spec in args.specs:  # validate every spec before starting any orchestration
+        load_spec(spec)
+    if args.out and len(args.specs) != 1:
+        raise RepsimError("--out names one directory but several specs were given", "shard one spec at a time")
+    from repsim.flows.shard import shard_flow
+
+    _quiet_user_errors()
+    summaries = shard_flow(specs=list(args.specs), out_dir=args.out)
+    print(_table(["spec", "samples", "splits", "errors", "cached", "output"], [
+        [s["spec"], sum(s["splits"].values()), " ".join(f"{k}={v}" for k, v in s["splits"].items()),
+         s["errors"], "yes" if s["cached"] else "no", s["path"]] for s in summaries]))
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [list(map(str, header))] + [list(map(str, row)) for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in cells]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
+
+
+class _OneLineUserErrors(logging.Filter):
+    """Drop the traceback Prefect logs for a RepsimError: the CLI reports it in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], RepsimError):
+            return False
+        return True
+
+
+def _quiet_user_errors() -> None:
+    for name in ("prefect", "prefect.flow_runs", "prefect.task_runs"):
+        for handler in logging.getLogger(name).handlers:
+            handler.addFilter(_OneLineUserErrors())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="repsim", description="Learn visual representations from relations between samples.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    shard = commands.add_parser("shard", help="shard data specs into WebDataset tars + manifest (cached)")
+    shard.add_argument("specs", nargs="+", metavar="SPEC", help="data spec YAML file(s)")
+    shard.add_argument("--out", metavar="DIR", help="output directory (default: $REPSIM_HOME/artifacts/shard/<key>)")
+    shard.set_defaults(run=cmd_shard)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    run: Callable[[argparse.Namespace], None] = args.run
+    try:
+        run(args)
+    except RepsimError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("interrupted; run the same command again to resume", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

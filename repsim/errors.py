@@ -20,3 +20,7 @@ class DataError(RepsimError):
 
 class StageError(RepsimError):
     """A stage output directory is not what the cache contract expects."""
+
+
+class EvalError(RepsimError):
+    """Features, labels or embeddings given to an evaluation are unusable (shape, count, NaN)."""

@@ -143,26 +143,31 @@ def run_stage(stage: Stage, build: Callable[[Path], Mapping[str, float] | None],
     done = _completed(stage, out)
     if done is not None:
         return done
+    # The lock file stays: unlinking it would let a waiting and a new process lock different files.
     with _exclusive(out.parent / f".{out.name}.lock"):
         done = _completed(stage, out)  # another process may have finished it meanwhile
         if done is not None:
             return done
-        _remove_stale_temporaries(out)
-        tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir(parents=True)
-        try:
-            started = time.time()
-            metrics = dict(build(tmp) or {})
-            record = {
-                "stage": stage.name, "key": stage.key, "version": stage.version,
-                "config": stage.config, "inputs": dict(stage.inputs), "metrics": metrics,
-                "started": started, "seconds": round(time.time() - started, 3),
-                "libraries": library_versions(),
-            }
-            (tmp / STAGE_FILE).write_text(json.dumps(record, indent=2, sort_keys=True, default=str))
-            os.rename(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    (out.parent / f".{out.name}.lock").unlink(missing_ok=True)
+        record = _build_atomically(stage, build, out)
     return StageOutput(stage.name, stage.key, out, False, record)
+
+
+def _build_atomically(stage: Stage, build: Callable[[Path], Mapping[str, float] | None], out: Path) -> dict[str, Any]:
+    _remove_stale_temporaries(out)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    try:
+        started = time.time()
+        metrics = dict(build(tmp) or {})
+        record = {
+            "stage": stage.name, "key": stage.key, "version": stage.version,
+            "config": stage.config, "inputs": dict(stage.inputs), "metrics": metrics,
+            "started": started, "seconds": round(time.time() - started, 3),
+            "libraries": library_versions(),
+        }
+        (tmp / STAGE_FILE).write_text(json.dumps(record, indent=2, sort_keys=True, default=str))
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return record

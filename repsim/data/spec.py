@@ -242,6 +242,9 @@ def _describe(err: ValidationError, path: Path) -> tuple[str, str]:
         return (f"{path}: class '{field[1]}' in field 'classes' has no valid WordNet synset",
                 f"write it as '{field[1]}: lemma.n.01' (run 'repsim synsets \"{field[1]}\"' for candidates)")
     message = first["msg"].removeprefix("Value error, ")
+    if field == ("classes",):
+        return (f"{path}: field 'classes': {message}",
+                "write each class as 'name: lemma.n.01' (run 'repsim synsets NAME' for candidates)")
     return f"{path}: field '{dotted}': {message}", "correct that value"
 
 

@@ -1,0 +1,148 @@
+"""Augmentation presets: turn one uint8 image (C×H×W, C = 1 or 3) into a list of normalised float views.
+
+Presets, all scaled to ``image_size`` (the side of the square output):
+
+- ``simclr``: two views, each RandomResizedCrop → horizontal flip → colour jitter (p=0.8) → random
+  grayscale (p=0.2) → Gaussian blur → solarize → normalise. Blur and solarize follow BYOL's
+  asymmetric probabilities (blur 1.0 / 0.1, solarize 0.0 / 0.2); pass ``blur=(0.5, 0.5)``,
+  ``solarize=(0.0, 0.0)`` for SimCLR's symmetric recipe. The blur kernel is 10% of the view size,
+  odd and at least 3, with sigma in [0.1, 2.0]. The crop scale is (0.08, 1) for images of 96 pixels
+  or more, as in SimCLR on ImageNet, and (0.2, 1) below that: an 8% crop of a 28×28 image keeps
+  about 8×8 pixels, too little to recognise anything.
+- ``multicrop``: DINO/SOP multi-crop, two global views at ``image_size`` with scale (0.4, 1) (blur
+  1.0 / 0.1, solarize 0.0 / 0.2) then ``local_crops`` local views at 3/7 of the size with scale
+  (0.05, 0.4) (blur 0.5). View order: global, global, local, ...
+- ``eval``: resize the shorter side to ``image_size / crop_fraction``, centre-crop ``image_size``,
+  normalise; one view. An image already at ``image_size`` passes through untouched before
+  normalisation.
+
+Single-channel images keep one channel: saturation, hue and random grayscale mean nothing there and
+are left out; brightness and contrast jitter apply. Normalisation is ``(x/255 - mean) / std`` per
+channel; the default mean = std = 0.5 maps pixels to [-1, 1] for any dataset. Pass dataset
+statistics instead (e.g. Fashion-MNIST: mean 0.286, std 0.353) with ``mean=``/``std=``.
+
+The result of :func:`make_views` is picklable, so it can travel to DataLoader workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torchvision.transforms import v2
+
+from repsim.errors import SpecError
+
+Jitter = tuple[float, float, float, float]
+DEFAULT_JITTER: Jitter = (0.4, 0.4, 0.4, 0.1)
+BLUR_SIGMA = (0.1, 2.0)
+
+
+class Views:
+    """Apply a fixed list of transforms to one image: uint8 C×H×W → list of float C×h×w views."""
+
+    def __init__(self, transforms: Sequence[Callable[[torch.Tensor], torch.Tensor]]):
+        self.transforms = list(transforms)
+
+    def __call__(self, image: torch.Tensor) -> list[torch.Tensor]:
+        return [transform(image) for transform in self.transforms]
+
+    def __len__(self) -> int:
+        return len(self.transforms)
+
+    def __repr__(self) -> str:
+        return f"Views({len(self.transforms)} views: {self.transforms})"
+
+
+def make_views(preset: str, image_size: int, channels: int = 3, **options) -> Views:
+    """The augmentation ``preset`` ('simclr', 'multicrop', 'eval') for square views of ``image_size``.
+
+    ``options`` are the keyword arguments of the preset's builder (:data:`PRESETS`), e.g.
+    ``crop_scale``, ``blur``, ``local_crops``, ``mean``, ``std``.
+    """
+    if preset not in PRESETS:
+        raise SpecError(f"unknown augmentation preset {preset!r}", f"use one of {', '.join(PRESETS)}")
+    if channels not in (1, 3):
+        raise SpecError(f"images have {channels} channels", "decode them to 1 (grayscale) or 3 (RGB)")
+    return Views(PRESETS[preset](image_size, channels, **options))
+
+
+def simclr(image_size: int, channels: int, *, crop_scale: tuple[float, float] | None = None,
+           blur: tuple[float, float] = (1.0, 0.1), solarize: tuple[float, float] = (0.0, 0.2),
+           jitter: Jitter = DEFAULT_JITTER, mean: float | Sequence[float] = 0.5,
+           std: float | Sequence[float] = 0.5) -> list[v2.Compose]:
+    """Two augmented views; ``blur[i]``/``solarize[i]`` are view i's probabilities."""
+    scale = crop_scale or ((0.08, 1.0) if image_size >= 96 else (0.2, 1.0))
+    normalize = _normalize(channels, mean, std)
+    return [augmented_view(image_size, scale, channels, blur_p, solarize_p, jitter, normalize)
+            for blur_p, solarize_p in zip(blur, solarize, strict=True)]
+
+
+def multicrop(image_size: int, channels: int, *, local_crops: int = 6, local_size: int | None = None,
+              global_scale: tuple[float, float] = (0.4, 1.0), local_scale: tuple[float, float] = (0.05, 0.4),
+              jitter: Jitter = DEFAULT_JITTER, mean: float | Sequence[float] = 0.5,
+              std: float | Sequence[float] = 0.5) -> list[v2.Compose]:
+    """Two global views at ``image_size`` then ``local_crops`` local views at ``local_size`` (3/7 default)."""
+    normalize = _normalize(channels, mean, std)
+    first, second = (augmented_view(image_size, global_scale, channels, blur_p, solarize_p, jitter, normalize)
+                     for blur_p, solarize_p in ((1.0, 0.0), (0.1, 0.2)))
+    local = augmented_view(local_size or max(1, round(image_size * 3 / 7)), local_scale, channels,
+                           0.5, 0.0, jitter, normalize)
+    return [first, second] + [local] * local_crops
+
+
+def eval_view(image_size: int, channels: int, *, crop_fraction: float = 1.0,
+              mean: float | Sequence[float] = 0.5, std: float | Sequence[float] = 0.5) -> list[v2.Compose]:
+    """One deterministic view: resize the shorter side to ``image_size / crop_fraction``, centre-crop."""
+    return [v2.Compose([
+        v2.Resize(round(image_size / crop_fraction), antialias=True),
+        v2.CenterCrop(image_size),
+        v2.ToDtype(torch.float32, scale=True),
+        _normalize(channels, mean, std),
+    ])]
+
+
+PRESETS: dict[str, Callable[..., list[v2.Compose]]] = {"simclr": simclr, "multicrop": multicrop, "eval": eval_view}
+
+
+def augmented_view(size: int, scale: tuple[float, float], channels: int, blur_p: float, solarize_p: float,
+                   jitter: Jitter, normalize: v2.Normalize) -> v2.Compose:
+    """Crop → flip → colour jitter → grayscale → blur → solarize → normalise, for one view of ``size``."""
+    steps = [
+        v2.RandomResizedCrop(size, scale=scale, antialias=True),
+        v2.RandomHorizontalFlip(),
+        v2.ToDtype(torch.float32, scale=True),
+        v2.RandomApply([_color_jitter(channels, jitter)], p=0.8),
+    ]
+    if channels == 3:
+        steps.append(v2.RandomGrayscale(p=0.2))
+    if blur_p > 0:
+        steps.append(v2.RandomApply([v2.GaussianBlur(blur_kernel_size(size), sigma=BLUR_SIGMA)], p=blur_p))
+    if solarize_p > 0:
+        steps.append(v2.RandomSolarize(threshold=0.5, p=solarize_p))
+    return v2.Compose([*steps, normalize])
+
+
+def blur_kernel_size(size: int) -> int:
+    """About 10% of ``size``, odd, at least 3 (23 for 224, as in SimCLR)."""
+    kernel = round(0.1 * size)
+    return max(3, kernel + 1 - kernel % 2)
+
+
+def _color_jitter(channels: int, jitter: Jitter) -> v2.ColorJitter:
+    brightness, contrast, saturation, hue = jitter
+    if channels == 1:
+        return v2.ColorJitter(brightness=brightness, contrast=contrast)
+    return v2.ColorJitter(brightness=brightness, contrast=contrast, saturation=saturation, hue=hue)
+
+
+def _normalize(channels: int, mean: float | Sequence[float], std: float | Sequence[float]) -> v2.Normalize:
+    return v2.Normalize(_per_channel(mean, channels, "mean"), _per_channel(std, channels, "std"))
+
+
+def _per_channel(value: float | Sequence[float], channels: int, name: str) -> list[float]:
+    values = [float(value)] * channels if isinstance(value, (int, float)) else [float(v) for v in value]
+    if len(values) != channels:
+        raise SpecError(f"{name} has {len(values)} values for {channels}-channel images",
+                        f"give one value or {channels}")
+    return values

@@ -1,0 +1,532 @@
+"""Readers for every data-spec source type, and the split assignment.
+
+A reader lists its samples cheaply (:meth:`Reader.entries`: id, label, caption, split) and reads an
+image only when asked (:meth:`Reader.read`), so file-based sources are never loaded whole. An image
+is either encoded bytes (PNG, JPEG, ...) or a uint8 array of shape (H, W) or (H, W, 3).
+
+Source ids are stable across runs and machines: ``train/123`` (Fashion-MNIST split/row), ``123``
+(Animal-MNIST row), the path relative to the folder (image folders), the path as written in the
+manifest, and ``<tar name>/<sample key>`` (WebDataset shards).
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import hashlib
+import importlib.util
+import json
+import pickle
+import re
+import tarfile
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import braceexpand
+import numpy as np
+
+from repsim.data.spec import (AnimalMnistSource, DataSpec, FashionMnistSource, ImageFolderSource,
+                              ManifestSource, RandomSplit, WebDatasetSource)
+from repsim.errors import DataError
+
+Image = bytes | np.ndarray
+SPLIT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One sample as listed, before its image is read; ``ref`` is the reader's handle to the image."""
+
+    source_id: str
+    label: int | None = None
+    caption: str | None = None
+    split: str | None = None
+    ref: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One sample with its image: encoded bytes or a uint8 array (H, W) / (H, W, 3)."""
+
+    source_id: str
+    image: Image
+    label: int | None
+    caption: str | None
+    split: str | None
+
+
+class Reader(ABC):
+    """Lists a source's samples and reads their images on demand."""
+
+    def __init__(self, spec: DataSpec):
+        self.spec = spec
+
+    @abstractmethod
+    def fingerprint(self) -> str:
+        """A digest of the source files (paths, sizes, times) that changes when the data does."""
+
+    @abstractmethod
+    def entries(self) -> list[Entry]:
+        """Every sample in source order, without reading images."""
+
+    @abstractmethod
+    def read(self, entry: Entry) -> Image:
+        """The image of ``entry``; raises OSError/ValueError/DataError when it cannot be read."""
+
+    def locate(self, entry: Entry) -> str:
+        """Where a person finds the sample, for error messages."""
+        return entry.source_id
+
+    def records(self) -> Iterator[Record]:
+        for entry in self.entries():
+            yield Record(entry.source_id, self.read(entry), entry.label, entry.caption, entry.split)
+
+    def label_of(self, class_name: str, where: str) -> int:
+        """The label id of a class name found in the data; DataError if the spec does not list it."""
+        names = self.spec.class_names
+        if not names:
+            raise DataError(f"{where} gives class {class_name!r} but spec {self.spec.name!r} lists no classes",
+                            "add a 'classes' mapping (name: synset) to the data spec")
+        if class_name not in names:
+            raise DataError(f"{where}: class {class_name!r} is not in the spec's classes",
+                            f"use one of {names} or add it to 'classes'")
+        return names.index(class_name)
+
+
+def _stat_digest(paths: list[Path]) -> str:
+    """sha256 over (path, size, mtime_ns) of each file."""
+    digest = hashlib.sha256()
+    for path in paths:
+        stat = path.stat()
+        digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def _require_file(path: Path, fix: str) -> Path:
+    if not path.is_file():
+        raise DataError(f"{path} does not exist", fix)
+    return path
+
+
+def _check_labels(labels: np.ndarray, spec: DataSpec, where: str) -> None:
+    if labels.size and (labels.min() < 0 or labels.max() >= len(spec.class_names)):
+        raise DataError(f"{where} has labels {labels.min()}..{labels.max()} but the spec lists "
+                        f"{len(spec.class_names)} classes", "list one class per label id in 'classes'")
+
+
+# ---------------------------------------------------------------------------------------------
+# Fashion-MNIST (IDX)
+
+IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
+              0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
+FASHION_SPLITS = {"train": "train", "test": "t10k"}
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """A gzip'd IDX file as an array of its declared shape (e.g. images (N, 28, 28) uint8)."""
+    try:
+        with gzip.open(path, "rb") as handle:
+            data = handle.read()
+    except (OSError, EOFError) as err:
+        raise DataError(f"{path} is not a readable gzip file ({err})", "restore the original file") from None
+    if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in IDX_DTYPES:
+        raise DataError(f"{path} is not an IDX file (bad magic number)", "restore the original file")
+    ndim = data[3]
+    dims = tuple(int(d) for d in np.frombuffer(data, ">u4", count=ndim, offset=4))
+    dtype = np.dtype(IDX_DTYPES[data[2]])
+    offset = 4 + 4 * ndim
+    if len(data) - offset != int(np.prod(dims)) * dtype.itemsize:
+        raise DataError(f"{path} declares shape {dims} but holds {len(data) - offset} bytes of data",
+                        "the file is truncated; restore the original file")
+    return np.frombuffer(data, dtype, offset=offset).reshape(dims)
+
+
+class FashionMnistReader(Reader):
+    """Fashion-MNIST's IDX files; splits ``train`` (60000) and ``test`` (10000), images (28, 28)."""
+
+    def _files(self, split: str) -> tuple[Path, Path]:
+        root, prefix = Path(self.spec.source.root), FASHION_SPLITS[split]
+        fix = "install it with 'apt-get install dataset-fashion-mnist' or set source.root to its IDX files"
+        return (_require_file(root / f"{prefix}-images-idx3-ubyte.gz", fix),
+                _require_file(root / f"{prefix}-labels-idx1-ubyte.gz", fix))
+
+    def fingerprint(self) -> str:
+        return _stat_digest([path for split in FASHION_SPLITS for path in self._files(split)])
+
+    @cached_property
+    def _arrays(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        arrays = {}
+        for split in FASHION_SPLITS:
+            images_path, labels_path = self._files(split)
+            images, labels = read_idx(images_path), read_idx(labels_path)
+            if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
+                raise DataError(f"{images_path} ({images.shape}) and {labels_path} ({labels.shape}) do not match",
+                                "restore the original files")
+            _check_labels(labels, self.spec, str(labels_path))
+            arrays[split] = (images, labels)
+        return arrays
+
+    def entries(self) -> list[Entry]:
+        return [Entry(f"{split}/{row}", int(label), None, split, (split, row))
+                for split, (_, labels) in self._arrays.items() for row, label in enumerate(labels)]
+
+    def read(self, entry: Entry) -> Image:
+        split, row = entry.ref
+        return self._arrays[split][0][row]
+
+
+# ---------------------------------------------------------------------------------------------
+# Animal-MNIST (gzip pickles of numpy arrays)
+
+ANIMAL_IMAGES = "animal_data_version_3.gz"
+ANIMAL_LABELS = "animal_label_version_3.gz"
+
+
+def _numpy_globals() -> dict[tuple[str, str], Any]:
+    """The only globals a pickled numpy array needs, under their numpy 1 and numpy 2 module names."""
+    try:
+        from numpy._core import multiarray
+    except ImportError:  # numpy < 2
+        from numpy.core import multiarray
+    allowed: dict[tuple[str, str], Any] = {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype}
+    for module in ("numpy.core.multiarray", "numpy._core.multiarray"):
+        allowed[(module, "_reconstruct")] = multiarray._reconstruct
+        allowed[(module, "scalar")] = multiarray.scalar
+    return allowed
+
+
+class NumpyOnlyUnpickler(pickle.Unpickler):
+    """Unpickles numpy arrays and nothing else: any other global raises DataError."""
+
+    allowed = _numpy_globals()
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return self.allowed[(module, name)]
+        except KeyError:
+            raise DataError(f"refusing to unpickle {module}.{name}: only numpy arrays are allowed",
+                            "use a pickle that holds a plain numpy array") from None
+
+
+def load_numpy_pickle(path: Path) -> np.ndarray:
+    """A gzip'd pickle of one numpy array, read with :class:`NumpyOnlyUnpickler`."""
+    try:
+        with gzip.open(path, "rb") as handle:
+            value = NumpyOnlyUnpickler(handle).load()
+    except (OSError, EOFError, pickle.UnpicklingError) as err:
+        raise DataError(f"{path} is not a readable gzip pickle ({err})", "restore the original file") from None
+    if not isinstance(value, np.ndarray):
+        raise DataError(f"{path} holds a {type(value).__name__}, not a numpy array", "restore the original file")
+    return value
+
+
+def animal_mnist_root() -> Path:
+    """The data folder of the installed ``animal-mnist`` package, found without importing it."""
+    spec = importlib.util.find_spec("animal_mnist")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("the package animal-mnist is not installed",
+                        "pip install animal-mnist, or set source.root to the folder holding its .gz files")
+    return Path(list(spec.submodule_search_locations)[0]) / "data" / "Animal_MNIST"
+
+
+class AnimalMnistReader(Reader):
+    """Animal-MNIST's 10000 silhouettes (28, 28) uint8 with labels 0..9; no split of its own."""
+
+    def _files(self) -> tuple[Path, Path]:
+        root = Path(self.spec.source.root) if self.spec.source.root else animal_mnist_root()
+        fix = "reinstall animal-mnist or set source.root to the folder holding its .gz files"
+        return _require_file(root / ANIMAL_IMAGES, fix), _require_file(root / ANIMAL_LABELS, fix)
+
+    def fingerprint(self) -> str:
+        return _stat_digest(list(self._files()))
+
+    @cached_property
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        images_path, labels_path = self._files()
+        images, labels = load_numpy_pickle(images_path), load_numpy_pickle(labels_path)
+        if images.dtype != np.uint8 or images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
+            raise DataError(f"{images_path} ({images.dtype} {images.shape}) and {labels_path} ({labels.shape}) "
+                            "are not N uint8 images with N labels", "restore the original files")
+        _check_labels(labels, self.spec, str(labels_path))
+        return images, labels
+
+    def entries(self) -> list[Entry]:
+        return [Entry(str(row), int(label), ref=row) for row, label in enumerate(self._arrays[1])]
+
+    def read(self, entry: Entry) -> Image:
+        return self._arrays[0][entry.ref]
+
+
+# ---------------------------------------------------------------------------------------------
+# Image folder
+
+def _visible_dirs(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+class ImageFolderReader(Reader):
+    """``root/<class>/<image>`` or, with ``split: {type: source}``, ``root/<split>/<class>/<image>``."""
+
+    @property
+    def root(self) -> Path:
+        return Path(self.spec.source.root)
+
+    @cached_property
+    def _files(self) -> list[tuple[Path, str | None, str]]:
+        """(file, split, class name) for every image, sorted by split, class and file name."""
+        if not self.root.is_dir():
+            raise DataError(f"image folder {self.root} does not exist", "set source.root to a folder of class folders")
+        split_dirs = (_visible_dirs(self.root) if self.spec.split.type == "source" else [self.root])
+        files, seen = [], set()
+        for split_dir in split_dirs:
+            split = split_dir.name if split_dir != self.root else None
+            for class_dir in self._class_dirs(split_dir):
+                seen.add(class_dir.name)
+                files += [(path, split, class_dir.name) for path in sorted(class_dir.iterdir())
+                          if path.suffix.lower() in self.spec.source.extensions and not path.name.startswith(".")]
+        missing = [name for name in self.spec.class_names if name not in seen]
+        if missing:
+            raise DataError(f"image folder {self.root} has no folder for classes {missing}",
+                            "add a folder per class or remove those classes from the spec")
+        return files
+
+    def _class_dirs(self, folder: Path) -> list[Path]:
+        class_dirs = _visible_dirs(folder)
+        unknown = [d.name for d in class_dirs if d.name not in self.spec.class_names]
+        if unknown:
+            layout = "<split>/<class>/" if folder != self.root else "<class>/"
+            raise DataError(f"{folder} has folders {unknown} that are not classes of the spec",
+                            f"the layout is {layout}<image>; add those classes to 'classes' or move the folders")
+        return class_dirs
+
+    def fingerprint(self) -> str:
+        digest = hashlib.sha256(str(self.root).encode())
+        for path, _, _ in self._files:
+            digest.update(f"{path.relative_to(self.root)}\0{path.stat().st_size}\n".encode())
+        return digest.hexdigest()
+
+    def entries(self) -> list[Entry]:
+        return [Entry(path.relative_to(self.root).as_posix(), self.spec.class_names.index(name), None, split, path)
+                for path, split, name in self._files]
+
+    def read(self, entry: Entry) -> Image:
+        return entry.ref.read_bytes()
+
+    def locate(self, entry: Entry) -> str:
+        return str(entry.ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# CSV / Parquet manifest
+
+MANIFEST_COLUMNS = ("path", "label", "caption", "split")
+
+
+def read_table(path: Path) -> dict[str, list[Any]]:
+    """The known columns of a CSV or Parquet manifest, as lists (empty CSV cells are None)."""
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+    import pyarrow.parquet as pq
+
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".csv":
+            options = pacsv.ConvertOptions(column_types={c: pa.string() for c in MANIFEST_COLUMNS},
+                                           strings_can_be_null=True)
+            table = pacsv.read_csv(path, convert_options=options)
+        elif suffix in (".parquet", ".pq"):
+            table = pq.read_table(path)
+        else:
+            raise DataError(f"manifest {path} is neither .csv nor .parquet", "save it as CSV or Parquet")
+    except (pa.ArrowInvalid, OSError) as err:
+        raise DataError(f"manifest {path} is unreadable ({err})", "check that it is valid CSV/Parquet") from None
+    return {name: table.column(name).to_pylist() for name in MANIFEST_COLUMNS if name in table.column_names}
+
+
+class ManifestReader(Reader):
+    """A table of ``path`` plus ``label`` (class name) and/or ``caption``, optionally ``split``."""
+
+    @property
+    def image_root(self) -> Path:
+        source = self.spec.source
+        return Path(source.root) if source.root else Path(source.path).parent
+
+    def fingerprint(self) -> str:
+        return _stat_digest([Path(self.spec.source.path)])
+
+    def entries(self) -> list[Entry]:
+        path = Path(self.spec.source.path)
+        columns = read_table(path)
+        if "path" not in columns or not ({"label", "caption"} & columns.keys()):
+            raise DataError(f"manifest {path} has columns {sorted(columns)}",
+                            "it needs a 'path' column and a 'label' and/or 'caption' column")
+        rows = len(columns["path"])
+        labels, captions, splits = (columns.get(name, [None] * rows) for name in ("label", "caption", "split"))
+        return [Entry(str(image), self._label(label, path, row), caption, split, self.image_root / str(image))
+                for row, (image, label, caption, split) in enumerate(zip(columns["path"], labels, captions, splits))]
+
+    def _label(self, label: Any, path: Path, row: int) -> int | None:
+        return None if label is None else self.label_of(str(label), f"manifest {path} row {row}")
+
+    def read(self, entry: Entry) -> Image:
+        return entry.ref.read_bytes()
+
+    def locate(self, entry: Entry) -> str:
+        return str(entry.ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# Existing WebDataset shards
+
+def expand_urls(pattern: str) -> list[Path]:
+    """Tar paths from a brace pattern (``a/{000..009}.tar``) and/or glob, in pattern order."""
+    paths = []
+    for expanded in braceexpand.braceexpand(pattern):
+        matches = sorted(glob.glob(expanded)) if glob.has_magic(expanded) else [expanded]
+        paths += [Path(match) for match in matches]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if not paths or missing:
+        raise DataError(f"webdataset pattern {pattern!r} matches no tar file" if not paths
+                        else f"webdataset shards {missing[:3]} do not exist", "correct source.urls")
+    return paths
+
+
+def _split_member_name(name: str) -> tuple[str, str]:
+    """WebDataset's convention: the key is the name up to the first dot of its last component."""
+    folder, _, base = name.rpartition("/")
+    stem, _, ext = base.partition(".")
+    return (f"{folder}/{stem}" if folder else stem), ext
+
+
+class WebDatasetReader(Reader):
+    """Samples of existing tars: ``{key}.{image_ext}``, caption ``{key}.txt``, metadata ``{key}.json``."""
+
+    @cached_property
+    def tars(self) -> list[Path]:
+        return expand_urls(self.spec.source.urls)
+
+    def fingerprint(self) -> str:
+        return _stat_digest(self.tars)
+
+    def entries(self) -> list[Entry]:
+        return [entry for tar in self.tars for entry in self._tar_entries(tar)]
+
+    def _tar_entries(self, tar: Path) -> Iterator[Entry]:
+        """Entries of one tar; ``ref`` is (tar, data offset, size) of the image member or None."""
+        samples: dict[str, dict[str, Any]] = {}
+        try:
+            with tarfile.open(tar, "r:") as archive:
+                for member in archive:
+                    if member.isfile():
+                        key, ext = _split_member_name(member.name)
+                        samples.setdefault(key, {})[ext] = self._member_value(archive, member, ext, tar)
+        except tarfile.TarError as err:
+            raise DataError(f"{tar} is not a readable tar ({err})", "re-create or remove that shard") from None
+        for key, members in samples.items():
+            where = f"{tar}:{key}"
+            yield Entry(f"{tar.name}/{key}", self._label(members.get("json"), where), members.get("txt"),
+                        None, members.get(self.spec.source.image_ext))
+
+    def _member_value(self, archive: tarfile.TarFile, member: tarfile.TarInfo, ext: str, tar: Path) -> Any:
+        if ext == self.spec.source.image_ext:
+            return (tar, member.offset_data, member.size)
+        if ext in ("txt", "json"):
+            text = archive.extractfile(member).read().decode("utf-8", errors="replace")
+            return text.strip() if ext == "txt" else text
+        return None
+
+    def _label(self, metadata: str | None, where: str) -> int | None:
+        field = self.spec.source.label_field
+        if field is None or metadata is None:
+            return None
+        try:
+            value = json.loads(metadata).get(field)
+        except (ValueError, AttributeError):
+            raise DataError(f"{where}.json is not a JSON object", "fix or remove that sample") from None
+        return None if value is None else self.label_of(str(value), where)
+
+    def read(self, entry: Entry) -> Image:
+        if entry.ref is None:
+            raise DataError(f"sample has no .{self.spec.source.image_ext} member",
+                            "set source.image_ext to the shards' image extension")
+        tar, offset, size = entry.ref
+        with open(tar, "rb") as handle:
+            handle.seek(offset)
+            return handle.read(size)
+
+    def locate(self, entry: Entry) -> str:
+        return f"{entry.ref[0]} sample {entry.source_id}" if entry.ref else entry.source_id
+
+
+READERS: dict[type, type[Reader]] = {
+    FashionMnistSource: FashionMnistReader, AnimalMnistSource: AnimalMnistReader,
+    ImageFolderSource: ImageFolderReader, ManifestSource: ManifestReader, WebDatasetSource: WebDatasetReader,
+}
+
+
+def open_source(spec: DataSpec) -> Reader:
+    """The reader for ``spec.source``; nothing is read until it is asked for."""
+    return READERS[type(spec.source)](spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# Splits
+
+def assign_splits(entries: list[Entry], spec: DataSpec) -> list[str]:
+    """The split of each entry: the source's own (``source``) or a seeded, exact random split.
+
+    A random split permutes each group (each label when ``stratify`` and the data is labelled,
+    else everything) with ``seed`` and cuts it at the fractions, rounding by largest remainder, so
+    every class gets exactly its share (e.g. 1000 images at 0.8/0.2 give 800/200).
+    """
+    if isinstance(spec.split, RandomSplit):
+        splits = _random_splits(entries, spec.split)
+    else:
+        splits = [entry.split for entry in entries]
+        if any(split is None for split in splits):
+            raise DataError(f"source {spec.source.type!r} of {spec.name!r} has no splits of its own",
+                            "use 'split: {type: random}' in the data spec")
+    bad = sorted({s for s in splits if not SPLIT_NAME.match(s)})
+    if bad:
+        raise DataError(f"split names {bad} are not plain names", "use letters, digits and underscores")
+    return splits
+
+
+def _random_splits(entries: list[Entry], split: RandomSplit) -> list[str]:
+    names = list(split.fractions)
+    group_of = [entry.label if split.stratify else None for entry in entries]
+    groups: dict[Any, list[int]] = {}
+    for index, group in enumerate(group_of):
+        groups.setdefault(group, []).append(index)
+    rng = np.random.default_rng(split.seed)
+    assigned = [""] * len(entries)
+    for group in sorted(groups, key=lambda g: (g is None, g)):
+        members = rng.permutation(groups[group])
+        start = 0
+        for name, count in zip(names, exact_counts(len(members), list(split.fractions.values()))):
+            for index in members[start:start + count]:
+                assigned[index] = name
+            start += count
+    return assigned
+
+
+def exact_counts(total: int, fractions: list[float]) -> list[int]:
+    """Split ``total`` into integer counts proportional to ``fractions`` (largest remainder)."""
+    raw = [total * f for f in fractions]
+    counts = [int(np.floor(r)) for r in raw]
+    by_remainder = sorted(range(len(raw)), key=lambda i: (counts[i] - raw[i], i))
+    for i in by_remainder[:total - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def split_order(splits: list[str], spec: DataSpec) -> list[str]:
+    """Splits in the order they are written: the fractions' order, else first appearance."""
+    present = dict.fromkeys(splits)
+    if isinstance(spec.split, RandomSplit):
+        return [name for name in spec.split.fractions if name in present]
+    return list(present)

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Set up repsim on this machine: .venv (Python 3.11), torch + torchvision, the project with its
+# dev extras, animal-mnist (without its tensorflow requirement) and, where apt is usable, the Debian
+# data packages. Idempotent: returns in seconds when everything is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
+TORCH_SPEC=${TORCH_SPEC:-"torch==2.14.1 torchvision==0.29.1"}
+DEBIAN_PACKAGES="dataset-fashion-mnist wordnet-base wordnet-sense-index"
+PIP="$VENV/bin/python -m pip --disable-pip-version-check -q"
+
+say() { printf 'setup: %s\n' "$*"; }
+
+install_debian_packages() {
+  local missing=()
+  for pkg in $DEBIAN_PACKAGES; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+  done
+  [ ${#missing[@]} -eq 0 ] && return
+  local sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo -n"
+  if command -v apt-get >/dev/null && { [ -z "$sudo" ] || sudo -n true 2>/dev/null; }; then
+    say "installing Debian packages: ${missing[*]}"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+  else
+    say "warning: apt-get is not usable here; install ${missing[*]} yourself (Fashion-MNIST and WordNet need them)"
+  fi
+}
+
+install_python_packages() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    say "creating $VENV with $PYTHON"
+    "$PYTHON" -m venv "$VENV"
+  fi
+  if ! "$VENV/bin/python" -c "import torch, torchvision" 2>/dev/null; then
+    say "installing $TORCH_SPEC"
+    $PIP install $TORCH_SPEC
+  fi
+  local stamp="$VENV/.repsim-installed"
+  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || ! "$VENV/bin/python" -c "import repsim" 2>/dev/null; then
+    say "installing repsim and its dependencies"
+    $PIP install -e ".[dev]"
+    touch "$stamp"
+  fi
+  if ! "$VENV/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('animal_mnist') is None)"; then
+    say "installing animal-mnist (data only, without its tensorflow requirement)"
+    $PIP install --no-deps animal-mnist
+  fi
+}
+
+install_debian_packages
+install_python_packages

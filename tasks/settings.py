@@ -1,0 +1,36 @@
+"""Embedded defaults, so nothing needs a server.
+
+Prefect: its temporary local API with ``PREFECT_HOME=$REPSIM_HOME/prefect`` and analytics off.
+MLflow: ``sqlite:///$REPSIM_HOME/mlflow.db`` with artifacts in ``$REPSIM_HOME/mlartifacts``.
+Server mode is configuration only: set ``PREFECT_API_URL`` and ``MLFLOW_TRACKING_URI``.
+"""
+
+import os
+
+from repsim.stage import repsim_home
+
+
+def embedded_defaults() -> dict[str, str]:
+    home = repsim_home()
+    return {
+        "PREFECT_HOME": str(home / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
+        "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+
+
+def use_embedded_defaults() -> None:
+    """Set every embedded default that the environment does not already define."""
+    for name, value in embedded_defaults().items():
+        os.environ.setdefault(name, value)
+    (repsim_home() / "prefect").mkdir(parents=True, exist_ok=True)
+
+
+def mlflow_artifact_location() -> str | None:
+    """Where a new experiment keeps artifacts: beside the SQLite store, or the server's choice."""
+    if os.environ["MLFLOW_TRACKING_URI"].startswith("sqlite:"):
+        return (repsim_home() / "mlartifacts").as_uri()
+    return None

@@ -1,0 +1,23 @@
+"""The shard stage as a Prefect task."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import task
+
+from repsim.data import ShardResult, load_spec, shard, shard_stage
+from repsim.stage import Stage
+from repsim.tasks.stage import stage_cache_key
+
+
+def plan_shard(spec_path: str, out_dir: str | None = None) -> tuple[Stage, Path]:
+    """The shard stage of a spec and the directory it writes to."""
+    stage = shard_stage(load_spec(spec_path))
+    return stage, Path(out_dir).expanduser().resolve() if out_dir else stage.default_dir()
+
+
+@task(name="shard", cache_key_fn=stage_cache_key(plan_shard), persist_result=True)
+def shard_task(spec_path: str, out_dir: str | None = None) -> ShardResult:
+    """Shard the dataset that ``spec_path`` describes into WebDataset tars and a manifest."""
+    return shard(load_spec(spec_path), out_dir)

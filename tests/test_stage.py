@@ -1,0 +1,108 @@
+"""The stage/cache contract: content-addressed keys, atomic completion, cache hits, no clobbering."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from repsim.errors import StageError
+from repsim.stage import Stage, read_record, run_stage
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("REPSIM_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def write_answer(value):
+    def build(tmp):
+        (tmp / "answer.txt").write_text(str(value))
+        return {"value": value}
+    return build
+
+
+def test_key_depends_on_every_part_and_nothing_else():
+    base = Stage("s", "1", {"a": 1, "b": [1, 2]}, {"up": "k1"})
+    assert base.key == Stage("s", "1", {"b": [1, 2], "a": 1}, {"up": "k1"}).key  # order-free
+    variants = [Stage("t", "1", base.config, base.inputs), Stage("s", "2", base.config, base.inputs),
+                Stage("s", "1", {"a": 2, "b": [1, 2]}, base.inputs), Stage("s", "1", base.config, {"up": "k2"})]
+    assert len({base.key, *(v.key for v in variants)}) == 5
+
+
+def test_completed_stage_is_a_cache_hit_and_is_not_rebuilt(home):
+    stage = Stage("s", "1", {"a": 1})
+    first = run_stage(stage, write_answer(42))
+    assert not first.cached and first.path == home / "artifacts" / "s" / stage.key
+    assert (first.path / "answer.txt").read_text() == "42"
+    assert read_record(first.path)["metrics"] == {"value": 42}
+
+    def must_not_run(_):
+        raise AssertionError("a completed stage was rebuilt")
+
+    second = run_stage(stage, must_not_run)
+    assert second.cached and second.path == first.path and second.record == first.record
+
+
+def test_failed_build_leaves_nothing_that_looks_done(home):
+    stage = Stage("s", "1", {"a": 1})
+
+    def fail_halfway(tmp):
+        (tmp / "half.txt").write_text("partial")
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        run_stage(stage, fail_halfway)
+    assert not stage.default_dir().exists()
+    assert [p.name for p in stage.default_dir().parent.iterdir()] == [f".{stage.key}.lock"]
+    assert not run_stage(stage, write_answer(1)).cached
+
+
+def test_killed_build_is_cleaned_up_by_the_next_run(home, tmp_path):
+    stage = Stage("s", "1", {"a": 1})
+    script = textwrap.dedent(f"""
+        import os, time
+        from repsim.stage import Stage, run_stage
+        def build(tmp):
+            (tmp / "half.txt").write_text("partial")
+            print("building", flush=True)
+            time.sleep(60)
+        run_stage(Stage("s", "1", {{"a": 1}}), build)
+    """)
+    env = {**os.environ, "REPSIM_HOME": str(home)}
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    assert child.stdout.readline().strip() == "building"
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert not stage.default_dir().exists()
+    assert any(p.name.startswith(f".{stage.key}.tmp-") for p in stage.default_dir().parent.iterdir())
+
+    output = run_stage(stage, write_answer(7))
+    assert not output.cached and (output.path / "answer.txt").read_text() == "7"
+    assert not any(".tmp-" in p.name for p in output.path.parent.iterdir())
+
+
+def test_explicit_output_directory_is_never_clobbered(tmp_path):
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "precious.txt").write_text("keep me")
+    with pytest.raises(StageError, match="choose another output directory"):
+        run_stage(Stage("s", "1", {}), write_answer(1), out_dir=other)
+    assert (other / "precious.txt").read_text() == "keep me"
+
+    done = run_stage(Stage("s", "1", {"x": 1}), write_answer(1), out_dir=tmp_path / "out")
+    with pytest.raises(StageError, match="holds s output"):
+        run_stage(Stage("s", "1", {"x": 2}), write_answer(2), out_dir=done.path)
+    assert (done.path / "answer.txt").read_text() == "1"
+
+
+def test_stage_record_says_what_was_built(home):
+    stage = Stage("s", "3", {"a": [1, 2]}, {"source": "abc"})
+    record = json.loads((run_stage(stage, write_answer(5)).path / "stage.json").read_text())
+    assert record["key"] == stage.key and record["version"] == "3"
+    assert record["config"] == {"a": [1, 2]} and record["inputs"] == {"source": "abc"}
+    assert record["seconds"] >= 0 and "torch" in record["libraries"]
