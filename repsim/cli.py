@@ -37,19 +37,21 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
 
 
-class _OneLineUserErrors(logging.Filter):
-    """Drop the traceback Prefect logs for a RepsimError: the CLI reports it in one line."""
+class _NoTracebackForUserErrors(logging.Filter):
+    """Keep Prefect's console line for a RepsimError but drop its traceback: the CLI explains it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and isinstance(record.exc_info[1], RepsimError):
-            return False
+            record.exc_info, record.exc_text = None, None
         return True
 
 
 def _quiet_user_errors() -> None:
-    for name in ("prefect", "prefect.flow_runs", "prefect.task_runs"):
-        for handler in logging.getLogger(name).handlers:
-            handler.addFilter(_OneLineUserErrors())
+    from prefect.logging.configuration import setup_logging
+
+    setup_logging()
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_NoTracebackForUserErrors())
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -24,3 +24,7 @@ class StageError(RepsimError):
 
 class EvalError(RepsimError):
     """Features, labels or embeddings given to an evaluation are unusable (shape, count, NaN)."""
+
+
+class SimilarityError(RepsimError):
+    """A similarity source or neighbour list cannot be built from what it was given."""

@@ -64,14 +64,14 @@ def test_failed_build_leaves_nothing_that_looks_done(home):
 
 def test_killed_build_is_cleaned_up_by_the_next_run(home, tmp_path):
     stage = Stage("s", "1", {"a": 1})
-    script = textwrap.dedent(f"""
+    script = textwrap.dedent("""
         import os, time
         from repsim.stage import Stage, run_stage
         def build(tmp):
             (tmp / "half.txt").write_text("partial")
             print("building", flush=True)
             time.sleep(60)
-        run_stage(Stage("s", "1", {{"a": 1}}), build)
+        run_stage(Stage("s", "1", {"a": 1}), build)
     """)
     env = {**os.environ, "REPSIM_HOME": str(home)}
     child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)

@@ -33,7 +33,7 @@ from repsim.data.spec import (AnimalMnistSource, DataSpec, FashionMnistSource, I
                               ManifestSource, RandomSplit, WebDatasetSource)
 from repsim.errors import DataError
 
-Image = bytes | np.ndarray
+ImageData = bytes | np.ndarray
 SPLIT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_]*$")
 
 
@@ -53,7 +53,7 @@ class Record:
     """One sample with its image: encoded bytes or a uint8 array (H, W) / (H, W, 3)."""
 
     source_id: str
-    image: Image
+    image: ImageData
     label: int | None
     caption: str | None
     split: str | None
@@ -64,6 +64,7 @@ class Reader(ABC):
 
     def __init__(self, spec: DataSpec):
         self.spec = spec
+        self.label_ids = {name: label for label, name in enumerate(spec.class_names)}
 
     @abstractmethod
     def fingerprint(self) -> str:
@@ -74,7 +75,7 @@ class Reader(ABC):
         """Every sample in source order, without reading images."""
 
     @abstractmethod
-    def read(self, entry: Entry) -> Image:
+    def read(self, entry: Entry) -> ImageData:
         """The image of ``entry``; raises OSError/ValueError/DataError when it cannot be read."""
 
     def locate(self, entry: Entry) -> str:
@@ -82,19 +83,19 @@ class Reader(ABC):
         return entry.source_id
 
     def records(self) -> Iterator[Record]:
+        """Every sample with its image, in source order; images are read one at a time."""
         for entry in self.entries():
             yield Record(entry.source_id, self.read(entry), entry.label, entry.caption, entry.split)
 
     def label_of(self, class_name: str, where: str) -> int:
         """The label id of a class name found in the data; DataError if the spec does not list it."""
-        names = self.spec.class_names
-        if not names:
+        if not self.label_ids:
             raise DataError(f"{where} gives class {class_name!r} but spec {self.spec.name!r} lists no classes",
                             "add a 'classes' mapping (name: synset) to the data spec")
-        if class_name not in names:
+        if class_name not in self.label_ids:
             raise DataError(f"{where}: class {class_name!r} is not in the spec's classes",
-                            f"use one of {names} or add it to 'classes'")
-        return names.index(class_name)
+                            f"use one of {self.spec.class_names} or add it to 'classes'")
+        return self.label_ids[class_name]
 
 
 def _stat_digest(paths: list[Path]) -> str:
@@ -174,7 +175,7 @@ class FashionMnistReader(Reader):
         return [Entry(f"{split}/{row}", int(label), None, split, (split, row))
                 for split, (_, labels) in self._arrays.items() for row, label in enumerate(labels)]
 
-    def read(self, entry: Entry) -> Image:
+    def read(self, entry: Entry) -> ImageData:
         split, row = entry.ref
         return self._arrays[split][0][row]
 
@@ -257,7 +258,7 @@ class AnimalMnistReader(Reader):
     def entries(self) -> list[Entry]:
         return [Entry(str(row), int(label), ref=row) for row, label in enumerate(self._arrays[1])]
 
-    def read(self, entry: Entry) -> Image:
+    def read(self, entry: Entry) -> ImageData:
         return self._arrays[0][entry.ref]
 
 
@@ -280,7 +281,7 @@ class ImageFolderReader(Reader):
         """(file, split, class name) for every image, sorted by split, class and file name."""
         if not self.root.is_dir():
             raise DataError(f"image folder {self.root} does not exist", "set source.root to a folder of class folders")
-        split_dirs = (_visible_dirs(self.root) if self.spec.split.type == "source" else [self.root])
+        split_dirs = self._split_dirs() if self.spec.split.type == "source" else [self.root]
         files, seen = [], set()
         for split_dir in split_dirs:
             split = split_dir.name if split_dir != self.root else None
@@ -288,15 +289,23 @@ class ImageFolderReader(Reader):
                 seen.add(class_dir.name)
                 files += [(path, split, class_dir.name) for path in sorted(class_dir.iterdir())
                           if path.suffix.lower() in self.spec.source.extensions and not path.name.startswith(".")]
-        missing = [name for name in self.spec.class_names if name not in seen]
+        missing = [name for name in self.label_ids if name not in seen]
         if missing:
             raise DataError(f"image folder {self.root} has no folder for classes {missing}",
                             "add a folder per class or remove those classes from the spec")
         return files
 
+    def _split_dirs(self) -> list[Path]:
+        split_dirs = _visible_dirs(self.root)
+        class_named = [d.name for d in split_dirs if d.name in self.label_ids]
+        if class_named:
+            raise DataError(f"{self.root} holds class folders {class_named}, but 'split: {{type: source}}' "
+                            "expects <split>/<class>/<image>", "add split folders or use 'split: {type: random}'")
+        return split_dirs
+
     def _class_dirs(self, folder: Path) -> list[Path]:
         class_dirs = _visible_dirs(folder)
-        unknown = [d.name for d in class_dirs if d.name not in self.spec.class_names]
+        unknown = [d.name for d in class_dirs if d.name not in self.label_ids]
         if unknown:
             layout = "<split>/<class>/" if folder != self.root else "<class>/"
             raise DataError(f"{folder} has folders {unknown} that are not classes of the spec",
@@ -310,10 +319,10 @@ class ImageFolderReader(Reader):
         return digest.hexdigest()
 
     def entries(self) -> list[Entry]:
-        return [Entry(path.relative_to(self.root).as_posix(), self.spec.class_names.index(name), None, split, path)
+        return [Entry(path.relative_to(self.root).as_posix(), self.label_ids[name], None, split, path)
                 for path, split, name in self._files]
 
-    def read(self, entry: Entry) -> Image:
+    def read(self, entry: Entry) -> ImageData:
         return entry.ref.read_bytes()
 
     def locate(self, entry: Entry) -> str:
@@ -356,6 +365,7 @@ class ManifestReader(Reader):
         return Path(source.root) if source.root else Path(source.path).parent
 
     def fingerprint(self) -> str:
+        """The manifest file's path, size and mtime (the images it names are not visited)."""
         return _stat_digest([Path(self.spec.source.path)])
 
     def entries(self) -> list[Entry]:
@@ -364,6 +374,8 @@ class ManifestReader(Reader):
         if "path" not in columns or not ({"label", "caption"} & columns.keys()):
             raise DataError(f"manifest {path} has columns {sorted(columns)}",
                             "it needs a 'path' column and a 'label' and/or 'caption' column")
+        if None in columns["path"]:
+            raise DataError(f"manifest {path} row {columns['path'].index(None)} has no path", "fill in every path")
         rows = len(columns["path"])
         labels, captions, splits = (columns.get(name, [None] * rows) for name in ("label", "caption", "split"))
         return [Entry(str(image), self._label(label, path, row), caption, split, self.image_root / str(image))
@@ -372,7 +384,7 @@ class ManifestReader(Reader):
     def _label(self, label: Any, path: Path, row: int) -> int | None:
         return None if label is None else self.label_of(str(label), f"manifest {path} row {row}")
 
-    def read(self, entry: Entry) -> Image:
+    def read(self, entry: Entry) -> ImageData:
         return entry.ref.read_bytes()
 
     def locate(self, entry: Entry) -> str:
@@ -449,7 +461,7 @@ class WebDatasetReader(Reader):
             raise DataError(f"{where}.json is not a JSON object", "fix or remove that sample") from None
         return None if value is None else self.label_of(str(value), where)
 
-    def read(self, entry: Entry) -> Image:
+    def read(self, entry: Entry) -> ImageData:
         if entry.ref is None:
             raise DataError(f"sample has no .{self.spec.source.image_ext} member",
                             "set source.image_ext to the shards' image extension")

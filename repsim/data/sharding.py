@@ -1,0 +1,267 @@
+"""The shard stage: a data spec's source written as deterministic WebDataset tars plus a manifest.
+
+Output directory (``$REPSIM_HOME/artifacts/shard/<key>/`` unless given):
+
+- ``{split}-{n:05d}.tar``: at most ``shard_size`` samples each; per sample ``{key}.png`` (or ``.jpg``),
+  ``{key}.cls`` (label as ASCII int, absent when unlabelled), ``{key}.txt`` (the source's caption,
+  else a template caption) and ``{key}.json`` (index, key, split, label, class_name, source_id).
+- ``manifest.parquet``: one row per sample, row number = ``index``; columns index, key, shard,
+  split, label, class_name, caption, sha256 (of the image bytes in the tar), width, height, source_id.
+- ``shards.json``: the splits, their sample counts and tar names; ``errors.json``: unreadable
+  source images as ``{"source_id", "reason"}``; ``stage.json``: the stage record.
+
+Samples are grouped by split; within a split they keep the source order, permuted by
+``shuffle_seed`` when set. Keys are the zero-padded global index. Every image is decoded and
+encoded again with Pillow (which validates it and drops metadata): 1-channel images stay 8-bit
+grayscale ("L"), everything else becomes RGB (alpha is dropped), EXIF orientation is applied, and
+JPEG sources are re-encoded at ``jpeg_quality``. Tar members have fixed mtime, owner and mode, so
+the same spec gives byte-identical tars.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import webdataset as wds
+from PIL import Image, ImageOps, UnidentifiedImageError
+from tqdm.auto import tqdm
+
+from repsim.data.sources import Entry, Reader, assign_splits, open_source, split_order
+from repsim.data.spec import DataSpec, load_spec
+from repsim.errors import DataError, StageError
+from repsim.stage import Stage, read_record, run_stage
+
+SHARD_VERSION = "1"
+MANIFEST = "manifest.parquet"
+INDEX = "shards.json"
+ERRORS = "errors.json"
+PIL_FORMATS = {"png": "PNG", "jpg": "JPEG"}
+GRAYSCALE_MODES = {"1", "L", "LA", "I", "I;16", "F"}
+IMAGE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, DataError, Image.DecompressionBombError)
+
+
+@dataclass(frozen=True)
+class ShardResult:
+    """A completed shard directory: where it is, what it holds, and whether this call found it cached."""
+
+    path: Path
+    key: str
+    cached: bool
+    num_samples: int
+    splits: dict[str, int]
+    shards: dict[str, list[Path]]
+    manifest: Path
+    errors: int
+    image_format: str
+
+    @classmethod
+    def from_dir(cls, path: str | Path, cached: bool = True) -> ShardResult:
+        """Describe an existing shard output directory; StageError if it is not a complete one."""
+        path = Path(path).expanduser().resolve()
+        record = read_record(path)
+        if record is None or record.get("stage") != "shard":
+            raise StageError(f"{path} is not a completed shard output", "run the shard stage for its data spec")
+        index = json.loads((path / INDEX).read_text())
+        return cls(path=path, key=record["key"], cached=cached, num_samples=index["num_samples"],
+                   splits={split: info["samples"] for split, info in index["splits"].items()},
+                   shards={split: [path / name for name in info["shards"]] for split, info in index["splits"].items()},
+                   manifest=path / MANIFEST, errors=index["errors"], image_format=index["image_format"])
+
+
+def shard(spec: DataSpec | str | Path, out_dir: str | Path | None = None, progress: bool = True) -> ShardResult:
+    """Write ``spec``'s samples as WebDataset shards, or return the cached output at once.
+
+    The stage key covers the spec and a fingerprint of the source files, so editing either re-shards.
+    Raises DataError for unreadable sources, and for the first unreadable image when
+    ``on_error: fail``; with ``on_error: skip`` such images are left out and counted in ``errors``.
+    """
+    spec = spec if isinstance(spec, DataSpec) else load_spec(spec)
+    reader = open_source(spec)
+    output = run_stage(_stage(spec, reader), lambda tmp: _build(spec, reader, tmp, progress), out_dir)
+    return ShardResult.from_dir(output.path, cached=output.cached)
+
+
+def shard_stage(spec: DataSpec) -> Stage:
+    """The shard stage of ``spec`` (its key covers the spec and a fingerprint of the source files)."""
+    return _stage(spec, open_source(spec))
+
+
+def _stage(spec: DataSpec, reader: Reader) -> Stage:
+    return Stage("shard", SHARD_VERSION, config=spec.model_dump(mode="json"), inputs={"source": reader.fingerprint()})
+
+
+# ---------------------------------------------------------------------------------------------
+# Building
+
+def _build(spec: DataSpec, reader: Reader, out: Path, progress: bool) -> dict[str, float]:
+    started = time.time()
+    entries = reader.entries()
+    if not entries:
+        raise DataError(f"the source of {spec.name!r} holds no samples", "check the source path and contents")
+    order = _write_order(entries, assign_splits(entries, spec), spec)
+    key_width = max(6, len(str(len(entries) - 1)))
+    columns: dict[str, list[Any]] = {name: [] for name in MANIFEST_SCHEMA}
+    errors: list[dict[str, str]] = []
+    with _TarShards(out, spec.shard_size) as tars, \
+            tqdm(total=len(entries), desc=f"shard {spec.name}", unit="img", disable=not progress) as bar:
+        for split, members in order:
+            tars.start_split(split)
+            for entry in members:
+                bar.update()
+                encoded = _encode_or_report(reader, entry, spec, errors)
+                if encoded is not None:
+                    _write_sample(tars, columns, entry, split, encoded, spec, key_width)
+    if not columns["key"]:
+        raise DataError(f"none of the {len(entries)} images of {spec.name!r} is readable",
+                        f"see the first failure: {errors[0]['source_id']}: {errors[0]['reason']}")
+    _write_outputs(out, spec, columns, errors, tars.names)
+    return _metrics(columns, errors, out, started)
+
+
+def _write_order(entries: list[Entry], splits: list[str], spec: DataSpec) -> list[tuple[str, list[Entry]]]:
+    """Entries grouped by split; within a split in source order, permuted by ``shuffle_seed`` if set."""
+    rng = np.random.default_rng(spec.shuffle_seed) if spec.shuffle_seed is not None else None
+    order = []
+    for split in split_order(splits, spec):
+        members = [entry for entry, assigned in zip(entries, splits) if assigned == split]
+        if rng is not None:
+            members = [members[i] for i in rng.permutation(len(members))]
+        order.append((split, members))
+    return order
+
+
+def _encode_or_report(reader: Reader, entry: Entry, spec: DataSpec,
+                      errors: list[dict[str, str]]) -> tuple[bytes, int, int] | None:
+    """(encoded bytes, width, height), or None after recording why the image is unreadable."""
+    try:
+        return encode_image(reader.read(entry), spec.image_format, spec.jpeg_quality)
+    except IMAGE_ERRORS as err:
+        reason = "not an image format Pillow can read" if isinstance(err, UnidentifiedImageError) \
+            else f"{type(err).__name__}: {err}"
+        if spec.on_error == "fail":
+            raise DataError(f"cannot read image {reader.locate(entry)} ({reason})",
+                            "fix or remove it, or set 'on_error: skip' in the data spec to leave it out") from None
+        errors.append({"source_id": entry.source_id, "reason": reason})
+        return None
+
+
+def encode_image(image: bytes | np.ndarray, image_format: str, jpeg_quality: int = 95) -> tuple[bytes, int, int]:
+    """Encode an image (encoded bytes or uint8 (H, W) / (H, W, 3)) as PNG or JPEG: (bytes, width, height)."""
+    pixels = decode_pixels(image)
+    options = {"quality": jpeg_quality} if image_format == "jpg" else {}
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format=PIL_FORMATS[image_format], **options)
+    height, width = pixels.shape[:2]
+    return buffer.getvalue(), width, height
+
+
+def decode_pixels(image: bytes | np.ndarray) -> np.ndarray:
+    """uint8 pixels (H, W) for grayscale or (H, W, 3) for colour; raises ValueError/OSError if unreadable."""
+    if isinstance(image, np.ndarray):
+        pixels = image[..., 0] if image.ndim == 3 and image.shape[2] == 1 else image
+        if pixels.dtype != np.uint8 or not (pixels.ndim == 2 or (pixels.ndim == 3 and pixels.shape[2] == 3)):
+            raise ValueError(f"expected uint8 (H, W) or (H, W, 3) pixels, got {image.dtype} {image.shape}")
+        return np.ascontiguousarray(pixels)
+    with Image.open(io.BytesIO(image)) as opened:
+        opened.load()
+        upright = ImageOps.exif_transpose(opened)
+        return np.asarray(upright.convert("L" if upright.mode in GRAYSCALE_MODES else "RGB"))
+
+
+def _write_sample(tars: _TarShards, columns: dict[str, list[Any]], entry: Entry, split: str,
+                  encoded: tuple[bytes, int, int], spec: DataSpec, key_width: int) -> None:
+    image, width, height = encoded
+    index = len(columns["key"])
+    key = f"{index:0{key_width}d}"
+    class_name = spec.class_names[entry.label] if entry.label is not None else None
+    caption = entry.caption or (spec.caption_for(entry.label, index) if entry.label is not None else "")
+    metadata = {"index": index, "key": key, "split": split, "label": entry.label,
+                "class_name": class_name, "source_id": entry.source_id}
+    members = {spec.image_format: image, "txt": caption.encode(), "json": json.dumps(metadata).encode()}
+    if entry.label is not None:
+        members["cls"] = str(entry.label).encode()
+    shard_name = tars.write(key, members)
+    row = {**metadata, "shard": shard_name, "caption": caption, "sha256": hashlib.sha256(image).hexdigest(),
+           "width": width, "height": height}
+    for name, values in columns.items():
+        values.append(row[name])
+
+
+class _TarShards:
+    """Writes samples into ``{split}-{n:05d}.tar`` files of at most ``shard_size`` samples each, with
+    webdataset's ShardWriter. Members carry mtime 0, owner ``repsim`` and mode 0444, so identical
+    samples give identical bytes."""
+
+    def __init__(self, out: Path, shard_size: int):
+        self.out, self.shard_size = out, shard_size
+        self.names: dict[str, list[str]] = {}
+        self._writer: wds.ShardWriter | None = None
+
+    def __enter__(self) -> _TarShards:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._close()
+
+    def start_split(self, split: str) -> None:
+        self._close()
+        self.names[split] = []
+        self._writer = wds.ShardWriter(str(self.out / f"{split}-%05d.tar"), maxcount=self.shard_size,
+                                       post=lambda name: self.names[split].append(Path(name).name),
+                                       verbose=0, encoder=False, mtime=0, user="repsim", group="repsim")
+
+    def write(self, key: str, members: dict[str, bytes]) -> str:
+        """Add one sample (extension -> bytes); returns the name of the tar it went into."""
+        self._writer.write({"__key__": key, **members})
+        return Path(self._writer.fname).name
+
+    def _close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Outputs
+
+MANIFEST_SCHEMA = {
+    "index": "int64", "key": "string", "shard": "string", "split": "string", "label": "int64",
+    "class_name": "string", "caption": "string", "sha256": "string", "width": "int32", "height": "int32",
+    "source_id": "string",
+}
+
+
+def _write_outputs(out: Path, spec: DataSpec, columns: dict[str, list[Any]], errors: list[dict[str, str]],
+                   shard_names: dict[str, list[str]]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = pa.schema([(name, pa.type_for_alias(kind)) for name, kind in MANIFEST_SCHEMA.items()])
+    pq.write_table(pa.table(columns, schema=schema), out / MANIFEST)
+    counts = _split_counts(columns)
+    index = {"name": spec.name, "image_format": spec.image_format, "num_samples": len(columns["key"]),
+             "errors": len(errors),
+             "splits": {split: {"samples": counts.get(split, 0), "shards": names}
+                        for split, names in shard_names.items()}}
+    (out / INDEX).write_text(json.dumps(index, indent=2))
+    (out / ERRORS).write_text(json.dumps(errors, indent=2))
+
+
+def _split_counts(columns: dict[str, list[Any]]) -> dict[str, int]:
+    splits, counts = np.unique(np.asarray(columns["split"], dtype=object), return_counts=True)
+    return {str(split): int(count) for split, count in zip(splits, counts)}
+
+
+def _metrics(columns: dict[str, list[Any]], errors: list[dict[str, str]], out: Path,
+             started: float) -> dict[str, float]:
+    tar_bytes = sum(path.stat().st_size for path in out.glob("*.tar"))
+    per_split = {f"samples/{split}": count for split, count in _split_counts(columns).items()}
+    return {"samples": len(columns["key"]), "bytes": tar_bytes, "errors": len(errors), **per_split,
+            "seconds": round(time.time() - started, 3)}

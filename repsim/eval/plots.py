@@ -1,0 +1,112 @@
+"""PNG figures of evaluation results: t-SNE of features, confusion matrix, histogram.
+
+Figures are drawn on matplotlib's Agg canvas without pyplot, so nothing global changes and no
+display is needed. Each function writes ``path`` (creating its folder) and returns it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from matplotlib import colormaps
+from matplotlib.figure import Figure
+
+from repsim.errors import EvalError
+from repsim.eval._checks import ArrayLike, as_features, as_labels, count_classes
+
+DPI = 120
+ANNOTATE_MAX_CLASSES = 20
+
+
+def tsne_plot(features: ArrayLike, labels: ArrayLike, path: str | Path, *, class_names: Sequence[str] | None = None,
+              max_points: int = 2000, seed: int = 0, title: str = "t-SNE of test features") -> Path:
+    """2-D t-SNE of features (N, D) coloured by labels (N,), on a seeded subsample of ≤ max_points rows."""
+    from sklearn.decomposition import PCA
+    from sklearn.manifold import TSNE
+
+    features = as_features(features, "features")
+    labels = as_labels(labels, len(features), "labels", "features").numpy()
+    if len(features) < 4:
+        raise EvalError(f"t-SNE needs at least 4 samples, got {len(features)}", "pass more samples")
+    rows = np.arange(len(features))
+    if len(rows) > max_points:
+        rows = np.sort(np.random.default_rng(seed).choice(len(rows), max_points, replace=False))
+    points = features[rows].double().cpu().numpy()
+    if points.shape[1] > 50:
+        points = PCA(50, random_state=seed).fit_transform(points)
+    perplexity = min(30.0, (len(points) - 1) / 3)
+    embedded = TSNE(2, perplexity=perplexity, init="pca", random_state=seed).fit_transform(points)
+    figure = Figure(figsize=(7, 6))
+    axes = figure.add_subplot()
+    colours = _class_colours(int(labels.max()) + 1)
+    for label in np.unique(labels[rows]):
+        here = labels[rows] == label
+        axes.scatter(*embedded[here].T, s=4, color=colours[label], label=_class_name(class_names, label))
+    axes.legend(markerscale=3, fontsize="small", loc="best")
+    axes.set(title=title, xticks=[], yticks=[])
+    return _save(figure, path)
+
+
+def confusion_matrix_plot(labels: ArrayLike, predictions: ArrayLike, path: str | Path, *,
+                          class_names: Sequence[str] | None = None, num_classes: int | None = None,
+                          title: str = "Confusion matrix") -> Path:
+    """Row-normalised confusion matrix (true class rows, predicted class columns) of labels vs predictions (N,)."""
+    labels = as_labels(labels, len(labels), "labels", "labels")
+    predictions = as_labels(predictions, len(labels), "predictions", "labels")
+    if len(labels) == 0:
+        raise EvalError("labels is empty", "pass at least one prediction")
+    if num_classes is None and class_names is not None:
+        num_classes = len(class_names)
+    num_classes = count_classes(torch.cat([labels, predictions]), num_classes, "labels and predictions")
+    labels, predictions = labels.numpy(), predictions.numpy()
+    counts = np.bincount(labels * num_classes + predictions, minlength=num_classes**2).reshape(num_classes, -1)
+    rates = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
+    figure = Figure(figsize=(1.5 + 0.5 * num_classes, 1 + 0.5 * num_classes))
+    axes = figure.add_subplot()
+    image = axes.imshow(rates, cmap="Blues", vmin=0, vmax=1)
+    figure.colorbar(image, ax=axes, fraction=0.046)
+    names = [_class_name(class_names, c) for c in range(num_classes)]
+    axes.set(title=title, xlabel="predicted", ylabel="true", xticks=range(num_classes), yticks=range(num_classes))
+    axes.set_xticklabels(names, rotation=90)
+    axes.set_yticklabels(names)
+    if num_classes <= ANNOTATE_MAX_CLASSES:
+        for (true, predicted), rate in np.ndenumerate(rates):
+            axes.text(predicted, true, f"{rate:.2f}", ha="center", va="center", fontsize="x-small",
+                      color="white" if rate > 0.5 else "black")
+    return _save(figure, path)
+
+
+def histogram_plot(values: ArrayLike, path: str | Path, *, bins: int = 50, title: str = "",
+                   xlabel: str = "value") -> Path:
+    """Histogram of all entries of ``values`` (any shape), e.g. target similarities."""
+    values = np.asarray(values, dtype=np.float64).ravel()
+    if values.size == 0 or not np.isfinite(values).all():
+        raise EvalError(f"values has {values.size} entries, {int((~np.isfinite(values)).sum())} not finite",
+                        "pass a non-empty array of finite numbers")
+    figure = Figure(figsize=(6, 4))
+    axes = figure.add_subplot()
+    axes.hist(values, bins=bins, color="tab:blue")
+    axes.set(title=title, xlabel=xlabel, ylabel="count")
+    return _save(figure, path)
+
+
+def _class_colours(count: int) -> Sequence:
+    """One distinct colour per class: tab10/tab20 up to 20 classes, else evenly spaced turbo."""
+    if count <= 20:
+        return colormaps["tab10" if count <= 10 else "tab20"].colors[:count]
+    return colormaps["turbo"](np.linspace(0, 1, count))
+
+
+def _class_name(class_names: Sequence[str] | None, label: int) -> str:
+    return class_names[label] if class_names is not None and label < len(class_names) else str(label)
+
+
+def _save(figure: Figure, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.tight_layout()
+    figure.savefig(path, dpi=DPI, format="png")
+    return path

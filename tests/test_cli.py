@@ -1,0 +1,44 @@
+"""The command line: subcommands are listed, user mistakes are one line and exit 2."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from repsim.cli import main
+
+SPECS = Path(__file__).parent.parent / "data_specs"
+
+
+def test_help_lists_the_subcommands(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0
+    assert "shard" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("edit", [
+    lambda s: s.update(shuffle_sed=1),
+    lambda s: s["source"].update(type="mnist"),
+    lambda s: s["classes"].update(bear=None),
+    lambda s: s["source"].update(type="image_folder", root="missing-folder"),
+])
+def test_spec_mistake_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypatch, capsys, edit):
+    monkeypatch.setenv("REPSIM_HOME", str(tmp_path / "home"))
+    spec = yaml.safe_load((SPECS / "animal-mnist.yaml").read_text())
+    edit(spec)
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    assert main(["shard", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and str(path) in err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "home" / "artifacts").exists()
+
+
+def test_console_script_reports_a_missing_spec_without_traceback(tmp_path):
+    repsim = Path(sys.executable).parent / "repsim"
+    done = subprocess.run([str(repsim), "shard", str(tmp_path / "nope.yaml")], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"error: data spec {tmp_path / 'nope.yaml'} does not exist; check the path"

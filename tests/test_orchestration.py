@@ -1,0 +1,70 @@
+"""End to end through the CLI, the Prefect flow and MLflow, on the embedded defaults."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+pytestmark = [pytest.mark.slow, pytest.mark.orchestration]
+
+REPSIM = str(Path(sys.executable).parent / "repsim")
+
+
+def repsim(home: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("PREFECT_", "MLFLOW_"))}
+    env["REPSIM_HOME"] = str(home)
+    return subprocess.run([REPSIM, *args], capture_output=True, text=True, env=env, timeout=600)
+
+
+@pytest.fixture
+def pets_spec(make_image_folder, write_spec):
+    root = make_image_folder({"cat": 6, "dog": 6})
+    return write_spec({"name": "pets", "source": {"type": "image_folder", "root": str(root)},
+                       "classes": {"cat": "cat.n.01", "dog": "dog.n.01"},
+                       "split": {"type": "random", "fractions": {"train": 0.5, "test": 0.5}}})
+
+
+def test_shard_flow_runs_caches_and_tracks_every_stage(pets_spec, tmp_path):
+    home = tmp_path / "home"
+    first = repsim(home, "shard", str(pets_spec))
+    assert first.returncode == 0, first.stderr
+    second = repsim(home, "shard", str(pets_spec))
+    assert second.returncode == 0, second.stderr
+    for done, cached in ((first, "no"), (second, "yes")):
+        row = next(line for line in done.stdout.splitlines() if line.startswith(str(pets_spec))).split()
+        assert row[1] == "12" and set(row[2:4]) == {"train=6", "test=6"} and row[4:6] == ["0", cached]
+
+    [output] = [path for path in (home / "artifacts" / "shard").iterdir() if not path.name.startswith(".")]
+    client = MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("repsim")
+    runs = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
+    parents = [run for run in runs if run.data.tags.get("repsim.flow") == "shard"]
+    stages = [run for run in runs if run.data.tags.get("repsim.stage") == "shard"]
+    assert len(parents) == 2 and len(stages) == 2
+    for parent, stage, cached in zip(parents, stages, ("false", "true")):
+        tags = stage.data.tags
+        assert tags["mlflow.parentRunId"] == parent.info.run_id
+        assert tags["repsim.stage_key"] == output.name and tags["repsim.output"] == str(output)
+        assert tags["repsim.cached"] == cached and tags["prefect.flow_run_id"]
+        assert parent.data.tags["prefect.flow_run_id"] == tags["prefect.flow_run_id"]
+        assert stage.data.params["config.name"] == "pets" and stage.data.metrics["samples"] == 12
+        assert {a.path for a in client.list_artifacts(stage.info.run_id)} >= {"manifest.parquet", "stage.json"}
+        assert stage.info.status == parent.info.status == "FINISHED"
+
+
+def test_unreadable_image_inside_the_flow_is_one_line_and_leaves_nothing(make_image_folder, write_spec, tmp_path):
+    root = make_image_folder({"cat": 2, "dog": 2})
+    (root / "dog" / "dog-1.png").write_bytes(b"not a png")
+    spec = write_spec({"name": "broken", "source": {"type": "image_folder", "root": str(root)},
+                       "classes": {"cat": "cat.n.01", "dog": "dog.n.01"}, "on_error": "fail",
+                       "split": {"type": "random", "fractions": {"train": 0.5, "test": 0.5}}})
+    done = repsim(tmp_path / "home", "shard", str(spec), "--out", str(tmp_path / "out"))
+    assert done.returncode == 2
+    [error] = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert error.startswith(f"error: cannot read image {root / 'dog' / 'dog-1.png'}")
+    assert "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()
