@@ -13,10 +13,9 @@ from repsim.errors import StageError
 from repsim.stage import Stage, read_record, run_stage
 
 
-@pytest.fixture(autouse=True)
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("REPSIM_HOME", str(tmp_path / "home"))
-    return tmp_path / "home"
+@pytest.fixture
+def home(repsim_home):
+    return repsim_home
 
 
 def write_answer(value):
