@@ -1,0 +1,32 @@
+"""Supervised contrastive loss, SupCon (Khosla et al., 2020), the L_out form."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from repsim.losses._pairs import gather_no_grad, view_pairs
+
+
+class SupConLoss(nn.Module):
+    """For each view, the mean over its positives (other views of the same label) of -log p(positive).
+
+    Shapes: z1, z2 (B, D) projections of the two views (normalised here); labels (B,) long.
+    Returns a scalar. ``gather`` contrasts against every rank's views under DDP.
+    """
+
+    def __init__(self, temperature: float = 0.1, gather: bool = False):
+        super().__init__()
+        if temperature <= 0:
+            raise ValueError("temperature must be positive")
+        self.temperature, self.gather = temperature, gather
+
+    def forward(self, z1: torch.Tensor, z2: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        pairs = view_pairs(z1, z2, self.temperature, self.gather)
+        if labels.shape != (z1.shape[0],):
+            raise ValueError(f"labels must be ({z1.shape[0]},); got {tuple(labels.shape)}")
+        column_labels = gather_no_grad(labels, self.gather).repeat(2)
+        mask = pairs.self_mask
+        positives = (labels.repeat(2)[:, None] == column_labels[None, :]) & ~mask
+        log_prediction = pairs.logits.log_softmax(dim=1).masked_fill(mask, 0.0)
+        return -((log_prediction * positives).sum(dim=1) / positives.sum(dim=1)).mean()
