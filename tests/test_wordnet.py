@@ -17,16 +17,21 @@ WORDNET_30_NOUN_DEPTH = 19
 ANIMALS = ["dog.n.01", "cat.n.01", "gym_shoe.n.01", "bear.n.01", "entity.n.01"]
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def prepared_home(tmp_path_factory):
     """One prepared corpus for the module, with the noun depth stored as a full scan would store it
     (the scan itself is checked by the slow test below)."""
     home = tmp_path_factory.mktemp("repsim_home")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("REPSIM_HOME", str(home))
-        corpus = prepare_wordnet()
-        (corpus / MAX_DEPTH_FILE).write_text(str(WORDNET_30_NOUN_DEPTH))
-        yield home
+    corpus = prepare_wordnet(data_root=home / "nltk_data")
+    (corpus / MAX_DEPTH_FILE).write_text(str(WORDNET_30_NOUN_DEPTH))
+    return home
+
+
+@pytest.fixture(autouse=True)
+def repsim_home(prepared_home, monkeypatch):
+    """Share the module's prepared corpus instead of preparing one per test."""
+    monkeypatch.setenv("REPSIM_HOME", str(prepared_home))
+    return prepared_home
 
 
 def test_prepared_corpus_has_lexnames_nltk_reads():

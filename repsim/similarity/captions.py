@@ -41,7 +41,7 @@ def load_text_model(model: str | Path | None = None, device: str | None = None):
     return _load_text_model(str(model or default_text_model()), device or default_device())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load_text_model(model: str, device: str):
     from sentence_transformers import SentenceTransformer
 
@@ -60,29 +60,37 @@ def embed_captions(texts: Sequence[str], model: Any = None, batch_size: int = 25
     Identical texts are embedded once and their row copied to every occurrence. Unique texts are
     encoded longest first in batches of ``batch_size`` (similar lengths pad little). ``model`` is a
     path or name for :func:`load_text_model`, or an already loaded model with sentence-transformers'
-    ``encode`` and ``get_embedding_dimension``. ``out`` (N, D), e.g. a float16 ``np.lib.format.open_memmap``,
-    receives the rows instead of a new array, so N x D never has to fit in memory.
+    ``encode`` and ``get_embedding_dimension``. ``out`` (N, D), e.g. a float16
+    ``np.lib.format.open_memmap``, receives the rows instead of a new array, so N x D never has to
+    fit in memory.
     """
     encoder = model if hasattr(model, "encode") else load_text_model(model, device)
     unique, inverse = _deduplicate(texts)
+    if out is None:
+        out = np.empty((len(texts), encoder.get_embedding_dimension()), dtype=np.float32)
+    with tqdm(total=len(unique), unit="caption", desc="embed captions", disable=not progress) as bar:
+        for chosen, rows, slots in _longest_first_batches(unique, inverse, batch_size):
+            embeddings = _unit_rows(encoder.encode([unique[u] for u in chosen], batch_size=len(chosen),
+                                                   convert_to_numpy=True, show_progress_bar=False))
+            out[rows] = embeddings[slots]
+            bar.update(len(chosen))
+    return out
+
+
+def _longest_first_batches(unique: list[str], inverse: np.ndarray, batch_size: int):
+    """Yield ``(chosen, rows, slots)`` per batch of unique texts, longest first: ``chosen`` (b,) ids
+    into ``unique``; ``rows`` every text position that holds one of them; ``slots`` the place of each
+    such row's text within ``chosen``."""
     longest_first = np.argsort([-len(text) for text in unique], kind="stable")
     rank = np.empty(len(unique), dtype=np.int64)
     rank[longest_first] = np.arange(len(unique))
     row_rank = rank[inverse]
     rows_by_rank = np.argsort(row_rank, kind="stable")
-    batch_starts = np.arange(0, len(unique), batch_size)
-    row_bounds = np.searchsorted(row_rank[rows_by_rank], np.append(batch_starts, len(unique)))
-    if out is None:
-        out = np.empty((len(texts), encoder.get_embedding_dimension()), dtype=np.float32)
-    with tqdm(total=len(unique), unit="caption", desc="embed captions", disable=not progress) as bar:
-        for batch, start in enumerate(batch_starts):
-            chosen = longest_first[start:start + batch_size]
-            embeddings = _unit_rows(encoder.encode([unique[u] for u in chosen], batch_size=len(chosen),
-                                                   convert_to_numpy=True, show_progress_bar=False))
-            rows = rows_by_rank[row_bounds[batch]:row_bounds[batch + 1]]
-            out[rows] = embeddings[row_rank[rows] - start]
-            bar.update(len(chosen))
-    return out
+    starts = np.arange(0, len(unique), batch_size)
+    bounds = np.searchsorted(row_rank[rows_by_rank], np.append(starts, len(unique)))
+    for batch, start in enumerate(starts):
+        rows = rows_by_rank[bounds[batch]:bounds[batch + 1]]
+        yield longest_first[start:start + batch_size], rows, row_rank[rows] - start
 
 
 def _deduplicate(texts: Sequence[str]) -> tuple[list[str], np.ndarray]:

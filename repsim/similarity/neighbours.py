@@ -44,8 +44,8 @@ def _as_float32(x: np.ndarray) -> np.ndarray:
 
 
 def default_nlist(n: int) -> int:
-    """IVF lists for n points: about 4·√n, with at least 39 training points per list."""
-    return max(1, min(round(4 * np.sqrt(n)), n // MIN_POINTS_PER_LIST))
+    """IVF lists for n points: about √n, with at least 39 training points per list."""
+    return max(1, min(round(np.sqrt(n)), n // MIN_POINTS_PER_LIST))
 
 
 def build_index(x: np.ndarray, kind: str = "flat", metric: str = "l2", nlist: int | None = None,
@@ -86,7 +86,8 @@ def _resolve_gpu(use_gpu: bool | None, kind: str) -> bool:
     if use_gpu is None:
         return kind != "hnsw" and gpu_available()
     if use_gpu and kind == "hnsw":
-        raise SimilarityError("FAISS has no GPU HNSW index", "use kind='ivf' or 'flat' on the GPU, or use_gpu=False")
+        raise SimilarityError("FAISS has no GPU HNSW index",
+                              "use kind='ivf' or 'flat' on the GPU, or use_gpu=False")
     if use_gpu and not gpu_available():
         raise SimilarityError("use_gpu=True but the installed FAISS sees no GPU",
                               "install faiss-gpu-cu12 on a GPU machine, or leave use_gpu unset")

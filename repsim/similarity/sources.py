@@ -73,7 +73,7 @@ class LabelSource(SimilaritySource):
 
 
 class IdentitySource(SimilaritySource):
-    """The (B, B) identity: every sample is similar only to itself."""
+    """The (B, B) identity: every batch place is similar only to itself, as in SimCLR."""
 
     def __call__(self, indices: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return torch.eye(len(indices), device=indices.device)
@@ -83,11 +83,11 @@ class EmbeddingSource(SimilaritySource):
     """Cosine similarity of per-sample embeddings: ``E_b E_bᵀ`` over the batch's stored rows.
 
     ``embeddings`` (N, D), e.g. a memory-mapped float16 ``.npy`` of caption embeddings. Only the B
-    rows of a batch are read; rows are re-normalised after the float16 round trip, products are
-    clamped to [-1, 1] and the diagonal set to 1. Values stay raw cosines, as X-CLR uses them: the
-    target ``softmax(s / τ_s)`` is shift-invariant, so mapping to [0, 1] would only double τ_s.
-    ``resident=True`` copies the whole table to the device once (fast gathers; N x D device memory);
-    otherwise rows are gathered on the host per batch.
+    rows of a batch are read; they are re-normalised after the float16 round trip, products are
+    clamped to [-1, 1], and a sample with itself is exactly 1. Values stay raw cosines, as X-CLR
+    uses them: the target ``softmax(s / τ_s)`` is shift-invariant, so mapping to [0, 1] would only
+    double τ_s. ``resident=True`` copies the whole table to the device once (fast gathers; N x D
+    device memory); otherwise rows are gathered on the host per batch.
     """
 
     def __init__(self, embeddings: np.ndarray, resident: bool = False):
@@ -115,11 +115,12 @@ class EmbeddingSource(SimilaritySource):
 
     def __call__(self, indices: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         rows = self._rows(indices)
-        return (rows @ rows.T).clamp_(-1.0, 1.0).fill_diagonal_(1.0)
+        return _one_for_same_sample(indices, (rows @ rows.T).clamp_(-1.0, 1.0))
 
 
 class GraphSource(SimilaritySource):
-    """A sparse symmetric sample graph: s(i, j) for listed pairs, 0 for the rest, 1 on the diagonal.
+    """A sparse symmetric sample graph: s(i, j) for listed pairs, 0 for other pairs, 1 for a sample
+    with itself (also where a sample fills two places of a batch).
 
     Pairs are stored once per direction as sorted codes ``i * N + j``; a batch looks up its B x B
     codes with one ``searchsorted``.
@@ -157,8 +158,13 @@ class GraphSource(SimilaritySource):
         codes, values = self._codes.on(indices.device), self._values.on(indices.device)
         query = indices[:, None] * self.num_samples + indices[None, :]
         found = torch.searchsorted(codes, query)
-        similarity = torch.where(codes[found] == query, values[found], 0.0)
-        return similarity.fill_diagonal_(1.0)
+        return _one_for_same_sample(indices, torch.where(codes[found] == query, values[found], 0.0))
+
+
+def _one_for_same_sample(indices: torch.Tensor, similarity: torch.Tensor) -> torch.Tensor:
+    """(B, B) ``similarity`` with 1 wherever row and column hold the same sample (the diagonal, and
+    both places of a sample drawn twice)."""
+    return torch.where(indices[:, None] == indices[None, :], 1.0, similarity)
 
 
 def _check_graph(i: np.ndarray, j: np.ndarray, s: np.ndarray, num_samples: int) -> None:
@@ -233,10 +239,11 @@ def _check_class_names(rows: list[str], columns: list[str], class_names: Sequenc
         repeated = sorted(name for name, count in Counter(names).items() if count > 1)
         missing = [name for name in class_names if name not in names]
         unknown = sorted(set(names) - set(class_names))
-        if repeated or missing or unknown:
-            problems = [f"{label}: {', '.join(found)}" for label, found in
-                        (("repeated", repeated), ("missing", missing), ("not in the data spec", unknown)) if found]
-            raise SimilarityError(f"the {axis} of {path} do not match the dataset's classes ({'; '.join(problems)})",
+        problems = [f"{label}: {', '.join(found)}" for label, found in
+                    (("repeated", repeated), ("missing", missing), ("not in the data spec", unknown)) if found]
+        if problems:
+            raise SimilarityError(f"the {axis} of {path} do not match the dataset's classes "
+                                  f"({'; '.join(problems)})",
                                   "give one row and one column per class, named as in the data spec")
 
 

@@ -72,7 +72,8 @@ def lexicographer_files(man_page: Path = LEXNAMES_MAN_PAGE) -> list[str]:
     man page is installed and complete, else the fixed WordNet 3.0 list."""
     if not man_page.exists():
         return list(LEXICOGRAPHER_FILES)
-    rows = sorted(re.findall(r"^(\d\d)\t(\S+)", gzip.open(man_page, "rt").read(), flags=re.MULTILINE))
+    with gzip.open(man_page, "rt") as page:
+        rows = sorted(re.findall(r"^(\d\d)\t(\S+)", page.read(), flags=re.MULTILINE))
     if [int(number) for number, _ in rows] != list(range(len(LEXICOGRAPHER_FILES))):
         return list(LEXICOGRAPHER_FILES)
     return [name for _, name in rows]
@@ -110,7 +111,7 @@ def prepare_wordnet(source: Path = DEBIAN_WORDNET, data_root: Path | None = None
     return target
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reader(data_root: str):
     import nltk
     from nltk.corpus.reader.wordnet import WordNetCorpusReader
@@ -210,7 +211,8 @@ class _PathLengths:
                 node, distance = queue.popleft()
                 if node not in hops:
                     hops[node] = distance
-                    queue.extend((parent, distance + 1) for parent in node.hypernyms() + node.instance_hypernyms())
+                    parents = node.hypernyms() + node.instance_hypernyms()
+                    queue.extend((parent, distance + 1) for parent in parents)
             self._ancestors[synset] = hops
         return self._ancestors[synset]
 
