@@ -30,6 +30,19 @@ def cmd_shard(args: argparse.Namespace) -> None:
          s["errors"], "yes" if s["cached"] else "no", s["path"]] for s in summaries]))
 
 
+def cmd_synsets(args: argparse.Namespace) -> None:
+    from repsim.errors import SimilarityError
+    from repsim.similarity.wordnet import synsets_for
+
+    for name in args.names:
+        candidates = synsets_for(name)
+        if not candidates:
+            raise SimilarityError(f"WordNet has no noun for {name!r}", "try a synonym or a more general word")
+        print(f"{name}:")
+        for synset, gloss in candidates:
+            print(f"  {synset:<28} {gloss}")
+
+
 def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     cells = [list(map(str, header))] + [list(map(str, row)) for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
@@ -62,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     shard.add_argument("specs", nargs="+", metavar="SPEC", help="data spec YAML file(s)")
     shard.add_argument("--out", metavar="DIR", help="output directory (default: $REPSIM_HOME/artifacts/shard/<key>)")
     shard.set_defaults(run=cmd_shard)
+    synsets = commands.add_parser("synsets", help="list WordNet noun synsets for class names (to write specs)")
+    synsets.add_argument("names", nargs="+", metavar="NAME", help='a class name, e.g. "Ankle boot"')
+    synsets.set_defaults(run=cmd_synsets)
     return parser
 
 

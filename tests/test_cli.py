@@ -16,7 +16,16 @@ def test_help_lists_the_subcommands(capsys):
     with pytest.raises(SystemExit) as exited:
         main(["--help"])
     assert exited.value.code == 0
-    assert "shard" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "shard" in out and "synsets" in out
+
+
+@pytest.mark.slow
+def test_synsets_lists_candidates_for_a_class_name(capsys):
+    assert main(["synsets", "Ankle boot"]) == 0
+    assert "boot.n.01" in capsys.readouterr().out
+    assert main(["synsets", "qwzxv"]) == 2
+    assert capsys.readouterr().err.startswith("error: WordNet has no noun for 'qwzxv'")
 
 
 @pytest.mark.parametrize("edit", [
