@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from repsim.data.augment import make_views
-from repsim.data.loader import ShardPart, deal, make_loader
+from repsim.data.loader import ShardPart, deal, make_loader, read_samples
 from repsim.data.sharding import ShardResult, shard
 from repsim.errors import DataError
 
@@ -106,17 +106,17 @@ def test_each_pass_advances_the_epoch_and_reshuffles(gray):
     assert first != second and sorted(first) == sorted(second)
 
 
-def test_the_global_torch_rng_is_left_alone(gray):
-    state = torch.get_rng_state()
+def test_the_global_torch_rng_and_thread_count_are_left_alone(gray):
+    state, threads = torch.get_rng_state(), torch.get_num_threads()
     list(make_loader(gray.path, "simclr", 8))
-    assert torch.equal(state, torch.get_rng_state())
+    assert torch.equal(state, torch.get_rng_state()) and torch.get_num_threads() == threads
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("split", ["train", "test"])
-def test_ranks_get_disjoint_subsets_that_cover_the_split(gray, split, world_size):
+@pytest.mark.parametrize(("split", "world_size", "num_workers"),
+                         [("train", 2, 0), ("train", 3, 0), ("test", 2, 0), ("test", 3, 0), ("train", 2, 2)])
+def test_ranks_get_disjoint_subsets_that_cover_the_split(gray, split, world_size, num_workers):
     per_rank = [indices(list(make_loader(gray.path, "eval", 2, split=split, rank=rank, world_size=world_size,
-                                         shuffle=True, drop_last=False)))
+                                         num_workers=num_workers, shuffle=True, drop_last=False)))
                 for rank in range(world_size)]
     counts = Counter(i for rank in per_rank for i in rank)
     assert sorted(counts) == [row["index"] for row in manifest(gray, split)]
@@ -133,7 +133,7 @@ def test_ranks_read_disjoint_shards_when_there_are_enough(gray):
 
 def test_with_drop_last_every_rank_yields_len_full_batches(gray):
     loaders = [make_loader(gray.path, "eval", 3, rank=rank, world_size=3, num_workers=0) for rank in range(3)]
-    for epoch in range(3):
+    for _ in range(3):  # three epochs, shards in three orders
         for loader in loaders:
             batches = list(loader)
             assert len(batches) == len(loaders[0]) > 0
@@ -199,3 +199,13 @@ def test_dealing_gives_whole_parts_round_robin_and_shares_the_rest():
     assert deal(parts, 2, 1) == [parts[1], parts[3], ShardPart("4.tar", 10, 1, 2)]
     shared = deal(deal(parts[:1], 2, 1), 3, 2)
     assert shared == [ShardPart("0.tar", 10, 5, 6)] and shared[0].num_samples == 1
+
+
+def test_truncated_or_corrupt_tars_are_reported(gray, tmp_path):
+    original = gray.shards["test"][0].read_bytes()
+    broken = {"cut": original[:1024], "cut_in_member": original[:1000],
+              "flipped": original[:10] + b"X" + original[11:]}
+    for name, data in broken.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(DataError, match="is not a readable tar|holds 1 samples but its manifest lists"):
+            list(read_samples(str(tmp_path / name), gray.splits["test"]))

@@ -14,12 +14,13 @@ after the last full round (all of them when there are fewer shards than consumer
 sample by sample, consumer i of n keeping every n-th sample from the i-th. So ranks read disjoint
 shards when there are at least as many shards as ranks, every sample goes to exactly one consumer,
 and no worker sits idle. Samples are shuffled in a buffer of ``shuffle_buffer`` per worker and
-batched inside the worker.
+batched inside the worker. Tars are opened and read with webdataset (paths, ``pipe:``, http).
 
 Determinism. Shard order, sample buffer and augmentations are all seeded: shard order by (seed,
 epoch), the buffer by (seed, epoch, rank, worker), and each sample's augmentation by (seed, epoch,
 manifest index), so a sample's views do not depend on the number of workers. The same seed and
 epoch give identical batches for a given number of workers; the global torch RNG is left untouched.
+Augmentations run on one torch thread, in the main process too (restored after each sample).
 Each pass over the loader uses ``loader.epoch`` and then advances it; ``set_epoch`` picks the next.
 
 Length. Counted from ``manifest.parquet`` (found beside the shards). Without ``drop_last`` it is
@@ -37,13 +38,14 @@ import copy
 import hashlib
 import json
 import random
+import tarfile
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from itertools import islice
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 import webdataset as wds
@@ -55,6 +57,7 @@ from repsim.data.sharding import MANIFEST, ShardResult
 from repsim.errors import DataError
 
 IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp")
+SHARD_NUMBER = "[0-9]" * 5
 READ_MODES = {1: ImageReadMode.GRAY, 3: ImageReadMode.RGB}
 Batch = dict[str, Any]
 
@@ -110,9 +113,9 @@ def resolve_shards(shards: str | Path | ShardResult | Sequence[str | Path], spli
 
 
 def _split_tars(folder: Path, split: str) -> list[str]:
-    tars = sorted(folder.glob(f"{split}-*.tar"))
+    tars = sorted(folder.glob(f"{split}-{SHARD_NUMBER}.tar"))
     if not tars:
-        found = sorted({path.name.rsplit("-", 1)[0] for path in folder.glob("*-*.tar")})
+        found = sorted({path.name.rsplit("-", 1)[0] for path in folder.glob(f"*-{SHARD_NUMBER}.tar")})
         raise DataError(f"{folder} holds no shards of split {split!r}",
                         f"choose one of the splits it holds: {', '.join(found) or 'none'}")
     return [str(path) for path in tars]
@@ -131,7 +134,8 @@ def shard_sizes(manifest: Path) -> dict[str, int]:
 
 def peek_image(url: str) -> tuple[int, int]:
     """(channels as decoded: 1 or 3, shorter side) of the first image in the tar at ``url``."""
-    sample = next(read_samples(url), None)
+    with contextlib.closing(read_samples(url)) as samples:
+        sample = next(samples, None)
     if sample is None:
         raise DataError(f"shard {url} holds no samples", "re-run the shard stage")
     image = read_image(sample)
@@ -178,95 +182,41 @@ def deal(parts: list[ShardPart], consumers: int, consumer: int) -> list[ShardPar
 def read_parts(parts: list[ShardPart]) -> Iterator[dict[str, Any]]:
     """The raw samples (extension -> bytes) of each part, in order."""
     for part in parts:
-        yield from islice(read_samples(part.url), part.offset, None, part.stride)
+        yield from islice(read_samples(part.url, part.size), part.offset, None, part.stride)
 
 
 # ---------------------------------------------------------------------------------------------
 # Reading tars
 
-TAR_BLOCK = 512
-REGULAR_FILE_TYPES = (b"0", b"\0", b"7")
+def read_samples(url: str, expected: int | None = None) -> Iterator[dict[str, Any]]:
+    """The samples of one tar (path or any URL webdataset opens) as ``{"__key__", ext: bytes, ...}``.
 
-
-def read_samples(url: str) -> Iterator[dict[str, Any]]:
-    """The samples of one tar (path or any URL webdataset opens) as ``{"__key__", ext: bytes, ...}``."""
-    with contextlib.closing(wds.gopen(url, "rb")) as stream:
-        files = ({"fname": name, "data": data, "__url__": url} for name, data in tar_members(stream, url))
-        yield from wds.tariterators.group_by_keys(files)
-
-
-def tar_members(stream: BinaryIO, url: str) -> Iterator[tuple[str, bytes]]:
-    """(name, bytes) of each regular file of an uncompressed POSIX tar, in archive order.
-
-    Parses the 512-byte headers directly, ten times faster than ``tarfile``'s stream mode, and
-    follows pax and GNU long names; other members (directories, links, global headers) are skipped.
+    DataError if the tar is corrupt, or holds fewer or more samples than ``expected`` (the manifest's
+    count), e.g. when it was cut short at a block boundary.
     """
-    long_name = None
-    while True:
-        header = _read_exactly(stream, TAR_BLOCK, url)
-        if header.count(0) == len(header):  # a zero block, or the stream's end
-            return
-        _check_header(header, url)
-        kind, size = header[156:157], _header_size(header)
-        data = _read_exactly(stream, size + -size % TAR_BLOCK, url)[:size]
-        if len(data) < size:
-            raise DataError(f"{url} ends in the middle of a member", "re-run the shard stage or copy the file again")
-        if kind == b"x":
-            long_name = _pax_path(data)
-        elif kind == b"L":
-            long_name = data.rstrip(b"\0").decode()
-        elif kind in REGULAR_FILE_TYPES:
-            yield long_name or _header_name(header), data
-            long_name = None
+    count = 0
+    with contextlib.closing(wds.gopen(url, "rb")) as stream:
+        try:
+            files = ({**member, "__url__": url} for member in wds.tariterators.tar_file_iterator(stream))
+            for sample in wds.tariterators.group_by_keys(files):
+                count += 1
+                yield sample
+        except (tarfile.TarError, EOFError) as err:
+            raise DataError(f"{url} is not a readable tar ({err})",
+                            "re-run the shard stage or copy the file again") from None
+    if expected is not None and count != expected:
+        raise DataError(f"{url} holds {count} samples but its manifest lists {expected} (truncated?)",
+                        "re-run the shard stage or copy the file again")
 
 
-def _read_exactly(stream: BinaryIO, size: int, url: str) -> bytes:
-    """``size`` bytes from ``stream``; b"" when it has already ended (short reads of pipes are retried)."""
-    data = stream.read(size)
-    while 0 < len(data) < size:
-        more = stream.read(size - len(data))
-        if not more:
-            break
-        data += more
-    return data
-
-
-def _check_header(header: bytes, url: str) -> None:
-    stored = header[148:156].rstrip(b"\0 ")
-    if header[257:262] != b"ustar" or not stored or int(stored, 8) != sum(header[:148]) + 256 + sum(header[156:]):
-        raise DataError(f"{url} is not an uncompressed POSIX tar or is corrupt",
-                        "shard the data with the shard stage (plain .tar files)")
-
-
-def _header_size(header: bytes) -> int:
-    field = header[124:136]
-    if field[0] & 0x80:  # base-256, for members of 8 GiB or more
-        return int.from_bytes(field[1:], "big")
-    return int(field.rstrip(b"\0 ") or b"0", 8)
-
-
-def _header_name(header: bytes) -> str:
-    name, prefix = header[:100].rstrip(b"\0"), header[345:500].rstrip(b"\0")
-    return (prefix + b"/" + name if prefix else name).decode()
-
-
-def _pax_path(records: bytes) -> str | None:
-    """The ``path`` of a pax extended header ("<length> path=<name>\\n" records), if it has one."""
-    for record in records.decode("utf-8", "replace").splitlines():
-        key, _, value = record.partition(" ")[2].partition("=")
-        if key == "path":
-            return value
-    return None
-
+# ---------------------------------------------------------------------------------------------
+# One epoch of one rank
 
 def derive_seed(*values: int) -> int:
     """A well-mixed 63-bit seed from integers, the same in every process and Python version."""
     digest = hashlib.blake2b(repr(values).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
-
-# ---------------------------------------------------------------------------------------------
-# One epoch of one rank
 
 class ShardStream(IterableDataset):
     """The batches of one rank in one epoch; inside a DataLoader worker, that worker's share of them.
@@ -279,7 +229,8 @@ class ShardStream(IterableDataset):
                  num_workers: int, with_captions: bool):
         super().__init__()
         self.parts, self.views, self.channels = parts, views, channels
-        self.batch_size, self.shuffle, self.shuffle_buffer, self.drop_last = batch_size, shuffle, shuffle_buffer, drop_last
+        self.batch_size, self.drop_last = batch_size, drop_last
+        self.shuffle, self.shuffle_buffer = shuffle, shuffle_buffer
         self.seed, self.epoch = seed, epoch
         self.rank, self.world_size, self.num_workers = rank, world_size, num_workers
         self.with_captions = with_captions
@@ -298,19 +249,27 @@ class ShardStream(IterableDataset):
         if self.shuffle:
             seed = derive_seed(self.seed, self.epoch, self.rank, worker)
             stages.append(wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer, seed=seed))
-        stages += [wds.map(self.decode),
-                   wds.batched(self.batch_size, collation_fn=collate, partial=not self.drop_last)]
+        stages += [wds.batched(self.batch_size, collation_fn=None, partial=not self.drop_last),
+                   wds.map(self.decode_batch)]
         return iter(wds.DataPipeline(*stages))
 
-    def decode(self, sample: dict[str, Any]) -> tuple[list[torch.Tensor], int, int, str | None]:
-        """Raw sample → (views, label, manifest index, caption or None), augmented under its own seed."""
-        index = json.loads(sample["json"])["index"]
-        image = read_image(sample, READ_MODES[self.channels])
+    def decode_batch(self, samples: list[dict[str, Any]]) -> Batch:
+        """Raw samples → a batch: all images decoded first, then each augmented under its own seed.
+
+        Decoding the batch before augmenting it keeps each phase's working set in cache.
+        """
+        images = [read_image(sample, READ_MODES[self.channels]) for sample in samples]
+        indices = [manifest_index(sample) for sample in samples]
+        with single_threaded():
+            views = [self.augment(image, index) for image, index in zip(images, indices)]
+        labels = [int(sample["cls"]) if "cls" in sample else -1 for sample in samples]
+        captions = [sample.get("txt", b"").decode() for sample in samples] if self.with_captions else None
+        return make_batch(views, labels, indices, captions)
+
+    def augment(self, image: torch.Tensor, index: int) -> list[torch.Tensor]:
+        """The views of the sample at manifest row ``index`` in this epoch, the same in any process."""
         with seeded_rng(derive_seed(self.seed, self.epoch, index)):
-            views = self.views(image)
-        label = int(sample["cls"]) if "cls" in sample else -1
-        caption = sample.get("txt", b"").decode() if self.with_captions else None
-        return views, label, index, caption
+            return self.views(image)
 
     def batches(self, rank: int) -> int:
         """The number of batches ``rank`` yields in this epoch."""
@@ -342,14 +301,40 @@ def seeded_rng(seed: int) -> Iterator[None]:
         generator.set_state(state)
 
 
-def collate(samples: list[tuple[list[torch.Tensor], int, int, str | None]]) -> Batch:
-    """Stack decoded samples into a batch dict (see the module docstring)."""
-    views, labels, indices, captions = zip(*samples)
+@contextlib.contextmanager
+def single_threaded() -> Iterator[None]:
+    """Run the block with one torch thread, as DataLoader workers do.
+
+    Per-image ops are too small to gain from intra-op threads; in the main process (``num_workers=0``)
+    the threads' start-up costs several times the work itself.
+    """
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def make_batch(views: list[list[torch.Tensor]], labels: list[int], indices: list[int],
+               captions: list[str] | None = None) -> Batch:
+    """The batch dict (see the module docstring) of per-sample views, labels, indices and captions."""
     batch = {"views": [torch.stack(view) for view in zip(*views)],
              "label": torch.tensor(labels, dtype=torch.long), "index": torch.tensor(indices, dtype=torch.long)}
-    if captions[0] is not None:
-        batch["caption"] = list(captions)
+    if captions is not None:
+        batch["caption"] = captions
     return batch
+
+
+def manifest_index(sample: dict[str, Any]) -> int:
+    """The sample's row in manifest.parquet, from its json member."""
+    if "json" not in sample:
+        raise DataError(f"sample {sample.get('__key__')} in {sample.get('__url__')} has no json member",
+                        "write the shards with the shard stage, which records each sample's manifest index")
+    return json.loads(sample["json"])["index"]
 
 
 def read_image(sample: dict[str, Any], mode: ImageReadMode = ImageReadMode.UNCHANGED) -> torch.Tensor:
