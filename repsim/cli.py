@@ -30,6 +30,23 @@ def cmd_shard(args: argparse.Namespace) -> None:
          s["errors"], "yes" if s["cached"] else "no", s["path"]] for s in summaries]))
 
 
+def cmd_precompute(args: argparse.Namespace) -> None:
+    from repsim.data import load_spec
+    from repsim.similarity.stages import spec_classes
+
+    spec = load_spec(args.spec)  # validate before starting any orchestration
+    measures = [] if args.no_wordnet else list(dict.fromkeys(args.measures or ["wup"]))
+    if measures:
+        spec_classes(spec)
+    from repsim.flows.precompute import precompute_flow
+
+    _quiet_user_errors()
+    summaries = precompute_flow(spec=args.spec, captions=not args.no_captions, wordnet_measures=measures,
+                                neighbours=not (args.no_captions or args.no_neighbours), k=args.k, kind=args.index)
+    print(_table(["stage", "detail", "cached", "output"], [
+        [s["stage"], s["detail"], "yes" if s["cached"] else "no", s["path"]] for s in summaries]))
+
+
 def cmd_synsets(args: argparse.Namespace) -> None:
     from repsim.errors import SimilarityError
     from repsim.similarity.wordnet import synsets_for
@@ -75,6 +92,19 @@ def build_parser() -> argparse.ArgumentParser:
     shard.add_argument("specs", nargs="+", metavar="SPEC", help="data spec YAML file(s)")
     shard.add_argument("--out", metavar="DIR", help="output directory (default: $REPSIM_HOME/artifacts/shard/<key>)")
     shard.set_defaults(run=cmd_shard)
+    precompute = commands.add_parser(
+        "precompute", help="shard a data spec, then embed captions, WordNet similarities, neighbours (cached)")
+    precompute.add_argument("spec", metavar="SPEC", help="data spec YAML file")
+    precompute.add_argument("--measure", dest="measures", action="append", choices=("wup", "path", "lch", "hops"),
+                            help="WordNet measure, repeatable (default: wup)")
+    precompute.add_argument("--no-wordnet", action="store_true", help="skip the WordNet class similarity")
+    precompute.add_argument("--no-captions", action="store_true",
+                            help="skip the caption embeddings (and the neighbours found among them)")
+    precompute.add_argument("--no-neighbours", action="store_true", help="skip the caption neighbour lists")
+    precompute.add_argument("--k", type=int, default=10, help="neighbours per caption (default: 10)")
+    precompute.add_argument("--index", choices=("flat", "ivf", "hnsw"), default="flat",
+                            help="FAISS index: exact flat, or approximate ivf/hnsw with measured recall")
+    precompute.set_defaults(run=cmd_precompute)
     synsets = commands.add_parser("synsets", help="list WordNet noun synsets for class names (to write specs)")
     synsets.add_argument("names", nargs="+", metavar="NAME", help='a class name, e.g. "Ankle boot"')
     synsets.set_defaults(run=cmd_synsets)

@@ -18,7 +18,7 @@ import platform
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -79,6 +79,15 @@ class StageOutput:
     @property
     def metrics(self) -> dict[str, float]:
         return self.record.get("metrics", {})
+
+
+def fingerprint_files(paths: Iterable[Path]) -> str:
+    """A digest of files' paths, sizes and modification times: an input key for source data."""
+    digest = hashlib.sha256()
+    for path in paths:
+        stat = Path(path).stat()
+        digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
 
 
 def read_record(path: Path) -> dict[str, Any] | None:

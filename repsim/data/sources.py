@@ -32,6 +32,7 @@ import numpy as np
 from repsim.data.spec import (AnimalMnistSource, DataSpec, FashionMnistSource, ImageFolderSource,
                               ManifestSource, RandomSplit, WebDatasetSource)
 from repsim.errors import DataError
+from repsim.stage import fingerprint_files
 
 ImageData = bytes | np.ndarray
 SPLIT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_]*$")
@@ -98,15 +99,6 @@ class Reader(ABC):
         return self.label_ids[class_name]
 
 
-def _stat_digest(paths: list[Path]) -> str:
-    """sha256 over (path, size, mtime_ns) of each file."""
-    digest = hashlib.sha256()
-    for path in paths:
-        stat = path.stat()
-        digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
-    return digest.hexdigest()
-
-
 def _require_file(path: Path, fix: str) -> Path:
     if not path.is_file():
         raise DataError(f"{path} does not exist", fix)
@@ -156,7 +148,7 @@ class FashionMnistReader(Reader):
                 _require_file(root / f"{prefix}-labels-idx1-ubyte.gz", fix))
 
     def fingerprint(self) -> str:
-        return _stat_digest([path for split in FASHION_SPLITS for path in self._files(split)])
+        return fingerprint_files([path for split in FASHION_SPLITS for path in self._files(split)])
 
     @cached_property
     def _arrays(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -243,7 +235,7 @@ class AnimalMnistReader(Reader):
         return _require_file(root / ANIMAL_IMAGES, fix), _require_file(root / ANIMAL_LABELS, fix)
 
     def fingerprint(self) -> str:
-        return _stat_digest(list(self._files()))
+        return fingerprint_files(list(self._files()))
 
     @cached_property
     def _arrays(self) -> tuple[np.ndarray, np.ndarray]:
@@ -366,7 +358,7 @@ class ManifestReader(Reader):
 
     def fingerprint(self) -> str:
         """The manifest file's path, size and mtime (the images it names are not visited)."""
-        return _stat_digest([Path(self.spec.source.path)])
+        return fingerprint_files([Path(self.spec.source.path)])
 
     def entries(self) -> list[Entry]:
         path = Path(self.spec.source.path)
@@ -422,7 +414,7 @@ class WebDatasetReader(Reader):
         return expand_urls(self.spec.source.urls)
 
     def fingerprint(self) -> str:
-        return _stat_digest(self.tars)
+        return fingerprint_files(self.tars)
 
     def entries(self) -> list[Entry]:
         return [entry for tar in self.tars for entry in self._tar_entries(tar)]

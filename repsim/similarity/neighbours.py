@@ -119,12 +119,12 @@ def nearest_neighbours(x: np.ndarray, k: int, kind: str = "flat", metric: str = 
         stop = min(start + batch_size, len(queries))
         found_distances, found_ids = index.search(queries[start:stop], k + skip_self)
         if skip_self:
-            found_ids, found_distances = _drop_self(found_ids, found_distances, np.arange(start, stop))
+            found_ids, found_distances = drop_self(found_ids, found_distances, np.arange(start, stop))
         ids[start:stop], distances[start:stop] = found_ids, found_distances
     return ids, distances
 
 
-def _drop_self(ids: np.ndarray, distances: np.ndarray, own: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def drop_self(ids: np.ndarray, distances: np.ndarray, own: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(B, k + 1) results -> (B, k): remove each row's own id, else its last result."""
     dropped = ids == own[:, None]
     dropped[~dropped.any(axis=1), -1] = True

