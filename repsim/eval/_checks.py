@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -24,10 +25,12 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return torch.device(device)
 
 
-def _tensor(values: ArrayLike) -> torch.Tensor:
+def _tensor(values: ArrayLike, name: str) -> torch.Tensor:
     if isinstance(values, torch.Tensor):
         return values.detach()
     array = np.asarray(values)
+    if array.dtype.kind not in "biuf":
+        raise EvalError(f"{name} has dtype {array.dtype}", "pass a numeric array")
     if array.dtype.kind == "u" and array.dtype.itemsize > 1:  # torch lacks most ops on uint16/32/64
         array = array.astype(np.int64)
     with warnings.catch_warnings():  # read-only arrays (np.frombuffer, memmaps) are only ever read here
@@ -37,7 +40,7 @@ def _tensor(values: ArrayLike) -> torch.Tensor:
 
 def as_features(values: ArrayLike, name: str) -> torch.Tensor:
     """``values`` as a tensor (N, D) with N >= 1, D >= 1 and only finite entries (no copy if possible)."""
-    features = _tensor(values)
+    features = _tensor(values, name)
     if features.ndim != 2:
         raise EvalError(f"{name} has shape {tuple(features.shape)}, expected (samples, dims)",
                         "pass a 2-D array with one row per sample (flatten images first)")
@@ -55,7 +58,7 @@ def as_features(values: ArrayLike, name: str) -> torch.Tensor:
 
 def as_labels(values: ArrayLike, count: int, name: str, rows_of: str) -> torch.Tensor:
     """``values`` as int64 class ids (N,) with N == ``count`` (the rows of ``rows_of``), all >= 0."""
-    labels = _tensor(values)
+    labels = _tensor(values, name)
     if labels.ndim != 1:
         raise EvalError(f"{name} has shape {tuple(labels.shape)}, expected (samples,)", "pass one class id per sample")
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:

@@ -1,6 +1,6 @@
 """Embedding diagnostics: effective rank, per-dimension spread, alignment and uniformity.
 
-All are computed in float64 and chunked over rows, so they run on any number of samples.
+All are computed in float64; those that sum over many rows or pairs work in chunks of rows.
 :func:`embedding_diagnostics` bundles the label-free ones under ``effective_rank``,
 ``embedding_std`` and ``uniformity``.
 """

@@ -45,8 +45,8 @@ def cosine_top_k(queries: ArrayLike, keys: ArrayLike, k: int, *, exclude_self: b
     """The k most cosine-similar keys of every query, one :class:`NeighbourChunk` per query chunk.
 
     queries (Nq, D), keys (Nk, D). ``exclude_self`` treats queries and keys as the same set and
-    leaves each row out of its own neighbours. Keys are normalised once onto ``device``; at most
-    ``chunk_size × key_chunk_size`` similarities exist at a time.
+    leaves each row out of its own neighbours. Inputs are checked at the call; keys are normalised
+    once onto ``device``; at most ``chunk_size × key_chunk_size`` similarities exist at a time.
     """
     queries, keys = as_features(queries, "queries"), as_features(keys, "keys")
     check_same_width(queries, "queries", keys, "keys")
@@ -56,9 +56,13 @@ def cosine_top_k(queries: ArrayLike, keys: ArrayLike, k: int, *, exclude_self: b
     if not 1 <= k <= searchable:
         raise EvalError(f"k={k} neighbours asked of {searchable} searchable samples", f"use k between 1 and {searchable}")
     device = resolve_device(device)
-    keys = unit_rows(keys, device, dtype)
+    return _neighbour_chunks(queries, unit_rows(keys, device, dtype), k, exclude_self, chunk_size, key_chunk_size)
+
+
+def _neighbour_chunks(queries: torch.Tensor, keys: torch.Tensor, k: int, exclude_self: bool, chunk_size: int,
+                      key_chunk_size: int) -> Iterator[NeighbourChunk]:
     for start in range(0, len(queries), chunk_size):
-        chunk = unit_rows(queries[start:start + chunk_size], device, dtype)
+        chunk = unit_rows(queries[start:start + chunk_size], keys.device, keys.dtype)
         similarities, indices = _search(chunk, keys, k, key_chunk_size, start if exclude_self else None)
         yield NeighbourChunk(start, similarities, indices)
 

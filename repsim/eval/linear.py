@@ -7,7 +7,8 @@ chosen on a seeded, stratified held-out slice of the training set (ties go to th
 then the model is refit on all training rows.
 
 Solvers: full-batch L-BFGS on the device when the standardised training set and its logits fit in
-``FULL_BATCH_BYTES``, else minibatch Adam on the same objective (``solver`` forces either).
+``FULL_BATCH_BYTES`` (or a quarter of the GPU's memory, if larger), else minibatch Adam on the same
+objective (``solver`` forces either).
 
 :func:`linear_probe` returns fractions in [0, 1]: ``linear_top1``, ``linear_top5``,
 ``linear_weight_decay`` (the chosen one) and ``linear_val_top1_wd{wd:g}`` per candidate decay
@@ -122,8 +123,10 @@ def linear_probe(train_x: ArrayLike, train_y: ArrayLike, test_x: ArrayLike, test
         raise EvalError(f"weight_decays={weight_decays!r} is empty or negative", "pass non-negative decays, e.g. (1e-4,)")
     num_classes = count_classes(train_y, num_classes, "train_y")
     train_x, test_x = _standardised(train_x, test_x)
-    solver = _Solver(_solver_kind(solver, train_x.shape, num_classes), resolve_device(device),
-                     max_iter, epochs, batch_size, seed)
+    device = resolve_device(device)
+    solver = _Solver(_solver_kind(solver, train_x.shape, num_classes, device), device, max_iter, epochs, batch_size, seed)
+    if solver.kind == "lbfgs":  # full-batch: move the features once, not once per fit
+        train_x = train_x.to(device)
     zeros = (torch.zeros(train_x.shape[1], num_classes), torch.zeros(num_classes))
     metrics: dict[str, float] = {}
     init = zeros
@@ -147,13 +150,17 @@ def _standardised(train: torch.Tensor, test: torch.Tensor) -> tuple[torch.Tensor
     return (train.float() - mean) / std, (test.float() - mean) / std
 
 
-def _solver_kind(solver: str, shape: torch.Size, num_classes: int) -> str:
+def _solver_kind(solver: str, shape: torch.Size, num_classes: int, device: torch.device) -> str:
+    """L-BFGS when the features, logits and their gradient (float32) fit in the full-batch budget, else Adam."""
     if solver not in ("auto", "lbfgs", "adam"):
         raise EvalError(f"solver={solver!r} is unknown", "use 'auto', 'lbfgs' or 'adam'")
     if solver != "auto":
         return solver
     rows, dims = shape
-    return "lbfgs" if 4 * rows * (dims + 2 * num_classes) <= FULL_BATCH_BYTES else "adam"
+    budget = FULL_BATCH_BYTES
+    if device.type == "cuda":
+        budget = max(budget, torch.cuda.get_device_properties(device).total_memory // 4)
+    return "lbfgs" if 4 * rows * (dims + 2 * num_classes) <= budget else "adam"
 
 
 def _validate(solver: _Solver, features: torch.Tensor, labels: torch.Tensor, decays: list[float],

@@ -18,7 +18,9 @@ from repsim.errors import EvalError
 from repsim.eval._checks import ArrayLike, as_features, as_labels, count_classes
 
 DPI = 120
-ANNOTATE_MAX_CLASSES = 20
+ANNOTATE_MAX_CLASSES = 20  # write each cell's rate up to this many classes
+TICK_LABELS_MAX_CLASSES = 50
+MAX_FIGURE_INCHES = 16
 
 
 def tsne_plot(features: ArrayLike, labels: ArrayLike, path: str | Path, *, class_names: Sequence[str] | None = None,
@@ -64,14 +66,16 @@ def confusion_matrix_plot(labels: ArrayLike, predictions: ArrayLike, path: str |
     labels, predictions = labels.numpy(), predictions.numpy()
     counts = np.bincount(labels * num_classes + predictions, minlength=num_classes**2).reshape(num_classes, -1)
     rates = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
-    figure = Figure(figsize=(1.5 + 0.5 * num_classes, 1 + 0.5 * num_classes))
+    side = min(1 + 0.5 * num_classes, MAX_FIGURE_INCHES)
+    figure = Figure(figsize=(side + 0.5, side))
     axes = figure.add_subplot()
     image = axes.imshow(rates, cmap="Blues", vmin=0, vmax=1)
     figure.colorbar(image, ax=axes, fraction=0.046)
-    names = [_class_name(class_names, c) for c in range(num_classes)]
-    axes.set(title=title, xlabel="predicted", ylabel="true", xticks=range(num_classes), yticks=range(num_classes))
-    axes.set_xticklabels(names, rotation=90)
-    axes.set_yticklabels(names)
+    axes.set(title=title, xlabel="predicted", ylabel="true")
+    if num_classes <= TICK_LABELS_MAX_CLASSES:
+        names = [_class_name(class_names, c) for c in range(num_classes)]
+        axes.set_xticks(range(num_classes), names, rotation=90)
+        axes.set_yticks(range(num_classes), names)
     if num_classes <= ANNOTATE_MAX_CLASSES:
         for (true, predicted), rate in np.ndenumerate(rates):
             axes.text(predicted, true, f"{rate:.2f}", ha="center", va="center", fontsize="x-small",
