@@ -8,14 +8,14 @@ the file, the field and the fix, in one line.
 
 from __future__ import annotations
 
-import difflib
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union, get_args
+from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from repsim.config_errors import describe, message, model_at
 from repsim.errors import SpecError
 
 FASHION_MNIST_ROOT = Path("/usr/share/datasets/fashion-mnist")
@@ -220,55 +220,11 @@ def _missing_path_fix(source: BaseModel) -> str:
 
 def _describe(err: ValidationError, path: Path) -> tuple[str, str]:
     """Turn the first pydantic error into (what, fix) naming the file and the field."""
-    first = err.errors()[0]
-    kind, loc = first["type"], first["loc"]
-    _, field = _model_at(DataSpec, loc)
-    dotted = ".".join(field) or "(top level)"
-    if kind == "extra_forbidden":
-        parent, _ = _model_at(DataSpec, loc[:-1])
-        allowed = sorted(parent.model_fields) if parent else []
-        close = difflib.get_close_matches(field[-1], allowed, n=1)
-        hint = f"did you mean '{close[0]}'? " if close else ""
-        return f"{path}: unknown field '{dotted}'", f"{hint}allowed here: {', '.join(allowed)}"
-    if kind == "union_tag_invalid":
-        tags = first["ctx"]["expected_tags"]
-        return (f"{path}: field '{dotted}.type' is {first['ctx']['tag']!r}, which is not known",
-                f"use one of {tags}")
-    if kind == "union_tag_not_found":
-        return f"{path}: field '{dotted}' has no 'type'", f"add 'type:' with one of {first['ctx']['discriminator']}"
-    if kind == "missing":
-        return f"{path}: field '{dotted}' is required", "add it"
+    _, field = model_at(DataSpec, err.errors()[0]["loc"])
     if field[:1] == ("classes",) and len(field) == 2:
         return (f"{path}: class '{field[1]}' in field 'classes' has no valid WordNet synset",
                 f"write it as '{field[1]}: lemma.n.01' (run 'repsim synsets \"{field[1]}\"' for candidates)")
-    message = first["msg"].removeprefix("Value error, ")
     if field == ("classes",):
-        return (f"{path}: field 'classes': {message}",
+        return (f"{path}: field 'classes': {message(err)}",
                 "write each class as 'name: lemma.n.01' (run 'repsim synsets NAME' for candidates)")
-    return f"{path}: field '{dotted}': {message}", "correct that value"
-
-
-def _model_at(model: type[BaseModel], loc: tuple[Any, ...]) -> tuple[type[BaseModel] | None, tuple[str, ...]]:
-    """Walk a pydantic error location: the innermost model and the field path without union tags."""
-    current: type[BaseModel] | None = model
-    union: list[type[BaseModel]] = []
-    field: list[str] = []
-    for part in loc:
-        if isinstance(part, int):
-            continue
-        tagged = [m for m in union if m.model_fields["type"].annotation == Literal[part]]
-        if tagged:
-            current, union = tagged[0], []
-            continue
-        field.append(str(part))
-        inner = current.model_fields.get(part) if current is not None else None
-        candidates = _models_in(inner.annotation) if inner is not None else []
-        current = candidates[0] if len(candidates) == 1 else None
-        union = candidates if len(candidates) > 1 else []
-    return current, tuple(field)
-
-
-def _models_in(annotation: Any) -> list[type[BaseModel]]:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    return [m for arg in get_args(annotation) for m in _models_in(arg)]
+    return describe(err, path, DataSpec)

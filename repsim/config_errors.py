@@ -1,0 +1,84 @@
+"""One-line descriptions of pydantic validation errors in YAML files: the file, the field, the fix.
+
+Shared by data specs and experiment configs. Fields inside discriminated unions are named without
+the union's tag (``source.root``, not ``source.image_folder.root``).
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from pydantic import BaseModel, ValidationError
+
+
+def describe(err: ValidationError, path: Path | str, model: type[BaseModel]) -> tuple[str, str]:
+    """(what, fix) for the first error of validating the YAML at ``path`` as ``model``."""
+    first = err.errors()[0]
+    kind, loc = first["type"], first["loc"]
+    _, field = model_at(model, loc)
+    dotted = ".".join(field) or "(top level)"
+    if kind == "extra_forbidden":
+        parent, _ = model_at(model, loc[:-1])
+        allowed = sorted(parent.model_fields) if parent else []
+        close = difflib.get_close_matches(field[-1], allowed, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        return f"{path}: unknown field '{dotted}'", f"{hint}allowed here: {', '.join(allowed)}"
+    if kind == "union_tag_invalid":
+        tag_field = first["ctx"]["discriminator"].strip("'")
+        return (f"{path}: field '{dotted}.{tag_field}' is {first['ctx']['tag']!r}, which is not known",
+                f"use one of {first['ctx']['expected_tags']}")
+    if kind == "union_tag_not_found":
+        tag_field = first["ctx"]["discriminator"].strip("'")
+        return (f"{path}: field '{dotted}' has no '{tag_field}'",
+                f"add '{tag_field}:' with one of {_tags_at(model, loc, tag_field)}")
+    if kind == "missing":
+        return f"{path}: field '{dotted}' is required", "add it"
+    return f"{path}: field '{dotted}': {message(err)}", "correct that value"
+
+
+def message(err: ValidationError) -> str:
+    """The first error's message without pydantic's ``Value error, `` prefix."""
+    return err.errors()[0]["msg"].removeprefix("Value error, ")
+
+
+def model_at(model: type[BaseModel], loc: tuple[Any, ...]) -> tuple[type[BaseModel] | None, tuple[str, ...]]:
+    """Walk a pydantic error location: the innermost model and the field path without union tags."""
+    current: type[BaseModel] | None = model
+    union: list[type[BaseModel]] = []
+    field: list[str] = []
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        tagged = [m for m in union if _has_tag(m, part)]
+        if tagged:
+            current, union = tagged[0], []
+            continue
+        field.append(str(part))
+        inner = current.model_fields.get(part) if current is not None else None
+        candidates = _models_in(inner.annotation) if inner is not None else []
+        current = candidates[0] if len(candidates) == 1 else None
+        union = candidates if len(candidates) > 1 else []
+    return current, tuple(field)
+
+
+def _has_tag(model: type[BaseModel], tag: Any) -> bool:
+    """Whether one of ``model``'s fields is the literal ``tag`` (the member of a discriminated union)."""
+    return any(get_origin(info.annotation) is Literal and tag in get_args(info.annotation)
+               for info in model.model_fields.values())
+
+
+def _tags_at(model: type[BaseModel], loc: tuple[Any, ...], tag_field: str) -> str:
+    """The tags the union at ``loc`` accepts, quoted and comma-separated."""
+    parent, _ = model_at(model, loc[:-1]) if loc else (None, ())
+    inner = parent.model_fields.get(loc[-1]) if parent is not None else None
+    members = _models_in(inner.annotation) if inner is not None else []
+    tags = [tag for m in members for tag in get_args(m.model_fields[tag_field].annotation)]
+    return ", ".join(repr(tag) for tag in tags)
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in get_args(annotation) for m in _models_in(arg)]

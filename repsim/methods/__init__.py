@@ -1,0 +1,24 @@
+"""Training methods, one per module, on the shared :class:`~repsim.methods.train.Trainer`.
+
+A method module defines ``build(config, data) -> Method`` and, when it consumes more than the
+shards, ``upstream(config, data) -> Upstream`` naming that input's cache key and how to produce it.
+The train stage (:func:`repsim.methods.stage.train`; not exported here, where ``train`` is the
+Trainer's module) wires config, data, method and Trainer.
+
+Exports resolve on first use, so reading a config does not start the Trainer's imports.
+"""
+
+import importlib
+
+_EXPORTS = {
+    "Config": "config", "load_config": "config",
+    "Method": "train", "Trainer": "train", "KnnMonitor": "train", "LARS": "train", "init_distributed": "train",
+    "train_stage_of": "stage", "load_encoder": "stage",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'repsim.methods' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"repsim.methods.{_EXPORTS[name]}"), name)

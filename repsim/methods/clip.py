@@ -1,0 +1,64 @@
+"""CLIP baseline (Radford et al., 2021): images against their captions with a symmetric InfoNCE.
+
+The text tower is the frozen sentence-transformer of the caption stage followed by a trainable
+projection. Its frozen output for every sample is the caption stage's ``embeddings.npy`` (row =
+manifest index), so a step reads B rows instead of running the text model.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import torch
+from torch import nn
+
+from repsim.losses import ClipLoss
+from repsim.methods.config import Config
+from repsim.methods.contrastive import backbone_and_projection
+from repsim.methods.stage import TrainingData, Upstream
+from repsim.methods.train import Batch, Method
+from repsim.models import ProjectionMLP
+from repsim.similarity.stages import EMBEDDINGS_FILE, embed_captions_stage, embed_captions_stage_of
+
+
+class CLIP(Method):
+    """Image tower ``projector(encoder(view))`` against text tower ``text_projection(E[index])``.
+
+    ``text_embeddings`` (N, T): the frozen caption embedding of each sample (e.g. a memory map);
+    both towers end in ``projector.out_dim`` dimensions. ``training_step`` returns ``loss`` and the
+    current ``logit_scale``.
+    """
+
+    def __init__(self, encoder: nn.Module, projector: ProjectionMLP, text_embeddings: np.ndarray,
+                 text_projection: nn.Module, temperature: float = 0.07, learn_temperature: bool = True):
+        super().__init__()
+        self.encoder, self.projector, self.text_projection = encoder, projector, text_projection
+        self.text_embeddings = text_embeddings
+        self.loss = ClipLoss(temperature, learnable=learn_temperature, gather=True)
+
+    def text_rows(self, indices: torch.Tensor) -> torch.Tensor:
+        """(B,) manifest indices -> (B, T) float32 frozen caption embeddings on ``indices.device``."""
+        rows = np.asarray(self.text_embeddings[indices.cpu().numpy()], dtype=np.float32)
+        return torch.from_numpy(rows).to(indices.device)
+
+    def training_step(self, batch: Batch) -> dict[str, torch.Tensor]:
+        image = self.projector(self.encoder(batch["views"][0]))
+        text = self.text_projection(self.text_rows(batch["index"]))
+        return {"loss": self.loss(image, text), "logit_scale": self.loss.scale.detach()}
+
+
+def upstream(config: Config, data: TrainingData) -> Upstream:
+    """The caption stage with the method's text model."""
+    model = config.method.text_model
+    return Upstream(embed_captions_stage_of(data.shards, model).key, partial(embed_captions_stage, data.shards, model))
+
+
+def build(config: Config, data: TrainingData) -> CLIP:
+    method = config.method
+    text_embeddings = np.load(data.upstream.path / EMBEDDINGS_FILE, mmap_mode="r")
+    encoder, projector = backbone_and_projection(config.model, data.channels)
+    text_dim, hidden = text_embeddings.shape[1], method.text_hidden_dim
+    text_projection = (nn.Linear(text_dim, projector.out_dim) if hidden is None
+                       else ProjectionMLP(text_dim, hidden, projector.out_dim))
+    return CLIP(encoder, projector, text_embeddings, text_projection, method.temperature, method.learn_temperature)

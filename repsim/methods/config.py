@@ -1,0 +1,264 @@
+"""Experiment configs: pydantic models read from YAML, merged over defaults, overridable by ``a.b=value``.
+
+A config file is merged over ``configs/defaults.yaml`` (mappings merge key by key; a mapping whose
+``type`` or ``name`` changes is replaced whole, so switching a similarity source drops the old
+source's fields), then each override is applied in order. Override values are parsed as YAML
+(``optim.lr=0.1``, ``monitor.knn=false``, ``optim.grad_clip=null``). Relative paths resolve against
+the folder of the file that names them; paths given in overrides resolve against the working
+directory. Every error is one line naming the file (or the override), the field and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from repsim.config_errors import describe, model_at
+from repsim.data.augment import PRESETS
+from repsim.errors import SpecError
+from repsim.models.backbones import RESNETS
+
+DEFAULTS = Path(__file__).resolve().parents[2] / "configs" / "defaults.yaml"
+TAG_FIELDS = ("type", "name")
+PATH_FIELDS = (("data", "spec"), ("method", "similarity", "path"))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DataConfig(_Strict):
+    """What to train on: a data spec, its training split and the augmentation preset."""
+
+    spec: Path
+    split: str = "train"
+    preset: Literal[tuple(PRESETS)] = "simclr"
+    preset_options: dict[str, Any] = {}
+    image_size: int | None = Field(None, gt=0, description="side of the views; default: the images' own")
+
+
+class ModelConfig(_Strict):
+    """The backbone and the projection head on top of it."""
+
+    backbone: Literal[RESNETS] = "resnet18"
+    small_images: bool = True
+    projection_hidden_dim: int = Field(2048, gt=0)
+    projection_dim: int = Field(128, gt=0)
+    projection_layers: int = Field(2, ge=1)
+
+
+class OptimConfig(_Strict):
+    """Optimisation; ``batch_size`` is global (split evenly between DDP ranks)."""
+
+    optimizer: Literal["adamw", "lars"] = "adamw"
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(1e-4, ge=0)
+    momentum: float = Field(0.9, ge=0, lt=1, description="LARS momentum")
+    trust_coefficient: float = Field(1e-3, gt=0, description="LARS trust coefficient")
+    batch_size: int = Field(256, gt=0)
+    epochs: int = Field(10, gt=0)
+    warmup_epochs: float = Field(1.0, ge=0)
+    grad_clip: float | None = Field(None, gt=0)
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    channels_last: bool = False
+    compile: bool = False
+    seed: int = 0
+    num_workers: int = Field(0, ge=0)
+    checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0: only at the end")
+
+
+class MonitorConfig(_Strict):
+    """The online kNN monitor: eval-preset features of the training and ``test_split`` samples, each epoch."""
+
+    knn: bool = True
+    k: int = Field(20, gt=0)
+    test_split: str = "test"
+    batch_size: int = Field(512, gt=0)
+
+
+class CaptionsSimilarity(_Strict):
+    """Cosine similarity of caption embeddings from a frozen sentence-transformer (default all-MiniLM-L6-v2)."""
+
+    type: Literal["captions"]
+    model: str | None = None
+
+
+class WordnetSimilarity(_Strict):
+    """WordNet similarity of the classes' synsets."""
+
+    type: Literal["wordnet"]
+    measure: Literal["wup", "path", "lch", "hops"] = "wup"
+
+
+class LabelsSimilarity(_Strict):
+    """1 for the same label, else 0."""
+
+    type: Literal["labels"]
+
+
+class MatrixSimilarity(_Strict):
+    """A user's (C, C) class similarity, CSV or Parquet (see ``load_class_matrix``)."""
+
+    type: Literal["matrix"]
+    path: Path
+
+
+class GraphSimilarity(_Strict):
+    """A user's sparse sample graph with columns key_i, key_j, s (manifest keys), CSV or Parquet."""
+
+    type: Literal["graph"]
+    path: Path
+
+
+Similarity = Annotated[CaptionsSimilarity | WordnetSimilarity | LabelsSimilarity | MatrixSimilarity |
+                       GraphSimilarity, Field(discriminator="type")]
+
+
+class XCLRConfig(_Strict):
+    """X-CLR: ``temperature`` of the prediction, ``target_temperature`` of the similarity targets."""
+
+    name: Literal["xclr"]
+    temperature: float = Field(0.1, gt=0)
+    target_temperature: float = Field(0.1, gt=0)
+    similarity: Similarity = CaptionsSimilarity(type="captions")
+
+
+class SimCLRConfig(_Strict):
+    """SimCLR's NT-Xent at ``temperature``."""
+
+    name: Literal["simclr"]
+    temperature: float = Field(0.1, gt=0)
+
+
+class SupConConfig(_Strict):
+    """SupCon at ``temperature``; needs labelled data."""
+
+    name: Literal["supcon"]
+    temperature: float = Field(0.1, gt=0)
+
+
+class ClipConfig(_Strict):
+    """Image tower against a frozen sentence-transformer's caption embeddings and a trainable projection."""
+
+    name: Literal["clip"]
+    temperature: float = Field(0.07, gt=0)
+    learn_temperature: bool = True
+    text_model: str | None = None
+    text_hidden_dim: int | None = Field(None, gt=0, description="hidden width of the text projection; "
+                                        "default: a linear projection")
+
+
+MethodConfig = Annotated[XCLRConfig | SimCLRConfig | SupConConfig | ClipConfig, Field(discriminator="name")]
+
+
+class Config(_Strict):
+    """One training experiment."""
+
+    method: MethodConfig
+    data: DataConfig
+    model: ModelConfig = ModelConfig()
+    optim: OptimConfig = OptimConfig()
+    monitor: MonitorConfig = MonitorConfig()
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+@dataclass(frozen=True)
+class _Layer:
+    """One source of settings: a YAML file or an override, as a nested mapping."""
+
+    name: str
+    values: dict[str, Any]
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = (), defaults: Path | None = DEFAULTS) -> Config:
+    """Read the experiment config at ``path`` merged over ``defaults`` (if that file exists), then
+    apply ``overrides`` (``"optim.lr=0.01"``). Raises SpecError in one line naming file and field."""
+    layers = [_read_layer(defaults)] if defaults is not None and defaults.is_file() else []
+    layers.append(_read_layer(Path(path)))
+    layers += [_override_layer(override) for override in overrides]
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        merged = _merge(merged, layer.values)
+    try:
+        return Config.model_validate(merged)
+    except ValidationError as err:
+        raise SpecError(*describe(err, _origin(err, layers, Path(path)), Config)) from None
+
+
+def _read_layer(path: Path) -> _Layer:
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise SpecError(f"config {path} does not exist", "check the path") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise SpecError(f"{path}: not valid YAML{where}", "fix the YAML syntax") from None
+    if not isinstance(raw, dict):
+        raise SpecError(f"{path}: a config is a YAML mapping", "start from configs/simclr.yaml")
+    return _Layer(str(path), _resolve_paths(raw, path.parent.resolve()))
+
+
+def _override_layer(override: str) -> _Layer:
+    name = f"override {override!r}"
+    dotted, separator, text = override.partition("=")
+    keys = dotted.strip().split(".")
+    if not separator or not all(keys):
+        raise SpecError(f"{name} is not of the form key=value", "write it like optim.lr=0.01")
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        raise SpecError(f"{name}: the value is not valid YAML", "quote it or fix its syntax") from None
+    for key in reversed(keys):
+        value = {key: value}
+    return _Layer(name, _resolve_paths(value, Path.cwd()))
+
+
+def _resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
+    """``raw`` with each relative path of PATH_FIELDS made absolute against ``base``."""
+    resolved = dict(raw)
+    for fields in PATH_FIELDS:
+        parent = resolved
+        for key in fields[:-1]:
+            if not isinstance(parent.get(key), dict):
+                break
+            parent[key] = dict(parent[key])
+            parent = parent[key]
+        else:
+            if isinstance(parent.get(fields[-1]), str):
+                parent[fields[-1]] = os.path.normpath(base / Path(parent[fields[-1]]).expanduser())
+    return resolved
+
+
+def _merge(base: Any, update: Any) -> Any:
+    """``update`` over ``base``: mappings merge key by key unless their ``type``/``name`` differs."""
+    if not (isinstance(base, dict) and isinstance(update, dict)):
+        return update
+    if any(key in base and key in update and base[key] != update[key] for key in TAG_FIELDS):
+        return update
+    return {**base, **{key: _merge(base.get(key), value) for key, value in update.items()}}
+
+
+def _origin(err: ValidationError, layers: list[_Layer], path: Path) -> str:
+    """The last layer that set the field of the first error (the config file when none did)."""
+    _, field = model_at(Config, err.errors()[0]["loc"])
+    for layer in reversed(layers):
+        if _sets(layer.values, field):
+            return layer.name
+    return str(path)
+
+
+def _sets(values: Any, field: tuple[str, ...]) -> bool:
+    for key in field:
+        if not isinstance(values, dict) or key not in values:
+            return False
+        values = values[key]
+    return True

@@ -1,0 +1,27 @@
+"""SimCLR (Chen et al., 2020): two augmented views of each sample must find each other (NT-Xent)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from repsim.losses import NTXentLoss
+from repsim.methods.config import Config
+from repsim.methods.contrastive import TwoViewMethod, backbone_and_projection
+from repsim.methods.stage import TrainingData
+from repsim.methods.train import Batch
+
+
+class SimCLR(TwoViewMethod):
+    """Backbone + projection trained with NT-Xent over all ranks' views."""
+
+    def __init__(self, encoder: nn.Module, projector: nn.Module, temperature: float = 0.1):
+        super().__init__(encoder, projector)
+        self.loss = NTXentLoss(temperature, gather=True)
+
+    def training_step(self, batch: Batch) -> dict[str, torch.Tensor]:
+        return {"loss": self.loss(*self.project_views(batch))}
+
+
+def build(config: Config, data: TrainingData) -> SimCLR:
+    return SimCLR(*backbone_and_projection(config.model, data.channels), config.method.temperature)

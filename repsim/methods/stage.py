@@ -1,0 +1,293 @@
+"""The train stage: one experiment config trained into a cached output directory.
+
+Output (``$REPSIM_HOME/artifacts/train/<key>/`` unless given), besides ``stage.json``:
+
+- ``encoder.pt``: the encoder's weights and recipe (:func:`load_encoder` rebuilds it);
+- ``checkpoint.pt``: the final training checkpoint (method, optimizer, progress, RNG states);
+- ``metrics.jsonl``: one JSON object per line, ``{"step", "loss", "lr", ...}`` per step and
+  ``{"step", "epoch", "knn_top1_k{k}", ...}`` per epoch.
+
+``stage.json`` metrics: ``loss`` (mean over the last epoch), ``final_loss`` (last step), ``steps``,
+``epochs`` and the last kNN accuracies. The key covers the config without the settings that do not
+change what is learned (``optim.num_workers``, ``optim.checkpoint_every``, ``monitor.batch_size``),
+the shard key (in place of the data spec's path) and the key of what the method consumes besides the
+shards (the caption or WordNet stage, or a digest of a user's matrix or graph file).
+
+Interruption. Checkpoints and metrics are written to ``$REPSIM_HOME/scratch/train/<key>/`` while
+training runs; running the same config again resumes from there, and the folder is removed once
+the stage completes. Under torchrun every rank calls :func:`train`; rank 0 writes, the others train
+alongside and return the same output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from repsim.data.loader import ShardLoader, make_loader, peek_image
+from repsim.data.sharding import ShardResult, shard, shard_stage
+from repsim.data.spec import DataSpec, load_spec
+from repsim.errors import SpecError
+from repsim.methods.config import Config
+from repsim.methods.train import (KnnMonitor, LogFn, Method, Trainer, default_device, distributed,
+                                  init_distributed, is_main_process, seed_everything)
+from repsim.models.backbones import ENCODER_FILE, load_encoder, save_encoder
+from repsim.stage import Stage, StageOutput, read_record, repsim_home, run_stage
+
+VERSION = "1"
+CHECKPOINT_FILE = "checkpoint.pt"
+METRICS_FILE = "metrics.jsonl"
+KEY_NEUTRAL = (("optim", "num_workers"), ("optim", "checkpoint_every"), ("monitor", "batch_size"),
+               ("data", "spec"), ("method", "similarity", "path"))
+DIGEST_CHUNK = 1 << 20
+
+__all__ = ["TrainingData", "Upstream", "file_digest", "load_encoder", "train", "train_stage_of"]
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """What a method consumes besides the shards: its cache key, and how to produce it (None for a
+    user's file, whose key is its digest)."""
+
+    key: str
+    run: Callable[[], StageOutput] | None = None
+
+
+@dataclass(frozen=True)
+class TrainingData:
+    """What a method is built from: the data spec, its shards, the images' channels and view size,
+    and the output of the method's upstream stage, if any."""
+
+    spec: DataSpec
+    shards: ShardResult
+    channels: int
+    image_size: int
+    upstream: StageOutput | None = None
+
+    @property
+    def labelled(self) -> bool:
+        return self.spec.classes is not None
+
+
+def method_module(name: str) -> ModuleType:
+    """The module of method ``name``: ``build(config, data) -> Method`` and optionally
+    ``upstream(config, data) -> Upstream | None``."""
+    return importlib.import_module(f"repsim.methods.{name}")
+
+
+def file_digest(path: Path, field: str) -> str:
+    """sha256 of a file's bytes; SpecError naming config ``field`` when it does not exist."""
+    if not Path(path).is_file():
+        raise SpecError(f"{field} points at {path}, which does not exist", "correct the path")
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(DIGEST_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning
+
+def train_stage_of(config: Config, shards: ShardResult | str | Path | None = None) -> Stage:
+    """The train stage of ``config`` (and thus its key) without training. ``shards`` defaults to the
+    completed shard output of the config's data spec (StageError if it has not been sharded)."""
+    spec = load_spec(config.data.spec)
+    shards = _as_shards(shards) if shards is not None else ShardResult.from_dir(shard_stage(spec).default_dir())
+    data = training_data(config, spec, shards)
+    return _stage(config, shards, _upstream(config, data))
+
+
+def _stage(config: Config, shards: ShardResult, upstream: Upstream | None) -> Stage:
+    inputs = {"shards": shards.key} | ({"upstream": upstream.key} if upstream is not None else {})
+    return Stage("train", VERSION, _without(config.model_dump(mode="json"), KEY_NEUTRAL), inputs)
+
+
+def _without(values: dict[str, Any], fields: tuple[tuple[str, ...], ...]) -> dict[str, Any]:
+    """A copy of nested ``values`` without the dotted ``fields`` (those absent are ignored)."""
+    values = json.loads(json.dumps(values))
+    for path in fields:
+        parent = values
+        for key in path[:-1]:
+            parent = parent.get(key) if isinstance(parent, dict) else None
+        if isinstance(parent, dict):
+            parent.pop(path[-1], None)
+    return values
+
+
+def _as_shards(shards: ShardResult | str | Path) -> ShardResult:
+    return shards if isinstance(shards, ShardResult) else ShardResult.from_dir(shards)
+
+
+def training_data(config: Config, spec: DataSpec, shards: ShardResult) -> TrainingData:
+    """The spec, the shards, and the channels and view size of the training split's images."""
+    split = config.data.split
+    if split not in shards.shards:
+        raise SpecError(f"data.split is {split!r}, which the shards of {spec.name!r} do not hold",
+                        f"use one of {', '.join(shards.shards)}")
+    channels, size = peek_image(str(shards.shards[split][0]))
+    return TrainingData(spec, shards, channels, config.data.image_size or size)
+
+
+def _upstream(config: Config, data: TrainingData) -> Upstream | None:
+    plan = getattr(method_module(config.method.name), "upstream", None)
+    return plan(config, data) if plan is not None else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+
+def train(config: Config, out_dir: str | Path | None = None, log: LogFn | None = None,
+          shards: ShardResult | str | Path | None = None, device: str | torch.device | None = None,
+          progress: bool = True) -> StageOutput:
+    """Train ``config`` into its stage directory, or return the cached output at once.
+
+    Shards the data spec (cached) unless ``shards`` is given, runs the method's upstream stage
+    (cached), then trains on ``device`` (default: this rank's GPU, else the CPU), resuming from an
+    interrupted run of the same config. ``log(metrics, step)`` receives every logged metric (rank 0).
+    """
+    init_distributed()
+    spec = load_spec(config.data.spec)
+    shards = _as_shards(shards) if shards is not None else shard(spec, progress=progress and is_main_process())
+    data = training_data(config, spec, shards)
+    upstream = _upstream(config, data)
+    if upstream is not None and upstream.run is not None:
+        data = replace(data, upstream=upstream.run())
+    stage = _stage(config, shards, upstream)
+    scratch = repsim_home() / "scratch" / "train" / stage.key
+    build = _builder(config, data, scratch, log, torch.device(device) if device else default_device(), progress)
+    if distributed():
+        return _train_distributed(stage, build, out_dir, scratch)
+    output = run_stage(stage, build, out_dir)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return output
+
+
+def _train_distributed(stage: Stage, build: Callable[[Path | None], Mapping[str, float]],
+                       out_dir: str | Path | None, scratch: Path) -> StageOutput:
+    """Rank 0 runs the stage and tells the others whether it trains; they train alongside, unwritten."""
+    out = Path(out_dir).expanduser().resolve() if out_dir is not None else stage.default_dir()
+    if is_main_process():
+        def announce_and_build(tmp: Path) -> Mapping[str, float]:
+            _announce(True)
+            return build(tmp)
+        output = run_stage(stage, announce_and_build, out)
+        if output.cached:
+            _announce(False)
+        shutil.rmtree(scratch, ignore_errors=True)
+        dist.barrier()
+        return output
+    training = _announce(None)
+    if training:
+        build(None)
+    dist.barrier()
+    return StageOutput(stage.name, stage.key, out, not training, read_record(out))
+
+
+def _announce(training: bool | None) -> bool:
+    """Rank 0's ``training`` flag, broadcast to every rank (the others pass None and receive it)."""
+    flag = [training]
+    dist.broadcast_object_list(flag, src=0)
+    return bool(flag[0])
+
+
+def _builder(config: Config, data: TrainingData, scratch: Path, log: LogFn | None, device: torch.device,
+             progress: bool) -> Callable[[Path | None], dict[str, float]]:
+    """``build(out)``: train (resuming from ``scratch``) and write the outputs into ``out`` (None: write nothing)."""
+    def build(out: Path | None) -> dict[str, float]:
+        seed_everything(config.optim.seed)
+        method: Method = method_module(config.method.name).build(config, data)
+        metrics = JsonlMetrics(scratch / METRICS_FILE)
+        trainer = Trainer(method, config.optim, _train_loader(config, data, device), monitor=_monitor(config, data),
+                          checkpoint_path=scratch / CHECKPOINT_FILE, log=_tee(metrics, log), device=device,
+                          progress=progress)
+        trainer.fit()
+        if out is None:
+            return {}
+        shutil.copyfile(scratch / CHECKPOINT_FILE, out / CHECKPOINT_FILE)
+        shutil.copyfile(metrics.path, out / METRICS_FILE)
+        save_encoder(method.encoder, out / ENCODER_FILE)
+        return summarise(out / METRICS_FILE, trainer.steps_per_epoch)
+    return build
+
+
+def _train_loader(config: Config, data: TrainingData, device: torch.device) -> ShardLoader:
+    world_size = dist.get_world_size() if distributed() else 1
+    if config.optim.batch_size % world_size:
+        raise SpecError(f"optim.batch_size {config.optim.batch_size} does not split evenly over {world_size} ranks",
+                        f"use a multiple of {world_size}")
+    return make_loader(data.shards.path, config.data.preset, config.optim.batch_size // world_size,
+                       split=config.data.split, image_size=data.image_size, channels=data.channels,
+                       seed=config.optim.seed, num_workers=config.optim.num_workers,
+                       preset_options=config.data.preset_options, pin_memory=device.type == "cuda")
+
+
+def _monitor(config: Config, data: TrainingData) -> KnnMonitor | None:
+    """kNN of the eval views of the training split against the test split, on rank 0 alone."""
+    settings = config.monitor
+    if not settings.knn:
+        return None
+    if not data.labelled:
+        raise SpecError("monitor.knn needs labelled data, but the data spec lists no classes",
+                        "set monitor.knn=false")
+    if settings.test_split not in data.shards.shards:
+        raise SpecError(f"monitor.test_split is {settings.test_split!r}, which the shards do not hold",
+                        f"use one of {', '.join(data.shards.shards)}, or set monitor.knn=false")
+    normalisation = {key: value for key, value in config.data.preset_options.items() if key in ("mean", "std")}
+    train, test = (make_loader(data.shards.path, "eval", settings.batch_size, split=split, image_size=data.image_size,
+                               channels=data.channels, shuffle=False, drop_last=False, rank=0, world_size=1,
+                               num_workers=config.optim.num_workers, preset_options=normalisation)
+                   for split in (config.data.split, settings.test_split))
+    return KnnMonitor(train, test, settings.k)
+
+
+def _tee(first: LogFn, second: LogFn | None) -> LogFn:
+    def log(metrics: dict[str, float], step: int) -> None:
+        first(metrics, step)
+        if second is not None:
+            second(metrics, step)
+    return log
+
+
+class JsonlMetrics:
+    """Appends ``{"step": step, **metrics}`` lines to ``path``. The first write of a process drops
+    the lines of that step and later ones, left by an interrupted run that is now being resumed."""
+
+    def __init__(self, path: Path):
+        self.path, self._fresh = path, True
+
+    def __call__(self, metrics: dict[str, float], step: int) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self._fresh:
+            kept = [line for line in _read_lines(self.path) if json.loads(line)["step"] < step]
+            self.path.write_text("".join(f"{line}\n" for line in kept))
+            self._fresh = False
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps({"step": step, **metrics}) + "\n")
+
+
+def _read_lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.is_file() else []
+
+
+def summarise(metrics_path: Path, steps_per_epoch: int) -> dict[str, float]:
+    """Stage metrics from ``metrics.jsonl``: mean loss of the last epoch, last loss, steps, epochs
+    and the last kNN accuracies."""
+    records = [json.loads(line) for line in _read_lines(metrics_path)]
+    steps = [record for record in records if "loss" in record]
+    last = steps[-1]["step"]
+    last_epoch = [record["loss"] for record in steps if record["step"] > last - steps_per_epoch]
+    epochs = [record for record in records if "epoch" in record]
+    knn = {key: value for key, value in (epochs[-1] if epochs else {}).items() if key.startswith("knn_")}
+    return {"loss": sum(last_epoch) / len(last_epoch), "final_loss": steps[-1]["loss"], "steps": last,
+            "epochs": epochs[-1]["epoch"] if epochs else 0, **knn}

@@ -1,0 +1,28 @@
+"""SupCon (Khosla et al., 2020): every view of the same class is a positive."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from repsim.losses import SupConLoss
+from repsim.methods.config import Config
+from repsim.methods.contrastive import TwoViewMethod, backbone_and_projection, require_labels
+from repsim.methods.stage import TrainingData
+from repsim.methods.train import Batch
+
+
+class SupCon(TwoViewMethod):
+    """Backbone + projection trained with the supervised contrastive loss over all ranks' views."""
+
+    def __init__(self, encoder: nn.Module, projector: nn.Module, temperature: float = 0.1):
+        super().__init__(encoder, projector)
+        self.loss = SupConLoss(temperature, gather=True)
+
+    def training_step(self, batch: Batch) -> dict[str, torch.Tensor]:
+        return {"loss": self.loss(*self.project_views(batch), batch["label"])}
+
+
+def build(config: Config, data: TrainingData) -> SupCon:
+    require_labels(data.labelled, "SupCon")
+    return SupCon(*backbone_and_projection(config.model, data.channels), config.method.temperature)

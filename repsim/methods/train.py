@@ -1,0 +1,447 @@
+"""The shared Trainer: any :class:`Method` on a shard loader, with AdamW or LARS, warm-up + cosine,
+mixed precision, checkpoints with exact resume, an online kNN monitor and DDP.
+
+A method is an ``nn.Module`` whose ``training_step(batch)`` returns ``{"loss": scalar, **scalars}``
+and whose ``encoder`` maps a view batch (B, C, H, W) to features (B, F). The Trainer calls the
+method (``forward`` is ``training_step``), so DistributedDataParallel sees every step.
+
+Exact resume. A checkpoint holds the model, the optimizer, the step, the epoch, the number of
+batches of that epoch already consumed and the RNG states (python, numpy, torch, CUDA). The loader
+replays an epoch identically for the same seed and epoch, so on resume the Trainer skips the
+consumed batches and continues: an interrupted and resumed run takes the same steps, with the same
+losses, as an uninterrupted one. The learning rate is a function of the step alone.
+
+DDP. Under torchrun, :func:`init_distributed` joins the process group (NCCL on GPUs, gloo on CPUs),
+the Trainer wraps the method in DistributedDataParallel and only rank 0 writes checkpoints, calls
+``log``, shows progress and runs the kNN monitor (the other ranks wait for it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from tqdm.auto import tqdm
+
+from repsim.data.loader import Batch, ShardLoader
+from repsim.errors import RepsimError
+from repsim.eval.knn import knn_accuracy
+from repsim.methods.config import OptimConfig
+
+LogFn = Callable[[dict[str, float], int], None]
+
+
+class TrainingError(RepsimError):
+    """Training cannot go on: the loss diverged, or the data gives no full batch."""
+
+
+class Method(nn.Module):
+    """A training method: ``training_step(batch) -> {"loss": scalar, **scalars}`` and an ``encoder``.
+
+    ``batch`` is the loader's dict (``views``, ``label``, ``index``) already on the device.
+    """
+
+    encoder: nn.Module
+
+    def training_step(self, batch: Batch) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
+        return self.training_step(batch)
+
+    def after_optimizer_step(self, step: int, total_steps: int) -> None:
+        """Called after optimizer step ``step`` (1-based) of ``total_steps``, e.g. to update an EMA teacher."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimisers and schedule
+
+class LARS(torch.optim.Optimizer):
+    """SGD with momentum and layer-wise adaptive rate scaling (You et al., 2017), as in SimCLR/BYOL.
+
+    Per parameter tensor p with gradient g: ``u = g + weight_decay · p``, scaled by
+    ``trust_coefficient · ‖p‖ / ‖u‖`` (1 when either norm is 0); ``m ← momentum · m + u``;
+    ``p ← p − lr · m``. Groups with ``lars_exclude=True`` (biases, normalisation weights) skip both
+    the weight decay and the scaling.
+    """
+
+    def __init__(self, params: Iterable, lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
+                 trust_coefficient: float = 1e-3, lars_exclude: bool = False):
+        defaults = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay,
+                    "trust_coefficient": trust_coefficient, "lars_exclude": lars_exclude}
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    self._update(param, group)
+        return loss
+
+    def _update(self, param: torch.Tensor, group: dict[str, Any]) -> None:
+        update = param.grad
+        if not group["lars_exclude"]:
+            update = update.add(param, alpha=group["weight_decay"])
+            param_norm, update_norm = param.norm(), update.norm()
+            trust = group["trust_coefficient"] * param_norm / update_norm
+            update = update * torch.where((param_norm > 0) & (update_norm > 0), trust, 1.0)
+        state = self.state[param]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(param)
+        buffer = state["momentum_buffer"].mul_(group["momentum"]).add_(update)
+        param.add_(buffer, alpha=-group["lr"])
+
+
+def parameter_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Trainable parameters in two groups: weights (decayed, LARS-adapted) and biases/normalisation
+    parameters, i.e. every tensor of at most one dimension (no decay, no adaptation)."""
+    trainable = [param for param in module.parameters() if param.requires_grad]
+    groups = [{"params": [p for p in trainable if p.ndim > 1], "weight_decay": weight_decay, "lars_exclude": False},
+              {"params": [p for p in trainable if p.ndim <= 1], "weight_decay": 0.0, "lars_exclude": True}]
+    return [group for group in groups if group["params"]]
+
+
+def make_optimizer(module: nn.Module, settings: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW or LARS over ``module``'s trainable parameters (see :func:`parameter_groups`)."""
+    groups = parameter_groups(module, settings.weight_decay)
+    if settings.optimizer == "lars":
+        return LARS(groups, lr=settings.lr, momentum=settings.momentum, trust_coefficient=settings.trust_coefficient)
+    return torch.optim.AdamW(groups, lr=settings.lr)
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
+    """The learning-rate factor of 0-based ``step``: linear warm-up to 1 over ``warmup_steps`` steps
+    ((step + 1) / warmup_steps), then a cosine decay reaching 0 at ``total_steps``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Devices, precision, distribution
+
+def init_distributed(backend: str | None = None) -> tuple[int, int]:
+    """Join the process group torchrun describes in the environment (``WORLD_SIZE`` > 1). The
+    ``backend`` defaults to NCCL, one GPU per local rank, when CUDA is present, else gloo.
+    Returns (rank, world size); (0, 1) for a single process."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return 0, 1
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def is_main_process() -> bool:
+    return not distributed() or dist.get_rank() == 0
+
+
+def default_device() -> torch.device:
+    """This process's GPU (``LOCAL_RANK``) when CUDA is present, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``cuda`` as the current GPU, ``cuda:<n>``: DistributedDataParallel needs the explicit index."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """bfloat16 for ``bf16``, and for ``auto`` on a GPU that supports it; None (float32) otherwise."""
+    if precision == "bf16" or (precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()):
+        return torch.bfloat16
+    return None
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (every device)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def to_device(batch: Batch, device: torch.device, channels_last: bool = False) -> Batch:
+    """The batch's tensors (and lists of tensors) on ``device``; 4-d views in channels-last if asked."""
+    def move(value: Any) -> Any:
+        if isinstance(value, list):
+            return [move(item) for item in value]
+        if not isinstance(value, torch.Tensor):
+            return value
+        value = value.to(device, non_blocking=True)
+        return value.contiguous(memory_format=torch.channels_last) if channels_last and value.ndim == 4 else value
+    return {key: move(value) for key, value in batch.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Features and the kNN monitor
+
+@torch.no_grad()
+def extract_features(encoder: nn.Module, loader: Iterable[Batch], device: torch.device,
+                     dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(features (N, F) float32 on the CPU, labels (N,)) of the first view of every batch, in eval mode."""
+    was_training = encoder.training
+    encoder.eval()
+    features, labels = [], []
+    try:
+        for batch in loader:
+            with autocast(device, dtype):
+                features.append(encoder(batch["views"][0].to(device, non_blocking=True)).float().cpu())
+            labels.append(batch["label"])
+    finally:
+        encoder.train(was_training)
+    return torch.cat(features), torch.cat(labels)
+
+
+@dataclass
+class KnnMonitor:
+    """Weighted kNN accuracy of the encoder's features: ``train`` samples vote for ``test`` samples.
+
+    Both loaders should use the eval preset without shuffling. Returns ``knn_top1_k{k}`` and
+    ``knn_top5_k{k}`` (see :func:`repsim.eval.knn.knn_accuracy`).
+    """
+
+    train: Iterable[Batch]
+    test: Iterable[Batch]
+    k: int = 20
+
+    def __call__(self, encoder: nn.Module, device: torch.device, dtype: torch.dtype | None = None) -> dict[str, float]:
+        train_x, train_y = extract_features(encoder, self.train, device, dtype)
+        test_x, test_y = extract_features(encoder, self.test, device, dtype)
+        k = min(self.k, len(train_x))
+        return knn_accuracy(train_x, train_y, test_x, test_y, k=k, device=device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+
+@dataclass
+class Progress:
+    """Where training stands: optimizer steps taken, the current epoch and batches consumed in it."""
+
+    step: int = 0
+    epoch: int = 0
+    position: int = 0
+
+
+def rng_states() -> dict[str, Any]:
+    """The python, numpy, torch and CUDA RNG states, loadable with ``torch.load(weights_only=True)``."""
+    name, keys, position, has_gauss, cached = np.random.get_state()
+    states = {"python": random.getstate(), "numpy": (name, torch.from_numpy(keys.astype(np.int64)), position,
+                                                     has_gauss, cached), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    random.setstate(states["python"])
+    name, keys, position, has_gauss, cached = states["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, cached))
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def save_atomically(payload: dict[str, Any], path: Path) -> None:
+    """``torch.save`` to a temporary file beside ``path``, then rename: a crash never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    torch.save(payload, partial)
+    os.replace(partial, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# The Trainer
+
+@dataclass
+class TrainResult:
+    """What :meth:`Trainer.fit` ends with: the final progress, the last step's scalars and the last
+    kNN accuracies (empty when this call ran no step or no monitor)."""
+
+    progress: Progress
+    last_step: dict[str, float] = field(default_factory=dict)
+    knn: dict[str, float] = field(default_factory=dict)
+
+
+class Trainer:
+    """Train ``method`` on ``loader`` for ``settings.epochs`` epochs.
+
+    ``checkpoint_path``: where checkpoints are written every ``settings.checkpoint_every`` steps and
+    at the end, and resumed from when it exists. ``log(metrics, step)`` receives per-step ``loss``,
+    ``lr`` and the method's scalars, and per-epoch ``epoch`` and kNN accuracies (rank 0 only).
+    """
+
+    def __init__(self, method: Method, settings: OptimConfig, loader: ShardLoader, *,
+                 monitor: KnnMonitor | None = None, checkpoint_path: Path | None = None,
+                 log: LogFn | None = None, device: str | torch.device | None = None, progress: bool = True):
+        self.settings, self.loader, self.monitor = settings, loader, monitor
+        self.checkpoint_path, self.log, self.show_progress = checkpoint_path, log, progress
+        self.device = _indexed(torch.device(device) if device is not None else default_device())
+        self.dtype = autocast_dtype(settings.precision, self.device)
+        self.method = self._prepare(method)
+        self.model = self._wrap(self.method)
+        self.optimizer = make_optimizer(self.method, settings)
+        self.steps_per_epoch = self._steps_per_epoch()
+        self.total_steps = settings.epochs * self.steps_per_epoch
+        self.warmup_steps = round(settings.warmup_epochs * self.steps_per_epoch)
+
+    def _prepare(self, method: Method) -> Method:
+        method = method.to(self.device)
+        if self.settings.channels_last:
+            method = method.to(memory_format=torch.channels_last)
+        if self.settings.compile:
+            method.encoder.compile()
+        return method
+
+    def _wrap(self, method: Method) -> nn.Module:
+        if not distributed():
+            return method
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(method, device_ids=device_ids)
+
+    def _steps_per_epoch(self) -> int:
+        steps = len(self.loader)
+        if steps == 0:
+            raise TrainingError(f"the training split gives no full batch of {self.loader.batch_size} per rank",
+                                "lower optim.batch_size or train on more samples")
+        return steps
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def fit(self) -> TrainResult:
+        """Train to the end (resuming from the checkpoint if there is one); returns the result."""
+        progress = self._resume()
+        result = TrainResult(progress)
+        with tqdm(total=self.total_steps, initial=progress.step, desc="train", unit="step",
+                  disable=not (self.show_progress and is_main_process())) as bar:
+            while progress.epoch < self.settings.epochs:
+                for batch in self._remaining_batches(progress):
+                    result.last_step = self._step(batch, progress)
+                    bar.update()
+                    bar.set_postfix(loss=f"{result.last_step['loss']:.4f}", epoch=progress.epoch)
+                    if progress.position == self.steps_per_epoch:
+                        result.knn = self._end_epoch(progress) or result.knn
+                    if self._checkpoint_due(progress):
+                        self._save(progress)
+        self._share_buffers()
+        self._save(progress)
+        return result
+
+    def _remaining_batches(self, progress: Progress) -> Iterator[Batch]:
+        """This epoch's batches after the ``position`` already consumed; the epoch ends with them."""
+        self.loader.set_epoch(progress.epoch)
+        yield from islice(self.loader, progress.position, self.steps_per_epoch)
+        progress.epoch, progress.position = progress.epoch + 1, 0
+
+    def _step(self, batch: Batch, progress: Progress) -> dict[str, float]:
+        lr = self.settings.lr * warmup_cosine(progress.step, self.warmup_steps, self.total_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        with autocast(self.device, self.dtype):
+            outputs = self.model(to_device(batch, self.device, self.settings.channels_last))
+        scalars = _mean_over_ranks({name: value.detach().float() for name, value in outputs.items()})
+        if not math.isfinite(scalars["loss"]):
+            raise TrainingError(f"the loss is {scalars['loss']} at step {progress.step + 1}",
+                                "lower optim.lr, set optim.grad_clip, or train in fp32")
+        self.optimizer.zero_grad(set_to_none=True)
+        outputs["loss"].backward()
+        if self.settings.grad_clip is not None:
+            nn.utils.clip_grad_norm_(self.method.parameters(), self.settings.grad_clip)
+        self.optimizer.step()
+        progress.step += 1
+        progress.position += 1
+        self.method.after_optimizer_step(progress.step, self.total_steps)
+        metrics = {**scalars, "lr": lr}
+        self._log(metrics, progress.step)
+        return metrics
+
+    def _end_epoch(self, progress: Progress) -> dict[str, float]:
+        """Run the kNN monitor (rank 0; the others wait) and log the finished epoch."""
+        knn = {}
+        if self.monitor is not None and is_main_process():
+            knn = self.monitor(self.method.encoder, self.device, self.dtype)
+        if distributed():
+            dist.barrier()
+        self._log({"epoch": progress.epoch + 1, **knn}, progress.step)
+        return knn
+
+    def _share_buffers(self) -> None:
+        """Give every rank rank 0's buffers (e.g. BatchNorm statistics), as DDP does before each forward."""
+        if distributed():
+            for buffer in self.method.buffers():
+                dist.broadcast(buffer, src=0)
+
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        if self.log is not None and is_main_process():
+            self.log(metrics, step)
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def _checkpoint_due(self, progress: Progress) -> bool:
+        every = self.settings.checkpoint_every
+        return every > 0 and progress.step % every == 0 and progress.step < self.total_steps
+
+    def _save(self, progress: Progress) -> None:
+        if self.checkpoint_path is None or not is_main_process():
+            return
+        epoch, position = progress.epoch, progress.position
+        if position == self.steps_per_epoch:  # the epoch is done: resume at the next one
+            epoch, position = epoch + 1, 0
+        save_atomically({"model": self.method.state_dict(), "optimizer": self.optimizer.state_dict(),
+                         "step": progress.step, "epoch": epoch, "position": position,
+                         "steps_per_epoch": self.steps_per_epoch, "rng": rng_states()}, self.checkpoint_path)
+
+    def _resume(self) -> Progress:
+        if self.checkpoint_path is None or not self.checkpoint_path.is_file():
+            return Progress()
+        state = torch.load(self.checkpoint_path, map_location="cpu", weights_only=True)
+        if state["steps_per_epoch"] != self.steps_per_epoch:
+            raise TrainingError(f"{self.checkpoint_path} was written with {state['steps_per_epoch']} steps per "
+                                f"epoch, this run has {self.steps_per_epoch}",
+                                "resume with the same data, batch size and number of ranks, or delete it")
+        self.method.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        set_rng_states(state["rng"])
+        return Progress(state["step"], state["epoch"], state["position"])
+
+
+def _mean_over_ranks(values: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Each scalar averaged over the DDP ranks (one all-reduce), as python floats."""
+    stacked = torch.stack([value.reshape(()) for value in values.values()])
+    if distributed():
+        dist.all_reduce(stacked)
+        stacked /= dist.get_world_size()
+    return dict(zip(values, stacked.tolist()))

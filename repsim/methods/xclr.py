@@ -1,0 +1,93 @@
+"""X-CLR (Sobal et al., 2025): contrastive learning towards soft cross-sample similarities.
+
+The similarity of a batch comes from a :class:`~repsim.similarity.sources.SimilaritySource` chosen by
+``method.similarity``: caption embeddings (the caption stage), WordNet class similarities (the WordNet
+stage), labels, a user class matrix or a user sample graph. Under DDP the batch's indices and labels
+are gathered from every rank, so the source answers for the global batch in rank order, as
+:class:`~repsim.losses.XCLRLoss` expects.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+from torch import nn
+
+from repsim.losses import XCLRLoss
+from repsim.losses._pairs import gather_no_grad
+from repsim.methods.config import Config, Similarity
+from repsim.methods.contrastive import TwoViewMethod, backbone_and_projection, require_labels
+from repsim.methods.stage import TrainingData, Upstream, file_digest
+from repsim.methods.train import Batch
+from repsim.similarity.sources import (ClassMatrixSource, EmbeddingSource, GraphSource, LabelSource,
+                                       SimilaritySource, load_class_matrix)
+from repsim.similarity.stages import (EMBEDDINGS_FILE, SIMILARITY_FILE, embed_captions_stage,
+                                      embed_captions_stage_of, wordnet_similarity_stage, wordnet_similarity_stage_of)
+
+RESIDENT_EMBEDDING_BYTES = 1 << 30  # caption tables up to 1 GiB are copied to the device once
+CLASS_LEVEL = ("wordnet", "labels", "matrix")
+
+
+class XCLR(TwoViewMethod):
+    """Backbone + projection trained with :class:`XCLRLoss` towards ``source``'s similarities.
+
+    ``training_step`` returns ``loss`` and ``target_similarity``, the mean similarity between
+    different samples of the (global) batch.
+    """
+
+    def __init__(self, encoder: nn.Module, projector: nn.Module, source: SimilaritySource,
+                 temperature: float = 0.1, target_temperature: float = 0.1):
+        super().__init__(encoder, projector)
+        self.source = source
+        self.loss = XCLRLoss(temperature, target_temperature, gather=True)
+
+    def training_step(self, batch: Batch) -> dict[str, torch.Tensor]:
+        z1, z2 = self.project_views(batch)
+        similarity = self.source(gather_no_grad(batch["index"], True), gather_no_grad(batch["label"], True))
+        return {"loss": self.loss(z1, z2, similarity), "target_similarity": _mean_off_diagonal(similarity)}
+
+
+def _mean_off_diagonal(matrix: torch.Tensor) -> torch.Tensor:
+    size = len(matrix)
+    return (matrix.sum() - matrix.diagonal().sum()) / max(1, size * (size - 1))
+
+
+def upstream(config: Config, data: TrainingData) -> Upstream | None:
+    """The precompute stage (captions, WordNet) or user file (matrix, graph) the similarity needs."""
+    similarity = config.method.similarity
+    if similarity.type == "captions":
+        return Upstream(embed_captions_stage_of(data.shards, similarity.model).key,
+                        partial(embed_captions_stage, data.shards, similarity.model))
+    if similarity.type == "wordnet":
+        return Upstream(wordnet_similarity_stage_of(data.spec, similarity.measure).key,
+                        partial(wordnet_similarity_stage, data.spec, similarity.measure))
+    if similarity.type in ("matrix", "graph"):
+        return Upstream(file_digest(similarity.path, "method.similarity.path"))
+    return None
+
+
+def similarity_source(similarity: Similarity, data: TrainingData) -> SimilaritySource:
+    """The source of ``similarity`` over ``data`` (with its upstream output for captions and WordNet)."""
+    if similarity.type in CLASS_LEVEL:
+        require_labels(data.labelled, f"the {similarity.type} similarity")
+    if similarity.type == "captions":
+        path = data.upstream.path / EMBEDDINGS_FILE
+        table = np.load(path, mmap_mode="r")
+        return EmbeddingSource.from_npy(path, resident=table.nbytes <= RESIDENT_EMBEDDING_BYTES)
+    if similarity.type == "wordnet":
+        return ClassMatrixSource(np.load(data.upstream.path / SIMILARITY_FILE), data.spec.class_names)
+    if similarity.type == "matrix":
+        return ClassMatrixSource(load_class_matrix(similarity.path, data.spec.class_names), data.spec.class_names)
+    if similarity.type == "graph":
+        keys = pq.read_table(data.shards.manifest, columns=["key"]).column("key").to_pylist()
+        return GraphSource.from_parquet(similarity.path, keys)
+    return LabelSource()
+
+
+def build(config: Config, data: TrainingData) -> XCLR:
+    method = config.method
+    return XCLR(*backbone_and_projection(config.model, data.channels), similarity_source(method.similarity, data),
+                method.temperature, method.target_temperature)

@@ -1,0 +1,64 @@
+"""Image backbones: torchvision ResNets (random init) that return pooled features instead of logits.
+
+Every backbone records how it was built in its ``recipe`` attribute, so :func:`save_encoder` can
+store it beside its weights and :func:`load_encoder` can rebuild it without the training config.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torchvision
+from torch import nn
+
+from repsim.errors import SpecError, StageError
+
+RESNETS = ("resnet18", "resnet34", "resnet50")
+ENCODER_FILE = "encoder.pt"
+
+
+def resnet(name: str = "resnet18", small_images: bool = False, in_channels: int = 3) -> nn.Module:
+    """A torchvision ResNet without weights and without its classifier: (B, C, H, W) -> (B, F).
+
+    ``small_images`` swaps the 7×7 stride-2 stem and its max-pool for one 3×3 stride-1 conv, as for
+    CIFAR-size inputs (28–32 px), so the first stage keeps the full resolution. ``in_channels`` is 1
+    for grayscale or 3 for colour. The module's ``feature_dim`` is F (512 for resnet18/34, 2048 for
+    resnet50).
+    """
+    if name not in RESNETS:
+        raise SpecError(f"unknown backbone {name!r}", f"use one of {', '.join(RESNETS)}")
+    network = getattr(torchvision.models, name)(weights=None)
+    stem_width = network.conv1.out_channels
+    if small_images:
+        network.conv1 = nn.Conv2d(in_channels, stem_width, kernel_size=3, stride=1, padding=1, bias=False)
+        network.maxpool = nn.Identity()
+    elif in_channels != 3:
+        network.conv1 = nn.Conv2d(in_channels, stem_width, kernel_size=7, stride=2, padding=3, bias=False)
+    network.feature_dim = network.fc.in_features
+    network.fc = nn.Identity()
+    network.recipe = {"builder": "resnet", "name": name, "small_images": small_images, "in_channels": in_channels}
+    return network
+
+
+BUILDERS = {"resnet": resnet}
+
+
+def save_encoder(encoder: nn.Module, path: str | Path) -> None:
+    """Write ``encoder``'s recipe, feature width and weights to ``path`` (loadable with weights_only)."""
+    torch.save({"recipe": encoder.recipe, "feature_dim": encoder.feature_dim,
+                "state_dict": encoder.state_dict()}, path)
+
+
+def load_encoder(path: str | Path, device: str | torch.device = "cpu") -> nn.Module:
+    """Rebuild a saved encoder (a file, or a train stage directory holding ``encoder.pt``) in eval mode."""
+    path = Path(path)
+    path = path / ENCODER_FILE if path.is_dir() else path
+    if not path.is_file():
+        raise StageError(f"no encoder at {path}", "pass a train stage directory or its encoder.pt")
+    saved: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+    recipe = dict(saved["recipe"])
+    encoder = BUILDERS[recipe.pop("builder")](**recipe)
+    encoder.load_state_dict(saved["state_dict"])
+    return encoder.to(device).eval()

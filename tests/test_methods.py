@@ -1,0 +1,351 @@
+"""Experiment configs, the methods (X-CLR, SimCLR, SupCon, CLIP) and the train stage, on a small
+Animal-MNIST subset: 4 classes x 40 silhouettes (28×28), 128 train / 32 test samples."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.multiprocessing as mp
+import yaml
+from PIL import Image
+
+from repsim.data.loader import make_loader
+from repsim.data.sharding import ShardResult, shard
+from repsim.data.sources import animal_mnist_root, load_numpy_pickle
+from repsim.data.spec import load_spec
+from repsim.errors import SpecError
+from repsim.losses import XCLRLoss
+from repsim.methods.config import Config, LabelsSimilarity, load_config
+from repsim.methods.stage import file_digest, method_module, train, train_stage_of, training_data
+from repsim.methods.train import init_distributed
+from repsim.methods.xclr import similarity_source, upstream
+from repsim.models import load_encoder
+from repsim.stage import repsim_home
+from repsim.similarity.stages import EMBEDDINGS_FILE
+
+REPO = Path(__file__).resolve().parents[1]
+CLASSES = {"bear": "bear.n.01", "cat": "cat.n.01", "dog": "dog.n.01", "horse": "horse.n.01"}
+ANIMAL_LABELS = {"bear": 0, "cat": 2, "dog": 4, "horse": 7}  # their labels in Animal-MNIST
+PER_CLASS = 40
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+class Crash(Exception):
+    """Stands for a process killed in the middle of training."""
+
+
+@pytest.fixture(scope="module")
+def animals(tmp_path_factory) -> tuple[Path, ShardResult]:
+    """(data spec, shards) of the first 40 Animal-MNIST images of four classes, as an image folder."""
+    root = tmp_path_factory.mktemp("animals")
+    images = load_numpy_pickle(animal_mnist_root() / "animal_data_version_3.gz")
+    labels = load_numpy_pickle(animal_mnist_root() / "animal_label_version_3.gz")
+    for name, label in ANIMAL_LABELS.items():
+        (root / "images" / name).mkdir(parents=True)
+        for i, row in enumerate(np.flatnonzero(labels == label)[:PER_CLASS]):
+            Image.fromarray(images[row]).save(root / "images" / name / f"{i:03d}.png")
+    spec = root / "animals.yaml"
+    spec.write_text(yaml.safe_dump({
+        "name": "animals", "source": {"type": "image_folder", "root": "images"}, "classes": CLASSES,
+        "captions": {"templates": ["a photo of a {name}.", "a silhouette of a {name}."]},
+        "split": {"type": "random", "fractions": {"train": 0.8, "test": 0.2}}, "shard_size": 32}))
+    return spec, shard(spec, out_dir=root / "shards", progress=False)
+
+
+def tiny_config(spec: Path, method: dict | None = None, **sections: dict) -> Config:
+    """resnet18 with the standard stem (cheap at 28 px), batches of 32: 4 steps per epoch."""
+    values = {"method": method or {"name": "xclr", "similarity": {"type": "labels"}},
+              "data": {"spec": str(spec), "image_size": 28},
+              "model": {"small_images": False, "projection_hidden_dim": 64, "projection_dim": 32},
+              "optim": {"batch_size": 32, "epochs": 3, "warmup_epochs": 0.5, "lr": 0.003, "checkpoint_every": 2},
+              "monitor": {"k": 5, "batch_size": 64}}
+    for section, update in sections.items():
+        values[section] = {**values.get(section, {}), **update}
+    return Config.model_validate(values)
+
+
+def first_batch(shards: ShardResult, batch_size: int = 32) -> dict:
+    return next(iter(make_loader(shards.path, "simclr", batch_size, seed=3)))
+
+
+def read_metrics(output_path: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_path / "metrics.jsonl").read_text().splitlines()]
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs
+
+def test_shipped_configs_validate_over_the_defaults():
+    for name in ("xclr", "simclr", "supcon", "clip"):
+        config = load_config(REPO / "configs" / f"{name}.yaml")
+        assert config.method.name == name
+        assert config.data.spec == REPO / "data_specs" / "animal-mnist.yaml"
+        assert config.model.backbone == "resnet18" and config.model.small_images and config.optim.batch_size == 256
+    assert load_config(REPO / "configs" / "xclr.yaml").method.similarity.type == "captions"
+
+
+def test_overrides_are_parsed_as_yaml(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = load_config(REPO / "configs" / "xclr.yaml", [
+        "optim.lr=0.01", "monitor.knn=false", "optim.grad_clip=1.5", "optim.optimizer=lars",
+        "method.similarity={type: matrix, path: m.csv}", "data.spec=specs/a.yaml"])
+    assert config.optim.lr == 0.01 and config.monitor.knn is False and config.optim.grad_clip == 1.5
+    assert config.optim.optimizer == "lars"
+    assert config.method.similarity.path == tmp_path / "m.csv"  # overrides start at the working directory
+    assert config.data.spec == tmp_path / "specs" / "a.yaml"
+
+
+def test_changing_the_type_of_a_mapping_replaces_it(tmp_path):
+    path = tmp_path / "matrix.yaml"
+    path.write_text(yaml.safe_dump({"method": {"name": "xclr", "similarity": {"type": "matrix", "path": "m.csv"}}}))
+    assert load_config(path).method.similarity.path == tmp_path / "m.csv"  # relative to the config's folder
+    assert load_config(path, ["method.similarity.type=labels"]).method.similarity == LabelsSimilarity(type="labels")
+
+
+SIMCLR = {"method": {"name": "simclr"}}
+
+
+@pytest.mark.parametrize("content, overrides, expected", [
+    ({"method": {"name": "xclr"}, "optim": {"lrr": 0.1}}, [],
+     "{config}: unknown field 'optim.lrr'; did you mean 'lr'?"),
+    ({"method": {"name": "xclr", "similarity": {"type": "captionz"}}}, [],
+     "{config}: field 'method.similarity.type' is 'captionz', which is not known; use one of 'captions', 'wordnet'"),
+    ({"method": {"name": "xclrr"}}, [], "{config}: field 'method.name' is 'xclrr', which is not known; use one of"),
+    ({"data": {}}, [], "{config}: field 'method' is required; add it"),
+    ({"method": {}}, [], "{config}: field 'method' has no 'name'; add 'name:' with one of 'xclr', 'simclr'"),
+    (SIMCLR, ["optm.lr=1"], "override 'optm.lr=1': unknown field 'optm'; did you mean 'optim'?"),
+    (SIMCLR, ["optim.lr=-1"], "override 'optim.lr=-1': field 'optim.lr': Input should be greater"),
+    (SIMCLR, ["optim.lr"], "override 'optim.lr' is not of the form key=value"),
+    ({"method": {"name": "xclr", "similarity": {"type": "wordnet", "measure": "wupp"}}}, [],
+     "{config}: field 'method.similarity.measure': Input should be 'wup'"),
+])
+def test_config_errors_are_one_line_naming_file_and_field(tmp_path, content, overrides, expected):
+    config = tmp_path / "experiment.yaml"
+    config.write_text(yaml.safe_dump(content))
+    with pytest.raises(SpecError) as raised:
+        load_config(config, overrides)
+    message = str(raised.value)
+    assert "\n" not in message and "; " in message
+    assert expected.format(config=config) in message
+
+
+def test_a_missing_or_malformed_config_file_is_named(tmp_path):
+    with pytest.raises(SpecError, match="config nowhere.yaml does not exist; check the path"):
+        load_config("nowhere.yaml")
+    (tmp_path / "bad.yaml").write_text("method: [")
+    with pytest.raises(SpecError, match="bad.yaml: not valid YAML at line"):
+        load_config(tmp_path / "bad.yaml")
+
+
+# ---------------------------------------------------------------------------------------------
+# Methods
+
+def test_xclr_loss_is_the_xclr_loss_of_its_embeddings_and_the_same_label_matrix(animals):
+    spec, shards = animals
+    config = tiny_config(spec, {"name": "xclr", "temperature": 0.2, "target_temperature": 0.3,
+                                "similarity": {"type": "labels"}})
+    method = method_module("xclr").build(config, training_data(config, load_spec(spec), shards))
+    batch = first_batch(shards)
+    outputs = method.training_step(batch)
+    z1, z2 = method.project_views(batch)
+    same_label = (batch["label"][:, None] == batch["label"][None, :]).float()
+    torch.testing.assert_close(outputs["loss"], XCLRLoss(0.2, 0.3)(z1, z2, same_label), rtol=0, atol=1e-6)
+    off_diagonal = same_label[~torch.eye(32, dtype=torch.bool)].mean()
+    torch.testing.assert_close(outputs["target_similarity"], off_diagonal)
+
+
+def _write_class_matrix(path: Path) -> np.ndarray:
+    matrix = np.array([[1.0, 0.2, 0.3, 0.4], [0.2, 1.0, 0.5, 0.6], [0.3, 0.5, 1.0, 0.7], [0.4, 0.6, 0.7, 1.0]])
+    names = list(CLASSES)
+    pacsv.write_csv(pa.table({"class": names, **{name: matrix[:, k] for k, name in enumerate(names)}}), path)
+    return matrix
+
+
+def _write_graph(path: Path, shards: ShardResult, batch: dict) -> None:
+    keys = pq.read_table(shards.manifest, columns=["key"]).column("key").to_pylist()
+    first, second = batch["index"][:2].tolist()
+    pq.write_table(pa.table({"key_i": [keys[first]], "key_j": [keys[second]], "s": [0.25]}), path)
+
+
+@pytest.mark.parametrize("kind", ["labels", "wordnet", "captions", "matrix", "graph"])
+def test_xclr_wires_the_configured_similarity_source(animals, tmp_path, kind):
+    spec, shards = animals
+    batch = first_batch(shards, 8)
+    indices, labels = batch["index"], batch["label"]
+    similarity = {"type": kind}
+    if kind == "matrix":
+        matrix = _write_class_matrix(tmp_path / "classes.csv")
+        similarity["path"] = str(tmp_path / "classes.csv")
+    if kind == "graph":
+        _write_graph(tmp_path / "graph.parquet", shards, batch)
+        similarity["path"] = str(tmp_path / "graph.parquet")
+    config = tiny_config(spec, {"name": "xclr", "similarity": similarity})
+    data = training_data(config, load_spec(spec), shards)
+    plan = upstream(config, data)
+    if plan is not None and plan.run is not None:
+        data = replace(data, upstream=plan.run())
+    got = similarity_source(config.method.similarity, data)(indices, labels)
+    same_label = (labels[:, None] == labels[None, :]).float()
+    if kind == "labels":
+        assert plan is None
+        expected = same_label
+    elif kind == "wordnet":
+        table = np.load(data.upstream.path / "similarity.npy")
+        expected = torch.from_numpy(table)[labels[:, None], labels[None, :]]
+        assert data.upstream.stage == "wordnet" and 0 < expected.min() < 1
+    elif kind == "captions":
+        rows = torch.nn.functional.normalize(torch.from_numpy(
+            np.load(data.upstream.path / EMBEDDINGS_FILE)[indices.numpy()].astype(np.float32)), dim=1)
+        expected = (rows @ rows.T).clamp(-1, 1).fill_diagonal_(1.0)
+        assert data.upstream.stage == "captions"
+    elif kind == "matrix":
+        expected = torch.from_numpy(matrix).float()[labels[:, None], labels[None, :]]
+        assert plan.key == file_digest(tmp_path / "classes.csv", "path")
+    else:
+        expected = torch.eye(8)
+        expected[0, 1] = expected[1, 0] = 0.25
+    torch.testing.assert_close(got, expected.float(), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("method", [{"name": "simclr"}, {"name": "supcon"}, {"name": "clip", "text_hidden_dim": 16}])
+def test_baselines_take_a_training_step(animals, method):
+    spec, shards = animals
+    config = tiny_config(spec, method)
+    data = training_data(config, load_spec(spec), shards)
+    plan = getattr(method_module(method["name"]), "upstream", lambda *_: None)(config, data)
+    if plan is not None:
+        data = replace(data, upstream=plan.run())
+    model = method_module(method["name"]).build(config, data)
+    outputs = model.training_step(first_batch(shards, 8))
+    outputs["loss"].backward()
+    assert torch.isfinite(outputs["loss"]) and model.encoder.conv1.weight.grad is not None
+
+
+@pytest.mark.parametrize("method, needs", [({"name": "supcon"}, "SupCon"),
+                                           ({"name": "xclr", "similarity": {"type": "labels"}}, "labels similarity")])
+def test_label_methods_refuse_unlabelled_data(animals, method, needs):
+    spec, shards = animals
+    config = tiny_config(spec, method)
+    data = training_data(config, load_spec(spec), shards)
+    unlabelled = replace(data, spec=data.spec.model_copy(update={"classes": None}))
+    with pytest.raises(SpecError, match=f"{needs} needs labelled data"):
+        method_module(method["name"]).build(config, unlabelled)
+
+
+# ---------------------------------------------------------------------------------------------
+# The train stage
+
+def test_the_stage_key_ignores_settings_that_do_not_change_the_result(animals):
+    spec, shards = animals
+    key = train_stage_of(tiny_config(spec), shards).key
+    assert train_stage_of(tiny_config(spec, optim={"num_workers": 2, "checkpoint_every": 7}), shards).key == key
+    assert train_stage_of(tiny_config(spec, monitor={"batch_size": 7}), shards).key == key
+    assert train_stage_of(tiny_config(spec, optim={"lr": 0.1}), shards).key != key
+    wup, path = (tiny_config(spec, {"name": "xclr", "similarity": {"type": "wordnet", "measure": measure}})
+                 for measure in ("wup", "path"))
+    assert train_stage_of(wup, shards).inputs["upstream"] != train_stage_of(path, shards).inputs["upstream"]
+
+
+def test_training_lowers_the_loss_and_writes_a_loadable_encoder(animals):
+    spec, _ = animals
+    config = tiny_config(spec)
+    logged = []
+    output = train(config, log=lambda metrics, step: logged.append(step), device="cpu", progress=False)  # shards too
+    steps = [record for record in read_metrics(output.path) if "loss" in record]
+    assert [record["step"] for record in steps] == list(range(1, 13))
+    first, last = (np.mean([r["loss"] for r in steps[i:i + 4]]) for i in (0, 8))
+    assert last < first
+    epochs = [record for record in read_metrics(output.path) if "epoch" in record]
+    assert [record["epoch"] for record in epochs] == [1, 2, 3] and "knn_top1_k5" in epochs[-1]
+    assert logged == sorted(logged) and len(logged) == 15
+    metrics = output.metrics
+    assert metrics["steps"] == 12 and metrics["epochs"] == 3 and 0 <= metrics["knn_top1_k5"] <= 1
+    assert metrics["loss"] == pytest.approx(last)
+    encoder = load_encoder(output.path)
+    assert encoder(torch.zeros(2, 1, 28, 28)).shape == (2, 512)
+    assert torch.load(output.path / "checkpoint.pt", weights_only=True)["step"] == 12
+    assert not (repsim_home() / "scratch" / "train" / output.key).exists()
+    again = train(config, device="cpu", progress=False)
+    assert again.cached and again.key == output.key == train_stage_of(config).key
+
+
+def test_an_interrupted_train_stage_resumes_to_the_same_result(animals, tmp_path):
+    spec, shards = animals
+    config = tiny_config(spec, optim={"epochs": 2})
+    uninterrupted = train(config, out_dir=tmp_path / "uninterrupted", shards=shards, device="cpu", progress=False)
+
+    def crash_at_step_5(metrics: dict, step: int) -> None:
+        if step == 5:
+            raise Crash
+    with pytest.raises(Crash):
+        train(config, out_dir=tmp_path / "resumed", log=crash_at_step_5, shards=shards, device="cpu", progress=False)
+    scratch = repsim_home() / "scratch" / "train" / uninterrupted.key
+    assert (scratch / "checkpoint.pt").is_file() and not (tmp_path / "resumed").exists()
+    resumed = train(config, out_dir=tmp_path / "resumed", shards=shards, device="cpu", progress=False)
+    assert read_metrics(resumed.path) == read_metrics(uninterrupted.path)
+    assert not scratch.exists()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _train_on_rank(rank: int, world: int, port: int, config: dict, shards: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    init_distributed("gloo")
+    try:
+        output, again = (train(Config.model_validate(config), out_dir=Path(out) / "stage", shards=shards,
+                               device="cpu", progress=False) for _ in range(2))
+        (Path(out) / f"rank{rank}.json").write_text(json.dumps(
+            {"key": output.key, "path": str(output.path), "cached": [output.cached, again.cached]}))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_every_torchrun_rank_returns_the_stage_rank_0_wrote(animals, tmp_path):
+    spec, shards = animals
+    config = tiny_config(spec, optim={"epochs": 1}).model_dump(mode="json")
+    mp.spawn(_train_on_rank, args=(2, free_port(), config, str(shards.path), str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert ranks[0]["key"] == ranks[1]["key"] and ranks[0]["path"] == ranks[1]["path"]
+    assert ranks[0]["cached"] == ranks[1]["cached"] == [False, True]
+    steps = [record for record in read_metrics(tmp_path / "stage") if "loss" in record]
+    assert len(steps) == 4  # 64 samples per rank in batches of 16 (half the global batch of 32)
+    assert load_encoder(tmp_path / "stage").feature_dim == 512
+
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU
+
+@cuda
+def test_cuda_train_stage_in_bf16_channels_last_compiled(animals):
+    spec, shards = animals
+    config = tiny_config(spec, model={"small_images": True},
+                         optim={"precision": "auto", "channels_last": True, "compile": True, "num_workers": 2})
+    output = train(config, shards=shards, progress=False)
+    steps = [record for record in read_metrics(output.path) if "loss" in record]
+    first, last = (np.mean([r["loss"] for r in steps[i:i + 4]]) for i in (0, 8))
+    assert len(steps) == 12 and last < first and "knn_top1_k5" in output.metrics
+    assert load_encoder(output.path)(torch.zeros(2, 1, 28, 28)).shape == (2, 512)
+
+
+@cuda
+def test_cuda_shipped_xclr_config_learns_animal_mnist():
+    config = load_config(REPO / "configs" / "xclr.yaml", ["optim.epochs=2", "optim.num_workers=4"])
+    output = train(config, progress=False)
+    assert output.metrics["epochs"] == 2 and output.metrics["knn_top1_k20"] > 0.3  # chance: 0.1

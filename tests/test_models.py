@@ -1,0 +1,64 @@
+"""Backbones and heads: shapes, the small-image stem, gradients, saving and loading encoders."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from repsim.errors import SpecError, StageError
+from repsim.models import ProjectionMLP, load_encoder, resnet, save_encoder
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+@pytest.mark.parametrize("small_images", [True, False])
+def test_resnet_returns_pooled_features(channels, small_images):
+    encoder = resnet("resnet18", small_images=small_images, in_channels=channels)
+    features = encoder(torch.randn(2, channels, 28, 28))
+    assert encoder.feature_dim == 512 and features.shape == (2, 512)
+
+
+def test_resnet50_features_are_2048_wide():
+    encoder = resnet("resnet50", small_images=True, in_channels=1)
+    assert encoder.feature_dim == 2048 and encoder(torch.randn(2, 1, 8, 8)).shape == (2, 2048)
+
+
+def test_small_stem_keeps_the_resolution_through_the_stem():
+    def stem_output(encoder: nn.Module) -> torch.Size:
+        x = torch.randn(1, 1, 28, 28)
+        return encoder.maxpool(encoder.relu(encoder.bn1(encoder.conv1(x)))).shape
+    assert stem_output(resnet("resnet18", small_images=True, in_channels=1)) == (1, 64, 28, 28)
+    assert stem_output(resnet("resnet18", small_images=False, in_channels=1)) == (1, 64, 7, 7)
+
+
+def test_unknown_backbone_names_the_choices():
+    with pytest.raises(SpecError, match="unknown backbone 'resnet19'; use one of resnet18"):
+        resnet("resnet19")
+
+
+@pytest.mark.parametrize("layers", [1, 2, 3])
+def test_projection_shapes_and_blocks(layers):
+    head = ProjectionMLP(16, 32, 8, layers=layers)
+    assert head(torch.randn(4, 16)).shape == (4, 8) and head.out_dim == 8
+    assert sum(isinstance(m, nn.Linear) for m in head) == layers
+    assert sum(isinstance(m, nn.BatchNorm1d) for m in head) == layers - 1
+    assert isinstance(head[-1], nn.Linear) and head[-1].bias is not None  # nothing after the last linear
+
+
+def test_gradients_reach_every_parameter():
+    encoder = resnet("resnet18", small_images=True, in_channels=3)
+    head = ProjectionMLP(encoder.feature_dim, 32, 8)
+    head(encoder(torch.randn(4, 3, 12, 12))).pow(2).sum().backward()
+    for module in (encoder, head):
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in module.parameters())
+
+
+def test_saved_encoder_loads_without_the_training_config(tmp_path):
+    encoder = resnet("resnet18", small_images=True, in_channels=1).eval()
+    save_encoder(encoder, tmp_path / "encoder.pt")
+    loaded = load_encoder(tmp_path)
+    x = torch.randn(2, 1, 12, 12)
+    assert not loaded.training and loaded.feature_dim == 512
+    assert torch.equal(loaded(x), encoder(x))
+    with pytest.raises(StageError, match="no encoder at"):
+        load_encoder(tmp_path / "missing")
