@@ -47,6 +47,29 @@ def cmd_precompute(args: argparse.Namespace) -> None:
         [s["stage"], s["detail"], "yes" if s["cached"] else "no", s["path"]] for s in summaries]))
 
 
+def cmd_eval(args: argparse.Namespace) -> None:
+    import json
+    from pathlib import Path
+
+    from repsim.data import load_spec
+    from repsim.eval.stages import DEFAULT_SUITES, KNN_K, check_evaluation, encoder_source, result_rows
+
+    spec = load_spec(args.spec)  # validate before starting any orchestration
+    suites, knn_k = check_evaluation(args.suites or DEFAULT_SUITES, args.k or KNN_K, labelled=spec.classes is not None)
+    encoder_source(args.encoder)
+    from repsim.flows.evaluate import evaluate_flow
+
+    _quiet_user_errors()
+    outcome = evaluate_flow(spec=args.spec, encoder=args.encoder, suites=list(suites), knn_k=list(knn_k),
+                            batch_size=args.batch_size, device=args.device)
+    print(_table(["stage", "detail", "cached", "output"], [
+        [s["stage"], s["detail"], "yes" if s["cached"] else "no", s["path"]] for s in outcome["stages"]]))
+    rows = result_rows(json.loads(Path(outcome["results"]).read_text()))
+    print()
+    print(_table(["suite", "metric", "value"], [[suite, name, f"{value:.4g}"] for suite, name, value in rows]))
+    print(f"\nresults: {outcome['results']}")
+
+
 def cmd_synsets(args: argparse.Namespace) -> None:
     from repsim.errors import SimilarityError
     from repsim.similarity.wordnet import synsets_for
@@ -58,6 +81,20 @@ def cmd_synsets(args: argparse.Namespace) -> None:
         print(f"{name}:")
         for synset, gloss in candidates:
             print(f"  {synset:<28} {gloss}")
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from repsim.data import load_spec
+    from repsim.methods.config import load_config
+
+    load_spec(load_config(args.config, args.overrides).data.spec)  # validate before orchestration
+    from repsim.flows.train import train_flow
+
+    _quiet_user_errors()
+    summary = train_flow(config=args.config, overrides=args.overrides)
+    rows = [[name, f"{value:.4g}"] for name, value in sorted(summary["metrics"].items())]
+    print(_table(["metric", "value"], rows))
+    print(f"{'cached' if summary['cached'] else 'trained'}: {summary['path']}")
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -105,6 +142,23 @@ def build_parser() -> argparse.ArgumentParser:
     precompute.add_argument("--index", choices=("flat", "ivf", "hnsw"), default="flat",
                             help="FAISS index: exact flat, or approximate ivf/hnsw with measured recall")
     precompute.set_defaults(run=cmd_precompute)
+    evaluate = commands.add_parser(
+        "eval", help="evaluate an encoder on a data spec: kNN, linear probe, diagnostics, plots (cached)")
+    evaluate.add_argument("spec", metavar="SPEC", help="data spec YAML file")
+    evaluate.add_argument("--encoder", default="pixels", metavar="pixels|PATH",
+                          help="'pixels' (raw-pixel baseline, default), a train stage directory or its encoder.pt")
+    evaluate.add_argument("--suite", dest="suites", action="append",
+                          choices=("knn", "linear", "map", "diagnostics", "plots"),
+                          help="evaluation suite, repeatable (default: knn, linear, diagnostics, plots)")
+    evaluate.add_argument("--k", type=int, action="append", help="kNN neighbours, repeatable (default: 10, 20, 200)")
+    evaluate.add_argument("--batch-size", type=int, default=512, help="feature extraction batch size (default: 512)")
+    evaluate.add_argument("--device", help="torch device, e.g. cpu or cuda (default: cuda when present)")
+    evaluate.set_defaults(run=cmd_eval)
+    train = commands.add_parser("train", help="train an experiment config (cached; resumes if interrupted)")
+    train.add_argument("config", metavar="CONFIG", help="experiment config YAML, e.g. configs/xclr.yaml")
+    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config field, e.g. --set optim.lr=0.1 (repeatable)")
+    train.set_defaults(run=cmd_train)
     synsets = commands.add_parser("synsets", help="list WordNet noun synsets for class names (to write specs)")
     synsets.add_argument("names", nargs="+", metavar="NAME", help='a class name, e.g. "Ankle boot"')
     synsets.set_defaults(run=cmd_synsets)

@@ -36,7 +36,5 @@ def log_stage(tracker: Tracker, parent: StageRun, path: Path, state: State,
     """Log a finished stage (its ``stage.json`` at ``path``) as a nested run under ``parent``."""
     record = read_record(path)
     cached = state.name == "Cached" or bool(getattr(state.result(), "cached", False))
-    with tracker.stage_run(parent, record["stage"], record["key"], path, cached) as run:
-        run.log_params({"config": record["config"], "inputs": record["inputs"]})
-        run.log_metrics({**record.get("metrics", {}), "seconds": record.get("seconds", 0.0)})
-        run.log_artifacts([path / "stage.json", *artifacts])
+    with tracker.stage_run(parent.run_id, record["stage"], record["key"], path) as run:
+        run.log_stage_output(path, cached, artifacts)

@@ -21,6 +21,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
 from prefect.runtime import flow_run
 
+from repsim.stage import read_record
 from repsim.tasks.settings import mlflow_artifact_location
 
 EXPERIMENT = "repsim"
@@ -62,6 +63,18 @@ class StageRun:
         for start in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
             self.client.log_batch(self.run_id, params=items[start:start + MAX_PARAMS_TAGS_PER_BATCH])
 
+    def log_stage_output(self, path: Path, cached: bool, artifacts: Iterable[Path] = (),
+                         streamed: Iterable[str] = ()) -> None:
+        """A completed stage (its ``stage.json`` at ``path``): params = resolved config and input keys,
+        metrics = the stage's metrics and seconds, except those ``streamed`` as curves while it ran;
+        ``stage.json`` and ``artifacts`` as artifacts."""
+        record = read_record(path)
+        self.client.set_tag(self.run_id, "repsim.cached", str(cached).lower())
+        self.log_params({"config": record["config"], "inputs": record["inputs"]})
+        summary = {**record.get("metrics", {}), "seconds": record.get("seconds", 0.0)}
+        self.log_metrics({name: value for name, value in summary.items() if name not in set(streamed)})
+        self.log_artifacts([path / "stage.json", *artifacts])
+
     def log_artifacts(self, paths: Iterable[Path]) -> None:
         for path in paths:
             if path.is_file() and path.stat().st_size <= SMALL_ARTIFACT_BYTES:
@@ -102,9 +115,8 @@ class Tracker:
             run.log_params(params)
             yield run
 
-    def stage_run(self, parent: StageRun, stage: str, key: str, path: Path,
-                  cached: bool) -> contextlib.AbstractContextManager[StageRun]:
-        """A nested run for one stage under ``parent``."""
-        return self._run(stage, {MLFLOW_PARENT_RUN_ID: parent.run_id, "repsim.stage": stage,
-                                 "repsim.stage_key": key, "repsim.output": str(path),
-                                 "repsim.cached": str(cached).lower()})
+    def stage_run(self, parent_run_id: str, stage: str, key: str,
+                  path: Path) -> contextlib.AbstractContextManager[StageRun]:
+        """A nested run for one stage under the parent run ``parent_run_id``."""
+        return self._run(stage, {MLFLOW_PARENT_RUN_ID: parent_run_id, "repsim.stage": stage,
+                                 "repsim.stage_key": key, "repsim.output": str(path)})

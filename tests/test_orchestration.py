@@ -68,3 +68,43 @@ def test_unreadable_image_inside_the_flow_is_one_line_and_leaves_nothing(make_im
     assert error.startswith(f"error: cannot read image {root / 'dog' / 'dog-1.png'}")
     assert "Traceback" not in done.stderr, done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_train_flow_streams_curves_to_mlflow_and_caches(make_image_folder, write_spec, tmp_path):
+    root = make_image_folder({"cat": 12, "dog": 12}, size=16)
+    spec = write_spec({"name": "pets", "source": {"type": "image_folder", "root": str(root)},
+                       "classes": {"cat": "cat.n.01", "dog": "dog.n.01"},
+                       "split": {"type": "random", "fractions": {"train": 0.5, "test": 0.5}}})
+    config = tmp_path / "supcon.yaml"
+    config.write_text(f"data: {{spec: {spec}, image_size: 16}}\nmethod: {{name: supcon}}\n")
+    settings = ["--set", "optim.epochs=2", "--set", "optim.batch_size=4", "--set", "optim.num_workers=0",
+                "--set", "optim.warmup_epochs=0", "--set", "monitor.k=3", "--set", "model.projection_dim=16",
+                "--set", "model.projection_hidden_dim=32"]
+    home = tmp_path / "home"
+    first = repsim(home, "train", str(config), *settings)
+    assert first.returncode == 0, first.stderr
+    second = repsim(home, "train", str(config), *settings)
+    assert second.returncode == 0, second.stderr
+    assert "trained: " in first.stdout and "cached: " in second.stdout
+    [output] = [p for p in (home / "artifacts" / "train").iterdir() if not p.name.startswith(".")]
+    assert second.stdout.strip().endswith(str(output))
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("repsim").experiment_id],
+                              filter_string="tags.`repsim.stage` = 'train'", order_by=["attributes.start_time ASC"])
+    assert [run.data.tags["repsim.cached"] for run in runs] == ["false", "true"]
+    trained = runs[0]
+    assert trained.data.tags["repsim.stage_key"] == output.name
+    losses = client.get_metric_history(trained.info.run_id, "loss")
+    assert [m.step for m in losses] == list(range(1, 7))  # 3 batches of 4 per epoch, 2 epochs
+    assert [m.step for m in client.get_metric_history(trained.info.run_id, "knn_top1_k3")] == [3, 6]
+    assert {a.path for a in client.list_artifacts(trained.info.run_id)} >= {"metrics.jsonl", "encoder.pt", "stage.json"}
+    assert trained.data.params["config.method.name"] == "supcon"
+
+
+def test_config_mistake_is_one_line_before_any_orchestration(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("method: {name: xclr, similarity: {type: glove}}\n")
+    done = repsim(tmp_path / "home", "train", str(config))
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and done.stderr.startswith("error: ")
+    assert str(config) in done.stderr and not (tmp_path / "home" / "prefect" / "prefect.db").exists()

@@ -1,0 +1,39 @@
+"""The train stage as a Prefect task; its loss, learning rate and kNN curves stream to MLflow."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import task
+
+from repsim.methods.config import load_config
+from repsim.methods.stage import CHECKPOINT_FILE, METRICS_FILE, train, train_stage_of
+from repsim.models.backbones import ENCODER_FILE
+from repsim.stage import Stage, StageOutput
+from repsim.tasks.stage import stage_cache_key
+from repsim.tasks.tracking import Tracker
+
+ARTIFACTS = (METRICS_FILE, ENCODER_FILE, CHECKPOINT_FILE)
+
+
+def plan_train(config: str, overrides: list[str], parent_run_id: str | None = None) -> tuple[Stage, Path]:
+    """The train stage of a config file with ``--set`` overrides (its shards must exist)."""
+    stage = train_stage_of(load_config(config, overrides))
+    return stage, stage.default_dir()
+
+
+@task(name="train", cache_key_fn=stage_cache_key(plan_train), persist_result=True)
+def train_task(config: str, overrides: list[str], parent_run_id: str) -> StageOutput:
+    """Train (or find cached) the config, logging to a nested MLflow run under ``parent_run_id``."""
+    resolved = load_config(config, overrides)
+    stage = train_stage_of(resolved)
+    streamed: set[str] = set()
+    with Tracker().stage_run(parent_run_id, stage.name, stage.key, stage.default_dir()) as run:
+
+        def log(metrics: dict[str, float], step: int) -> None:
+            streamed.update(metrics)
+            run.log_metrics(metrics, step)
+
+        output = train(resolved, log=log)
+        run.log_stage_output(output.path, output.cached, [output.path / name for name in ARTIFACTS], streamed)
+    return output
