@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -87,7 +88,13 @@ def cmd_train(args: argparse.Namespace) -> None:
     from repsim.data import load_spec
     from repsim.methods.config import load_config
 
-    load_spec(load_config(args.config, args.overrides).data.spec)  # validate before orchestration
+    config = load_config(args.config, args.overrides)
+    load_spec(config.data.spec)  # validate before orchestration
+    if int(os.environ.get("RANK", "0")) > 0:  # under torchrun, rank 0 orchestrates; the others train alongside
+        from repsim.methods.stage import train
+
+        train(config, progress=False)
+        return
     from repsim.flows.train import train_flow
 
     _quiet_user_errors()
