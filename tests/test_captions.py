@@ -64,8 +64,15 @@ def test_rows_are_unit_norm_and_can_fill_a_float16_memmap(tmp_path):
     np.testing.assert_allclose(stored, reference(CAPTIONS), atol=2e-3)
 
 
-def test_no_captions_give_an_empty_matrix():
-    assert embed_captions([], model=SpyModel()).shape == (0, 8)
+def test_no_captions_is_a_one_line_error():
+    with pytest.raises(SimilarityError, match="no captions to embed; pass at least one caption") as err:
+        embed_captions([], model=SpyModel())
+    assert "\n" not in str(err.value)
+
+
+def test_a_caption_that_is_not_text_is_named():
+    with pytest.raises(SimilarityError, match="caption 1 is NoneType, not a string"):
+        embed_captions(["a photo of a dog.", None], model=SpyModel())
 
 
 @pytest.mark.slow

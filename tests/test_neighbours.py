@@ -1,11 +1,18 @@
 """FAISS neighbour lists: exact search equals brute force, self is excluded, approximate recall is high."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
+import torch
 
+from repsim.data.sources import read_idx
 from repsim.errors import SimilarityError
 from repsim.similarity.neighbours import (build_index, default_nlist, load_neighbours, nearest_neighbours,
                                           recall_at_k, save_neighbours)
+
+
+FASHION_TRAIN_IMAGES = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
 
 
 def points(n: int, dim: int = 16, seed: int = 0) -> np.ndarray:
@@ -104,8 +111,47 @@ def test_index_kinds_and_parameters():
 
 
 def test_too_many_neighbours_is_an_error():
-    with pytest.raises(SimilarityError, match="cannot find 10 neighbours among 9 other points"):
+    with pytest.raises(SimilarityError, match="cannot find 10 neighbours among 9 other points; choose k from 1 to 9"):
         nearest_neighbours(points(10), 10)
+    with pytest.raises(SimilarityError, match="cannot find 11 neighbours among 10 points"):
+        nearest_neighbours(points(10), 11, query=points(3, seed=1))
+    with pytest.raises(SimilarityError, match="cannot find 0 neighbours"):
+        nearest_neighbours(points(10), 0)
+    assert nearest_neighbours(points(10), 10, query=points(3, seed=1))[0].shape == (3, 10)
+    assert nearest_neighbours(points(10), 10, exclude_self=False)[0].shape == (10, 10)
+
+
+def with_value(x: np.ndarray, row: int, value: float) -> np.ndarray:
+    x = x.copy()
+    x[row, 3] = value
+    return x
+
+
+BAD_POINTS = {
+    "nan": (with_value(points(50), 7, np.nan), "vectors hold NaN or infinite values in 1 rows \\(first: row 7\\)"),
+    "inf": (with_value(points(50), 9, -np.inf), "NaN or infinite values in 1 rows \\(first: row 9\\)"),
+    "one-dimensional": (points(50)[0], "vectors must be \\(N, D\\), not \\(16,\\)"),
+    "three-dimensional": (points(50).reshape(5, 10, 16), "must be \\(N, D\\), not \\(5, 10, 16\\)"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_POINTS, ids=str)
+def test_unusable_points_are_a_one_line_error(case):
+    x, message = BAD_POINTS[case]
+    for search in (lambda: build_index(x, "ivf"), lambda: nearest_neighbours(x, 3, kind="hnsw")):
+        with pytest.raises(SimilarityError, match=message) as err:
+            search()
+        assert "\n" not in str(err.value)
+
+
+def test_unusable_queries_are_a_one_line_error():
+    x = points(50)
+    with pytest.raises(SimilarityError, match="queries have 8 dimensions but the indexed points have 16; embed"):
+        nearest_neighbours(x, 3, query=points(4, dim=8))
+    with pytest.raises(SimilarityError, match="queries hold NaN or infinite values in 1 rows \\(first: row 2\\)"):
+        nearest_neighbours(x, 3, query=with_value(points(4), 2, np.nan))
+    with pytest.raises(SimilarityError, match="queries must be \\(N, D\\)"):
+        nearest_neighbours(x, 3, query=points(4)[0])
 
 
 def test_neighbour_lists_round_trip_through_npy(tmp_path):
@@ -116,3 +162,43 @@ def test_neighbour_lists_round_trip_through_npy(tmp_path):
     assert loaded_ids.dtype == np.int64 and loaded_distances.dtype == np.float32
     with pytest.raises(SimilarityError, match="holds no neighbour list"):
         load_neighbours(tmp_path / "elsewhere")
+
+
+@pytest.fixture(scope="module")
+def fashion_embeddings() -> np.ndarray:
+    """20000 Fashion-MNIST training images as unit rows of a fixed random projection to 96 dims."""
+    if not FASHION_TRAIN_IMAGES.is_file():
+        pytest.skip("Fashion-MNIST is not installed (apt-get install dataset-fashion-mnist)")
+    pixels = read_idx(FASHION_TRAIN_IMAGES)[:20000].reshape(20000, -1).astype(np.float32)
+    projection = np.random.default_rng(0).normal(size=(pixels.shape[1], 96)).astype(np.float32)
+    x = pixels @ projection
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ivf", "hnsw"])
+def test_default_approximate_indexes_reach_recall_095_on_image_embeddings(fashion_embeddings, kind):
+    exact, _ = nearest_neighbours(fashion_embeddings, 10, metric="ip")
+    approx, _ = nearest_neighbours(fashion_embeddings, 10, kind=kind, metric="ip")
+    assert recall_at_k(approx, exact) >= 0.95
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("metric", ["l2", "ip"])
+def test_flat_search_equals_torch_topk_on_image_embeddings(fashion_embeddings, metric):
+    """Same neighbours as ``torch.topk`` over the full similarity matrix; where the k-th and
+    (k+1)-th similarities tie, either id may be listed, so only the similarities are compared there."""
+    k, x = 10, fashion_embeddings
+    queries = x[np.random.default_rng(1).choice(len(x), 2000, replace=False)]
+    ids, _ = nearest_neighbours(x, k, metric=metric, query=queries)
+    database, query_rows = torch.from_numpy(x).double(), torch.from_numpy(queries).double()
+    similarity = query_rows @ database.T
+    if metric == "l2":  # minus squared distance, up to a per-query constant
+        similarity = 2 * similarity - (database ** 2).sum(1)
+    top = torch.topk(similarity, k + 1, dim=1)
+    picked = torch.gather(similarity, 1, torch.from_numpy(ids))
+    torch.testing.assert_close(picked, top.values[:, :k], rtol=0, atol=1e-5)
+    clear_cut = (top.values[:, k - 1] - top.values[:, k] > 1e-5).numpy()
+    assert clear_cut.mean() > 0.9
+    torch_sets = np.sort(top.indices[:, :k].numpy()[clear_cut], axis=1)
+    assert np.array_equal(np.sort(ids[clear_cut], axis=1), torch_sets)

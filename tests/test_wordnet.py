@@ -147,3 +147,17 @@ def test_shipped_spec_synsets_exist(spec):
     for name, synset in classes.items():
         assert lookup(synset).pos() == "n", name
     assert class_similarity(list(classes.values())).shape == (len(classes),) * 2
+
+
+def test_animal_mnist_wup_matrix_ranks_the_animals_as_expected():
+    classes = yaml.safe_load((SPECS / "animal-mnist.yaml").read_text())["classes"]
+    matrix = class_similarity(list(classes.values()), "wup")
+    assert np.array_equal(matrix, matrix.T)
+    assert np.all(np.diag(matrix) == 1.0)
+    row = {name: i for i, name in enumerate(classes)}
+
+    def similarity(a: str, b: str) -> float:
+        return matrix[row[a], row[b]]
+
+    assert similarity("horse", "zebra") > similarity("horse", "bird")
+    assert similarity("dog", "cat") > similarity("dog", "elephant")

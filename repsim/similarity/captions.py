@@ -64,6 +64,7 @@ def embed_captions(texts: Sequence[str], model: Any = None, batch_size: int = 25
     ``np.lib.format.open_memmap``, receives the rows instead of a new array, so N x D never has to
     fit in memory.
     """
+    _check_texts(texts)
     encoder = model if hasattr(model, "encode") else load_text_model(model, device)
     unique, inverse = _deduplicate(texts)
     if out is None:
@@ -75,6 +76,16 @@ def embed_captions(texts: Sequence[str], model: Any = None, batch_size: int = 25
             out[rows] = embeddings[slots]
             bar.update(len(chosen))
     return out
+
+
+def _check_texts(texts: Sequence[str]) -> None:
+    """Refuse an empty caption list or one holding anything but strings."""
+    if len(texts) == 0:
+        raise SimilarityError("no captions to embed", "pass at least one caption")
+    not_text = next((row for row, text in enumerate(texts) if not isinstance(text, str)), None)
+    if not_text is not None:
+        raise SimilarityError(f"caption {not_text} is {type(texts[not_text]).__name__}, not a string",
+                              "give every sample a text caption")
 
 
 def _longest_first_batches(unique: list[str], inverse: np.ndarray, batch_size: int):

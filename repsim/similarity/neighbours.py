@@ -36,10 +36,18 @@ def gpu_available() -> bool:
     return _faiss().get_num_gpus() > 0
 
 
-def _as_float32(x: np.ndarray) -> np.ndarray:
+def _checked_vectors(x: np.ndarray, name: str = "vectors", dim: int | None = None) -> np.ndarray:
+    """``x`` as contiguous float32 (N, D), refused unless 2-D, finite and, given ``dim``, D == dim."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2:
-        raise SimilarityError(f"vectors must be (N, D), not {x.shape}", "pass one row per point")
+        raise SimilarityError(f"{name} must be (N, D), not {x.shape}", "pass one row per point")
+    if dim is not None and x.shape[1] != dim:
+        raise SimilarityError(f"{name} have {x.shape[1]} dimensions but the indexed points have {dim}",
+                              "embed queries and points with the same model")
+    bad_rows = np.flatnonzero(~np.isfinite(x).all(axis=1))
+    if len(bad_rows):
+        raise SimilarityError(f"{name} hold NaN or infinite values in {len(bad_rows)} rows "
+                              f"(first: row {bad_rows[0]})", "drop or repair those rows first")
     return x
 
 
@@ -62,7 +70,7 @@ def build_index(x: np.ndarray, kind: str = "flat", metric: str = "l2", nlist: in
     if kind not in INDEX_KINDS or metric not in METRICS:
         raise SimilarityError(f"unknown index {kind!r} / metric {metric!r}",
                               f"kind is one of {', '.join(INDEX_KINDS)}; metric one of {', '.join(METRICS)}")
-    x = _as_float32(x)
+    x = _checked_vectors(x)
     on_gpu = _resolve_gpu(use_gpu, kind)
     faiss_metric = faiss.METRIC_L2 if metric == "l2" else faiss.METRIC_INNER_PRODUCT
     dim = x.shape[1]
@@ -104,14 +112,16 @@ def nearest_neighbours(x: np.ndarray, k: int, kind: str = "flat", metric: str = 
     of its list. A point with exact duplicates keeps them: its own id is removed wherever it ranks,
     or, when a tie pushed it out of the k + 1 found, the last of those is dropped. ``index_options``
     go to :func:`build_index`; queries are searched ``batch_size`` at a time. Ids are -1 where an
-    approximate index found fewer than k points.
+    approximate index found fewer than k points. Points and queries must be finite rows of one
+    width, and k at most the number of candidates; anything else is a one-line SimilarityError.
     """
-    x = _as_float32(x)
+    x = _checked_vectors(x)
     skip_self = query is None and exclude_self
-    queries = x if query is None else _as_float32(query)
-    if k < 1 or k + skip_self > len(x):
-        raise SimilarityError(f"cannot find {k} neighbours among {len(x) - skip_self} other points",
-                              "choose a smaller k")
+    queries = x if query is None else _checked_vectors(query, "queries", dim=x.shape[1])
+    pool = len(x) - skip_self
+    if not 1 <= k <= pool:
+        raise SimilarityError(f"cannot find {k} neighbours among {pool}{' other' if skip_self else ''} points",
+                              f"choose k from 1 to {pool}" if pool else "index more points")
     index = build_index(x, kind=kind, metric=metric, **index_options)
     ids = np.empty((len(queries), k), dtype=np.int64)
     distances = np.empty((len(queries), k), dtype=np.float32)
