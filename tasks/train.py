@@ -8,12 +8,13 @@ from prefect import task
 
 from repsim.methods.config import load_config
 from repsim.methods.stage import CHECKPOINT_FILE, METRICS_FILE, train, train_stage_of
+from repsim.methods.xclr import TARGET_HISTOGRAM_FILE
 from repsim.models.backbones import ENCODER_FILE
 from repsim.stage import Stage, StageOutput
 from repsim.tasks.stage import stage_cache_key
 from repsim.tasks.tracking import Tracker
 
-ARTIFACTS = (METRICS_FILE, ENCODER_FILE, CHECKPOINT_FILE)
+ARTIFACTS = (METRICS_FILE, ENCODER_FILE, CHECKPOINT_FILE, TARGET_HISTOGRAM_FILE)  # those that exist
 
 
 def plan_train(config: str, overrides: list[str], parent_run_id: str | None = None) -> tuple[Stage, Path]:

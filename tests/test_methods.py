@@ -349,3 +349,14 @@ def test_cuda_shipped_xclr_config_learns_animal_mnist():
     config = load_config(REPO / "configs" / "xclr.yaml", ["optim.epochs=2", "optim.num_workers=4"])
     output = train(config, progress=False)
     assert output.metrics["epochs"] == 2 and output.metrics["knn_top1_k20"] > 0.3  # chance: 0.1
+
+
+def test_an_xclr_train_stage_writes_the_histogram_of_its_target_similarities(animals, tmp_path):
+    spec, shards = animals
+    config = tiny_config(spec, {"name": "xclr", "similarity": {"type": "wordnet"}}, optim={"epochs": 1},
+                         monitor={"knn": False})
+    output = train(config, out_dir=tmp_path / "xclr", shards=shards, device="cpu", progress=False)
+    assert (output.path / "target_similarity.png").read_bytes().startswith(b"\x89PNG")
+    baseline = train(tiny_config(spec, {"name": "simclr"}, optim={"epochs": 1}, monitor={"knn": False}),
+                     out_dir=tmp_path / "simclr", shards=shards, device="cpu", progress=False)
+    assert not (baseline.path / "target_similarity.png").exists()

@@ -66,5 +66,5 @@ def view_pairs(z1: torch.Tensor, z2: torch.Tensor, temperature: float, gather: b
     local_ids = torch.arange(batch, device=z1.device) + offset
     row_ids = torch.cat([local_ids, local_ids + global_batch])
     logits = torch.cat([z1, z2]) @ torch.cat([all1, all2]).T / temperature
-    logits = logits.scatter(1, row_ids[:, None], float("-inf"))
+    logits = logits.scatter(1, row_ids[:, None], torch.finfo(logits.dtype).min)
     return ViewPairs(logits, row_ids, global_batch)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from repsim.losses._pairs import at_least_float32, view_pairs
@@ -36,9 +37,9 @@ class XCLRLoss(nn.Module):
         size = pairs.global_batch
         if similarity.shape != (size, size):
             raise ValueError(f"similarity must be ({size}, {size}) for this batch; got {tuple(similarity.shape)}")
-        similarity = at_least_float32(similarity).clone().fill_diagonal_(1.0)
-        mask = pairs.self_mask
-        target_logits = similarity.repeat(2, 2)[pairs.row_ids] / self.target_temperature
-        target = target_logits.masked_fill(mask, float("-inf")).softmax(dim=1)
-        log_prediction = pairs.logits.log_softmax(dim=1).masked_fill(mask, 0.0)
-        return -(target * log_prediction).sum(dim=1).mean()
+        target_logits = (at_least_float32(similarity) / self.target_temperature).fill_diagonal_(
+            1.0 / self.target_temperature).repeat(2, 2)
+        if pairs.logits.shape[1] != pairs.logits.shape[0]:  # gathered: this rank's rows only
+            target_logits = target_logits[pairs.row_ids]
+        target = target_logits.scatter_(1, pairs.row_ids[:, None], float("-inf")).softmax(dim=1)
+        return F.cross_entropy(pairs.logits, target)

@@ -6,6 +6,8 @@ Output (``$REPSIM_HOME/artifacts/train/<key>/`` unless given), besides ``stage.j
 - ``checkpoint.pt``: the final training checkpoint (method, optimizer, progress, RNG states);
 - ``metrics.jsonl``: one JSON object per line, ``{"step", "loss", "lr", ...}`` per step and
   ``{"step", "epoch", "knn_top1_k{k}", ...}`` per epoch.
+- the method's figures of training, if its module has ``write_figures(method, out)`` (X-CLR:
+  ``target_similarity.png``, the histogram of the first batches' target similarities).
 
 ``stage.json`` metrics: ``loss`` (mean over the last epoch), ``final_loss`` (last step), ``steps``,
 ``epochs`` and the last kNN accuracies. The key covers the config without the settings that do not
@@ -80,8 +82,8 @@ class TrainingData:
 
 
 def method_module(name: str) -> ModuleType:
-    """The module of method ``name``: ``build(config, data) -> Method`` and optionally
-    ``upstream(config, data) -> Upstream | None``."""
+    """The module of method ``name``: ``build(config, data) -> Method``, optionally
+    ``upstream(config, data) -> Upstream | None`` and ``write_figures(method, out)``."""
     return importlib.import_module(f"repsim.methods.{name}")
 
 
@@ -217,8 +219,15 @@ def _builder(config: Config, data: TrainingData, scratch: Path, log: LogFn | Non
         shutil.copyfile(scratch / CHECKPOINT_FILE, out / CHECKPOINT_FILE)
         shutil.copyfile(metrics.path, out / METRICS_FILE)
         save_encoder(method.encoder, out / ENCODER_FILE)
+        _write_figures(config, method, out)
         return summarise(out / METRICS_FILE, trainer.steps_per_epoch)
     return build
+
+
+def _write_figures(config: Config, method: Method, out: Path) -> None:
+    write = getattr(method_module(config.method.name), "write_figures", None)
+    if write is not None:
+        write(method, out)
 
 
 def _train_loader(config: Config, data: TrainingData, device: torch.device) -> ShardLoader:

@@ -10,12 +10,14 @@ are gathered from every rank, so the source answers for the global batch in rank
 from __future__ import annotations
 
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 import torch
 from torch import nn
 
+from repsim.eval.plots import histogram_plot
 from repsim.losses import XCLRLoss
 from repsim.losses._pairs import gather_no_grad
 from repsim.methods.config import Config, Similarity
@@ -29,13 +31,16 @@ from repsim.similarity.stages import (EMBEDDINGS_FILE, SIMILARITY_FILE, embed_ca
 
 RESIDENT_EMBEDDING_BYTES = 1 << 30  # caption tables up to 1 GiB are copied to the device once
 CLASS_LEVEL = ("wordnet", "labels", "matrix")
+TARGET_HISTOGRAM_FILE = "target_similarity.png"
+TARGET_HISTOGRAM_BATCHES = 10
 
 
 class XCLR(TwoViewMethod):
     """Backbone + projection trained with :class:`XCLRLoss` towards ``source``'s similarities.
 
     ``training_step`` returns ``loss`` and ``target_similarity``, the mean similarity between
-    different samples of the (global) batch.
+    different samples of the (global) batch. ``target_samples`` keeps the off-diagonal similarities
+    of the first TARGET_HISTOGRAM_BATCHES batches this instance trained on (on the CPU).
     """
 
     def __init__(self, encoder: nn.Module, projector: nn.Module, source: SimilaritySource,
@@ -43,16 +48,31 @@ class XCLR(TwoViewMethod):
         super().__init__(encoder, projector)
         self.source = source
         self.loss = XCLRLoss(temperature, target_temperature, gather=True)
+        self.target_samples: list[torch.Tensor] = []
 
     def training_step(self, batch: Batch) -> dict[str, torch.Tensor]:
         z1, z2 = self.project_views(batch)
         similarity = self.source(gather_no_grad(batch["index"], True), gather_no_grad(batch["label"], True))
+        if len(self.target_samples) < TARGET_HISTOGRAM_BATCHES:
+            self.target_samples.append(_off_diagonal(similarity).float().cpu())
         return {"loss": self.loss(z1, z2, similarity), "target_similarity": _mean_off_diagonal(similarity)}
+
+
+def _off_diagonal(matrix: torch.Tensor) -> torch.Tensor:
+    return matrix[~torch.eye(len(matrix), dtype=torch.bool, device=matrix.device)]
 
 
 def _mean_off_diagonal(matrix: torch.Tensor) -> torch.Tensor:
     size = len(matrix)
     return (matrix.sum() - matrix.diagonal().sum()) / max(1, size * (size - 1))
+
+
+def write_figures(method: XCLR, out: Path) -> None:
+    """``target_similarity.png`` in ``out``: the histogram of ``method.target_samples`` (no file when
+    this instance trained no step)."""
+    if method.target_samples:
+        histogram_plot(torch.cat(method.target_samples), out / TARGET_HISTOGRAM_FILE,
+                       title="X-CLR target similarities (first batches)", xlabel="similarity of samples i ≠ j")
 
 
 def upstream(config: Config, data: TrainingData) -> Upstream | None:
