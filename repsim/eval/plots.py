@@ -1,4 +1,5 @@
-"""PNG figures of evaluation results: t-SNE of features, confusion matrix, histogram.
+"""PNG figures of evaluation results: t-SNE of features, confusion matrix, histogram, and the
+heat map of any (C, C) matrix in [0, 1] that they share with the WordNet stage.
 
 Figures are drawn on matplotlib's Agg canvas without pyplot, so nothing global changes and no
 display is needed. Each function writes ``path`` (creating its folder) and returns it.
@@ -18,9 +19,10 @@ from repsim.errors import EvalError
 from repsim.eval._checks import ArrayLike, as_features, as_labels, count_classes
 
 DPI = 120
-ANNOTATE_MAX_CLASSES = 20  # write each cell's rate up to this many classes
+ANNOTATE_MAX_CLASSES = 20  # write each cell's value up to this many classes
 TICK_LABELS_MAX_CLASSES = 50
 MAX_FIGURE_INCHES = 16
+LUMINANCE = np.array([0.299, 0.587, 0.114])  # perceived brightness of RGB
 
 
 def tsne_plot(features: ArrayLike, labels: ArrayLike, path: str | Path, *, class_names: Sequence[str] | None = None,
@@ -38,7 +40,7 @@ def tsne_plot(features: ArrayLike, labels: ArrayLike, path: str | Path, *, class
         rows = np.sort(np.random.default_rng(seed).choice(len(rows), max_points, replace=False))
     points = features[rows].double().cpu().numpy()
     if points.shape[1] > 50:
-        points = PCA(50, random_state=seed).fit_transform(points)
+        points = PCA(min(50, len(points)), random_state=seed).fit_transform(points)
     perplexity = min(30.0, (len(points) - 1) / 3)
     embedded = TSNE(2, perplexity=perplexity, init="pca", random_state=seed).fit_transform(points)
     figure = Figure(figsize=(7, 6))
@@ -66,20 +68,36 @@ def confusion_matrix_plot(labels: ArrayLike, predictions: ArrayLike, path: str |
     labels, predictions = labels.numpy(), predictions.numpy()
     counts = np.bincount(labels * num_classes + predictions, minlength=num_classes**2).reshape(num_classes, -1)
     rates = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
-    side = min(1 + 0.5 * num_classes, MAX_FIGURE_INCHES)
-    figure = Figure(figsize=(side + 0.5, side))
+    names = [_class_name(class_names, c) for c in range(num_classes)]
+    return matrix_plot(rates, path, names=names, title=title, xlabel="predicted", ylabel="true", cmap="Blues")
+
+
+def matrix_plot(matrix: ArrayLike, path: str | Path, *, names: Sequence[str] | None = None, title: str = "",
+                xlabel: str = "", ylabel: str = "", cmap: str = "viridis") -> Path:
+    """A square (C, C) matrix of values in [0, 1] as a heat map with a colour bar.
+
+    ``names`` label the rows and columns (shown up to TICK_LABELS_MAX_CLASSES); each cell shows its
+    value up to ANNOTATE_MAX_CLASSES, in white on dark cells and black on light ones.
+    """
+    matrix = np.asarray(matrix, dtype=np.float64)
+    if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1] or matrix.size == 0:
+        raise EvalError(f"matrix has shape {matrix.shape}, expected (C, C)", "pass a non-empty square matrix")
+    size = len(matrix)
+    side = min(2 + 0.45 * size, MAX_FIGURE_INCHES)
+    figure = Figure(figsize=(side + 1, side))
     axes = figure.add_subplot()
-    image = axes.imshow(rates, cmap="Blues", vmin=0, vmax=1)
+    image = axes.imshow(matrix, cmap=cmap, vmin=0, vmax=1)
     figure.colorbar(image, ax=axes, fraction=0.046)
-    axes.set(title=title, xlabel="predicted", ylabel="true")
-    if num_classes <= TICK_LABELS_MAX_CLASSES:
-        names = [_class_name(class_names, c) for c in range(num_classes)]
-        axes.set_xticks(range(num_classes), names, rotation=90)
-        axes.set_yticks(range(num_classes), names)
-    if num_classes <= ANNOTATE_MAX_CLASSES:
-        for (true, predicted), rate in np.ndenumerate(rates):
-            axes.text(predicted, true, f"{rate:.2f}", ha="center", va="center", fontsize="x-small",
-                      color="white" if rate > 0.5 else "black")
+    axes.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    if names is not None and size <= TICK_LABELS_MAX_CLASSES:
+        axes.set_xticks(range(size), names, rotation=90)
+        axes.set_yticks(range(size), names)
+    if size <= ANNOTATE_MAX_CLASSES:
+        colours = image.cmap(image.norm(matrix))
+        for (row, column), value in np.ndenumerate(matrix):
+            dark = colours[row, column, :3] @ LUMINANCE < 0.5
+            axes.text(column, row, f"{value:.2f}", ha="center", va="center", fontsize="x-small",
+                      color="white" if dark else "black")
     return _save(figure, path)
 
 

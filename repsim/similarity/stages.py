@@ -47,8 +47,6 @@ SIMILARITY_FILE = "similarity.npy"
 CLASSES_FILE = "classes.json"
 HEAT_MAP_FILE = "similarity.png"
 RECALL_QUERIES = 1000
-TICK_LABELS_MAX_CLASSES = 50
-HEAT_MAP_MAX_INCHES = 16
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,27 +149,12 @@ def _write_class_similarity(classes: dict[str, str], measure: str, progress: boo
     np.save(out / SIMILARITY_FILE, matrix.astype(np.float32))
     listed = [{"name": name, "synset": synset} for name, synset in classes.items()]
     (out / CLASSES_FILE).write_text(json.dumps(listed, indent=2))
-    _heat_map(matrix, list(classes), f"WordNet {measure} similarity", out / HEAT_MAP_FILE)
+    from repsim.eval.plots import matrix_plot  # matplotlib loads only when a heat map is drawn
+
+    matrix_plot(matrix, out / HEAT_MAP_FILE, names=list(classes), title=f"WordNet {measure} similarity")
     off_diagonal = matrix[~np.eye(len(matrix), dtype=bool)]
     mean = {"mean_off_diagonal": float(off_diagonal.mean())} if off_diagonal.size else {}
     return {"classes": len(matrix), **mean}
-
-
-def _heat_map(matrix: np.ndarray, names: list[str], title: str, path: Path) -> None:
-    """A (C, C) matrix in [0, 1] as a PNG, drawn on matplotlib's Agg canvas without pyplot."""
-    from matplotlib.figure import Figure
-
-    side = min(2 + 0.4 * len(names), HEAT_MAP_MAX_INCHES)
-    figure = Figure(figsize=(side + 1, side))
-    axes = figure.add_subplot()
-    image = axes.imshow(matrix, cmap="viridis", vmin=0, vmax=1)
-    figure.colorbar(image, ax=axes, fraction=0.046)
-    axes.set_title(title)
-    if len(names) <= TICK_LABELS_MAX_CLASSES:
-        axes.set_xticks(range(len(names)), names, rotation=90)
-        axes.set_yticks(range(len(names)), names)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120, format="png")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,452 @@
+"""The evaluation stages: features of a frozen encoder, and the evaluation suites run on them, each a
+cached stage with the contract of :mod:`repsim.stage`.
+
+Output directories (``$REPSIM_HOME/artifacts/<stage>/<key>/`` unless given), besides ``stage.json``:
+
+- ``features``: ``features.npy`` (N, F) float32, one row per sample of one split in manifest order,
+  with ``labels.npy`` (N,) int64 (-1 when unlabelled) and ``indices.npy`` (N,) int64 (manifest rows)
+  aligned with it, and ``classes.json`` (``[{"name", "synset"}]`` in label order; empty when the data
+  has no classes). The key covers the shard key, the encoder (``pixels``, the train stage key, or an
+  encoder file's path, size and time), the split, the eval view (size and normalisation) and
+  the precision (bfloat16 autocast for a model on a GPU, else float32); batch size does not change it.
+- ``evaluate``: ``results.json`` — ``{"suites": {suite: {metric: value}}, "seconds": {suite: s},
+  "samples": {"train": N, "test": M}}`` — and the figures of the suites that ran:
+  ``knn_confusion.png`` (kNN predictions on the test split at k=20, or the smallest k when 20 is not
+  asked for), ``similarity_histogram.png`` (cosine similarities between test features) and
+  ``tsne.png`` (test features coloured by class). Stage metrics: every metric, ``seconds_<suite>``,
+  ``samples_train`` and ``samples_test``.
+
+Encoders: ``"pixels"`` flattens the normalised eval view (the raw-pixel baseline); anything else is
+a train stage directory or an encoder file written by :func:`repsim.models.save_encoder`. A train
+stage's encoder sees the view size and normalisation it was trained with, unless told otherwise.
+
+Suites (:data:`SUITES`; metric names as in :mod:`repsim.eval`), all on the test split unless said:
+``knn`` (train as memory), ``linear`` (probe fitted on train), ``map`` (mAP@R), ``diagnostics``,
+``plots`` (t-SNE), ``zeroshot`` (needs a :class:`TextEncoder`) and ``retrieval`` (image↔caption
+recall; needs the caption stage's embeddings, in the same space as the image features).
+
+Every stage has a planner (``*_stage_of``) that gives its :class:`~repsim.stage.Stage`, and thus its
+key, without doing the work.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+from tqdm.auto import tqdm
+
+from repsim.data.loader import make_loader
+from repsim.data.sharding import ShardResult
+from repsim.errors import EvalError
+from repsim.eval._checks import ArrayLike, as_ks, resolve_device
+from repsim.eval.diagnostics import embedding_diagnostics
+from repsim.eval.knn import knn_rankings, top_k_accuracy
+from repsim.eval.linear import linear_probe
+from repsim.eval.retrieval import map_at_r, paired_retrieval
+from repsim.eval.zeroshot import zero_shot_accuracy, zero_shot_classifier
+from repsim.models.backbones import ENCODER_FILE, load_encoder
+from repsim.similarity.stages import CLASSES_FILE, EMBEDDINGS_FILE
+from repsim.stage import Stage, StageOutput, fingerprint_files, read_record, run_stage
+
+STAGE_VERSION = "1"
+PIXELS = "pixels"
+FEATURES_FILE = "features.npy"
+LABELS_FILE = "labels.npy"
+INDICES_FILE = "indices.npy"
+RESULTS_FILE = "results.json"
+CONFUSION_FILE = "knn_confusion.png"
+HISTOGRAM_FILE = "similarity_histogram.png"
+TSNE_FILE = "tsne.png"
+SUITES = ("knn", "linear", "map", "diagnostics", "plots", "zeroshot", "retrieval")
+DEFAULT_SUITES = ("knn", "linear", "diagnostics", "plots")
+LABELLED_SUITES = frozenset({"knn", "linear", "map", "plots", "zeroshot"})
+KNN_K = (10, 20, 200)
+CONFUSION_K = 20
+HISTOGRAM_SAMPLES = 2000
+VIEW_OPTIONS = ("mean", "std")  # the training preset options that the eval view shares
+
+ShardsLike = ShardResult | str | Path
+StageLike = StageOutput | str | Path  # a stage output or its directory
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoders
+
+@dataclass(frozen=True)
+class EncoderSource:
+    """An encoder to extract features with: ``file`` None for raw pixels; ``key`` names its weights
+    in stage keys; ``image_size`` and ``view_options`` are the eval view its training used."""
+
+    file: Path | None
+    key: str
+    image_size: int | None = None
+    view_options: dict[str, Any] = field(default_factory=dict)
+
+
+def encoder_source(encoder: str | Path) -> EncoderSource:
+    """``"pixels"``, a train stage directory, or an encoder file (a train stage's or any other)."""
+    if str(encoder) == PIXELS:
+        return EncoderSource(None, PIXELS)
+    path = Path(encoder).expanduser().resolve()
+    file = path / ENCODER_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise EvalError(f"encoder {encoder} does not exist" + (f" (no {ENCODER_FILE} inside)" if path.is_dir() else ""),
+                        f"pass '{PIXELS}', a train stage directory or its {ENCODER_FILE}")
+    record = read_record(file.parent) if file.name == ENCODER_FILE else None
+    if record is None or record.get("stage") != "train":
+        return EncoderSource(file, fingerprint_files([file]))
+    data = record["config"].get("data", {})
+    options = {name: value for name, value in data.get("preset_options", {}).items() if name in VIEW_OPTIONS}
+    return EncoderSource(file, record["key"], data.get("image_size"), options)
+
+
+def _load_model(source: EncoderSource, device: torch.device) -> torch.nn.Module:
+    try:
+        return load_encoder(source.file, device)
+    except (pickle.UnpicklingError, RuntimeError, KeyError, TypeError, ValueError, EOFError, OSError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise EvalError(f"cannot load encoder {source.file} ({reason})",
+                        "pass an encoder written by the train stage (repsim.models.save_encoder)") from None
+
+
+def _precision(source: EncoderSource, device: torch.device) -> str:
+    return "bfloat16" if source.file is not None and device.type == "cuda" else "float32"
+
+
+# ---------------------------------------------------------------------------------------------
+# Feature extraction
+
+def extract_features(shards: ShardsLike, encoder: str | Path = PIXELS, split: str = "test", batch_size: int = 512,
+                     device: str | torch.device | None = None, *, image_size: int | None = None,
+                     preset_options: Mapping[str, Any] | None = None, num_workers: int = 0,
+                     out_dir: str | Path | None = None, progress: bool = True) -> StageOutput:
+    """Features (N, F) of every ``split`` sample of ``shards`` under ``encoder``, or the cached output.
+
+    Images go through the ``eval`` preset (``image_size`` and ``preset_options`` override what the
+    encoder was trained with), in batches of ``batch_size``, without gradients, under bfloat16
+    autocast on a GPU. ``device`` defaults to the GPU when there is one.
+    """
+    shards, source, device = _shard_result(shards), encoder_source(encoder), resolve_device(device)
+    stage = _features_stage(shards, source, split, device, image_size, preset_options)
+    return run_stage(stage, lambda tmp: _write_features(shards, source, stage.config, batch_size, device,
+                                                        num_workers, progress, tmp), out_dir)
+
+
+def features_stage_of(shards: ShardsLike, encoder: str | Path = PIXELS, split: str = "test",
+                      device: str | torch.device | None = None, image_size: int | None = None,
+                      preset_options: Mapping[str, Any] | None = None) -> Stage:
+    """The features stage, keyed by the shard key, the encoder's key, the split, view and precision."""
+    return _features_stage(_shard_result(shards), encoder_source(encoder), split, resolve_device(device),
+                           image_size, preset_options)
+
+
+def check_split(shards: ShardsLike, split: str) -> None:
+    """EvalError unless ``shards`` hold at least one sample of ``split``."""
+    shards = _shard_result(shards)
+    if not shards.splits.get(split):
+        raise EvalError(f"the shards at {shards.path} hold no {split!r} samples (splits: "
+                        f"{', '.join(f'{name}={count}' for name, count in shards.splits.items())})",
+                        "give the data spec that split (e.g. split fractions {train: 0.8, test: 0.2})")
+
+
+def _features_stage(shards: ShardResult, source: EncoderSource, split: str, device: torch.device,
+                    image_size: int | None, preset_options: Mapping[str, Any] | None) -> Stage:
+    check_split(shards, split)
+    config = {"split": split, "image_size": image_size or source.image_size,
+              "preset_options": {**source.view_options, **(preset_options or {})},
+              "precision": _precision(source, device)}
+    return Stage("features", STAGE_VERSION, config, inputs={"shards": shards.key, "encoder": source.key})
+
+
+def _shard_result(shards: ShardsLike) -> ShardResult:
+    return shards if isinstance(shards, ShardResult) else ShardResult.from_dir(shards)
+
+
+def _write_features(shards: ShardResult, source: EncoderSource, config: dict[str, Any], batch_size: int,
+                    device: torch.device, num_workers: int, progress: bool, out: Path) -> dict[str, float]:
+    started = time.time()
+    indices, labels = _split_rows(shards.manifest, config["split"])
+    model = None if source.file is None else _load_model(source, device)
+    channels = getattr(model, "recipe", {}).get("in_channels")  # decode images to the channels it was built for
+    loader = make_loader(shards.path, "eval", batch_size, split=config["split"], image_size=config["image_size"],
+                         channels=channels, shuffle=False, drop_last=False, rank=0, world_size=1,
+                         num_workers=num_workers, pin_memory=device.type == "cuda",
+                         preset_options=config["preset_options"])
+    encode = _encode_function(model, device)
+    with tqdm(total=len(indices), desc=f"features {config['split']}", unit="img", disable=not progress) as bar:
+        features = _encode_in_manifest_order(loader, encode, indices, out / FEATURES_FILE, bar.update)
+    np.save(out / LABELS_FILE, labels)
+    np.save(out / INDICES_FILE, indices)
+    (out / CLASSES_FILE).write_text(json.dumps(_shard_classes(shards), indent=2))
+    return {"samples": len(indices), "dim": features.shape[1], "seconds": round(time.time() - started, 3)}
+
+
+def _encode_in_manifest_order(loader: Iterable[dict[str, Any]], encode: Callable[[torch.Tensor], np.ndarray],
+                              indices: np.ndarray, path: Path, advance: Callable[[int], Any]) -> np.ndarray:
+    """Encode every batch's view and write row i of the (N, F) ``.npy`` at ``path`` for manifest row
+    ``indices[i]``, whatever order the batches come in; EvalError if a row is never read."""
+    features, seen = None, np.zeros(len(indices), dtype=bool)
+    for batch in loader:
+        rows = np.searchsorted(indices, batch["index"].numpy())
+        encoded = encode(batch["views"][0])
+        if features is None:
+            features = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32,
+                                                 shape=(len(indices), encoded.shape[1]))
+        features[rows] = encoded
+        seen[rows] = True
+        advance(len(rows))
+    if not seen.all():
+        raise EvalError(f"{int((~seen).sum())} of {len(indices)} samples of the split were never read from its shards",
+                        "re-run the shard stage")
+    features.flush()
+    return features
+
+
+def _split_rows(manifest: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
+    """(manifest indices, labels with -1 for none), both (N,) int64, of ``split``'s rows in manifest order."""
+    table = pq.read_table(manifest, columns=["index", "split", "label"], filters=[("split", "==", split)])
+    indices = table["index"].to_numpy().astype(np.int64)
+    labels = table["label"].fill_null(-1).to_numpy().astype(np.int64)
+    order = np.argsort(indices, kind="stable")
+    return indices[order], labels[order]
+
+
+def _encode_function(model: torch.nn.Module | None, device: torch.device) -> Callable[[torch.Tensor], np.ndarray]:
+    """Views (B, C, H, W) -> features (B, F) float32: flattened pixels (no model), or the model's output."""
+    if model is None:
+        return lambda views: views.flatten(1).numpy()
+
+    @torch.inference_mode()
+    def encode(views: torch.Tensor) -> np.ndarray:
+        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+            return model(views.to(device, non_blocking=True)).float().flatten(1).cpu().numpy()
+    return encode
+
+
+def _shard_classes(shards: ShardResult) -> list[dict[str, str]]:
+    """``[{"name", "synset"}]`` in label order, from the data spec recorded by the shard stage."""
+    classes = read_record(shards.path)["config"].get("classes") or {}
+    return [{"name": name, "synset": synset} for name, synset in classes.items()]
+
+
+@dataclass(frozen=True)
+class Features:
+    """A features stage output: ``features`` (N, F) float32 (memory-mapped), ``labels`` and
+    ``indices`` (N,) int64, ``class_names`` in label order, and the stage key."""
+
+    features: np.ndarray
+    labels: np.ndarray
+    indices: np.ndarray
+    class_names: list[str]
+    key: str
+
+    @property
+    def labelled(self) -> bool:
+        return bool(len(self.labels)) and bool((self.labels >= 0).all())
+
+
+def load_features(features: StageLike) -> Features:
+    """Read a features stage output (a StageOutput or its directory)."""
+    path = Path(features.path if isinstance(features, StageOutput) else features).expanduser().resolve()
+    record = read_record(path)
+    if record is None or record.get("stage") != "features":
+        raise EvalError(f"{path} is not a completed features output", "run extract_features first")
+    classes = json.loads((path / CLASSES_FILE).read_text())
+    return Features(np.load(path / FEATURES_FILE, mmap_mode="r"), np.load(path / LABELS_FILE),
+                    np.load(path / INDICES_FILE), [entry["name"] for entry in classes], record["key"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation
+
+@dataclass(frozen=True)
+class TextEncoder:
+    """The text side of zero-shot classification: ``encode(prompts) -> (P, D)`` in the image features'
+    space, the ``templates`` that turn class names into prompts, and a ``key`` naming its weights."""
+
+    encode: Callable[[list[str]], ArrayLike]
+    key: str
+    templates: tuple[str, ...] = ("a photo of a {name}.",)
+
+
+def check_evaluation(suites: Iterable[str], knn_k: int | Iterable[int] = KNN_K, labelled: bool = True,
+                     text_encoder: TextEncoder | None = None,
+                     captions: StageLike | None = None) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """(``suites`` in canonical order, the kNN ks sorted); EvalError for an unknown suite, a k below 1,
+    or a suite whose inputs (labels, text encoder, caption embeddings) are missing."""
+    suites, knn_k = tuple(suites), as_ks(knn_k, "knn_k")
+    unknown = sorted(set(suites) - set(SUITES))
+    if unknown or not suites:
+        raise EvalError(f"unknown or no suites {unknown or list(suites)}", f"choose from {', '.join(SUITES)}")
+    needs_labels = sorted(LABELLED_SUITES.intersection(suites))
+    if needs_labels and not labelled:
+        raise EvalError(f"suites {', '.join(needs_labels)} need class labels, which the data does not have",
+                        "add classes to the data spec, or run only diagnostics, retrieval")
+    if "zeroshot" in suites and text_encoder is None:
+        raise EvalError("suite zeroshot needs a text encoder", "pass text_encoder=, or leave zeroshot out")
+    if "retrieval" in suites and captions is None:
+        raise EvalError("suite retrieval needs caption embeddings", "pass captions= (a caption stage), or leave it out")
+    return tuple(suite for suite in SUITES if suite in suites), knn_k
+
+
+def evaluate(shards: ShardsLike, encoder: str | Path = PIXELS, suites: Iterable[str] = DEFAULT_SUITES,
+             knn_k: int | Iterable[int] = KNN_K, *, train_split: str = "train", test_split: str = "test",
+             batch_size: int = 512, device: str | torch.device | None = None, image_size: int | None = None,
+             preset_options: Mapping[str, Any] | None = None, linear_options: Mapping[str, Any] | None = None,
+             text_encoder: TextEncoder | None = None, captions: StageLike | None = None,
+             out_dir: str | Path | None = None, progress: bool = True) -> StageOutput:
+    """Extract ``encoder``'s features of the train and test splits (cached), then run ``suites`` on
+    them (:func:`evaluate_features`). Missing labels or inputs fail before any feature is extracted."""
+    shards = _shard_result(shards)
+    suites, knn_k = check_evaluation(suites, knn_k, bool(_shard_classes(shards)), text_encoder, captions)
+    for split in (train_split, test_split):  # both, before extracting either
+        check_split(shards, split)
+    extracted = [extract_features(shards, encoder, split, batch_size, device, image_size=image_size,
+                                  preset_options=preset_options, progress=progress)
+                 for split in (train_split, test_split)]
+    return evaluate_features(*extracted, suites, knn_k, linear_options=linear_options, text_encoder=text_encoder,
+                             captions=captions, device=device, out_dir=out_dir)
+
+
+def evaluate_features(train: StageLike, test: StageLike, suites: Iterable[str] = DEFAULT_SUITES,
+                      knn_k: int | Iterable[int] = KNN_K, *, linear_options: Mapping[str, Any] | None = None,
+                      text_encoder: TextEncoder | None = None, captions: StageLike | None = None,
+                      device: str | torch.device | None = None, out_dir: str | Path | None = None) -> StageOutput:
+    """Run ``suites`` on two features outputs (train: the kNN memory and the probe's training set;
+    test: what is scored), or return the cached output. ``linear_options`` go to :func:`linear_probe`."""
+    train, test = load_features(train), load_features(test)
+    suites, knn_k = check_evaluation(suites, knn_k, train.labelled and test.labelled, text_encoder, captions)
+    stage = _evaluate_stage(train, test, suites, knn_k, linear_options, text_encoder, captions)
+    run = _SuiteRun(train, test, stage.config, resolve_device(device), text_encoder,
+                    _caption_embeddings(captions)[0] if captions is not None else None)
+    return run_stage(stage, run.write, out_dir)
+
+
+def evaluate_stage_of(train: StageLike, test: StageLike, suites: Iterable[str] = DEFAULT_SUITES,
+                      knn_k: int | Iterable[int] = KNN_K, linear_options: Mapping[str, Any] | None = None,
+                      text_encoder: TextEncoder | None = None, captions: StageLike | None = None) -> Stage:
+    """The evaluate stage: keyed by the suites and their options and the keys of what they read."""
+    suites, knn_k = check_evaluation(suites, knn_k, True, text_encoder, captions)
+    return _evaluate_stage(load_features(train), load_features(test), suites, knn_k, linear_options,
+                           text_encoder, captions)
+
+
+def _evaluate_stage(train: Features, test: Features, suites: tuple[str, ...], knn_k: tuple[int, ...],
+                    linear_options: Mapping[str, Any] | None, text_encoder: TextEncoder | None,
+                    captions: StageLike | None) -> Stage:
+    config = {"suites": list(suites), "knn_k": list(knn_k), "linear": dict(linear_options or {})}
+    inputs = {"train": train.key, "test": test.key}
+    if text_encoder is not None:
+        inputs["text_encoder"] = text_encoder.key
+    if captions is not None:
+        inputs["captions"] = _caption_embeddings(captions)[1]
+    return Stage("evaluate", STAGE_VERSION, config, inputs)
+
+
+def _caption_embeddings(captions: StageLike) -> tuple[Path, str]:
+    """The caption stage's ``embeddings.npy`` (row = manifest index) and the stage's key."""
+    path = Path(captions.path if isinstance(captions, StageOutput) else captions).expanduser().resolve()
+    record = read_record(path)
+    if record is None or record.get("stage") != "captions":
+        raise EvalError(f"{path} is not a completed caption embedding output", "run the captions stage first")
+    return path / EMBEDDINGS_FILE, record["key"]
+
+
+@dataclass(frozen=True)
+class _SuiteRun:
+    """Everything the suites read; :meth:`write` runs them into a stage directory."""
+
+    train: Features
+    test: Features
+    config: dict[str, Any]
+    device: torch.device
+    text_encoder: TextEncoder | None
+    captions: Path | None
+
+    @property
+    def num_classes(self) -> int | None:
+        return len(self.test.class_names) or None
+
+    def write(self, out: Path) -> dict[str, float]:
+        results: dict[str, Any] = {"suites": {}, "seconds": {},
+                                   "samples": {"train": len(self.train.labels), "test": len(self.test.labels)}}
+        for suite in self.config["suites"]:
+            started = time.perf_counter()
+            results["suites"][suite] = getattr(self, f"_{suite}")(out)
+            results["seconds"][suite] = round(time.perf_counter() - started, 3)
+        (out / RESULTS_FILE).write_text(json.dumps(results, indent=2))
+        metrics = {name: value for suite in results["suites"].values() for name, value in suite.items()}
+        return {**metrics, **{f"seconds_{suite}": s for suite, s in results["seconds"].items()},
+                **{f"samples_{split}": n for split, n in results["samples"].items()}}
+
+    def _knn(self, out: Path) -> dict[str, float]:
+        from repsim.eval.plots import confusion_matrix_plot
+
+        ks = tuple(self.config["knn_k"])
+        rankings = knn_rankings(self.train.features, self.train.labels, self.test.features, ks,
+                                num_classes=self.num_classes, device=self.device)
+        k = CONFUSION_K if CONFUSION_K in ks else ks[0]
+        confusion_matrix_plot(self.test.labels, rankings[k][:, 0], out / CONFUSION_FILE,
+                              class_names=self.test.class_names or None, num_classes=self.num_classes,
+                              title=f"kNN (k={k}) on the test split")
+        return {f"knn_top{top}_k{k}": accuracy for k, ranked in rankings.items()
+                for top, accuracy in top_k_accuracy(ranked, self.test.labels).items()}
+
+    def _linear(self, out: Path) -> dict[str, float]:
+        return linear_probe(self.train.features, self.train.labels, self.test.features, self.test.labels,
+                            num_classes=self.num_classes, device=self.device, **self.config["linear"])
+
+    def _map(self, out: Path) -> dict[str, float]:
+        return {"map_at_r": map_at_r(self.test.features, self.test.labels, device=self.device)}
+
+    def _diagnostics(self, out: Path) -> dict[str, float]:
+        from repsim.eval.plots import histogram_plot
+
+        histogram_plot(_pairwise_cosines(self.test.features), out / HISTOGRAM_FILE, xlabel="cosine similarity",
+                       title="Cosine similarity between test features")
+        return embedding_diagnostics(self.test.features, device=self.device)
+
+    def _plots(self, out: Path) -> dict[str, float]:
+        from repsim.eval.plots import tsne_plot
+
+        tsne_plot(self.test.features, self.test.labels, out / TSNE_FILE, class_names=self.test.class_names or None)
+        return {}
+
+    def _zeroshot(self, out: Path) -> dict[str, float]:
+        classifier = zero_shot_classifier(self.test.class_names, self.text_encoder.templates, self.text_encoder.encode)
+        return zero_shot_accuracy(self.test.features, self.test.labels, classifier, device=self.device)
+
+    def _retrieval(self, out: Path) -> dict[str, float]:
+        texts = np.load(self.captions, mmap_mode="r")[self.test.indices].astype(np.float32)
+        return paired_retrieval(self.test.features, texts, device=self.device)
+
+
+def _pairwise_cosines(features: np.ndarray, samples: int = HISTOGRAM_SAMPLES, seed: int = 0) -> np.ndarray:
+    """Cosine similarities of every pair among a seeded sample of at most ``samples`` rows of (N, F)."""
+    rows = np.arange(len(features))
+    if len(rows) > samples:
+        rows = np.sort(np.random.default_rng(seed).choice(len(rows), samples, replace=False))
+    unit = torch.nn.functional.normalize(torch.from_numpy(np.asarray(features[rows], dtype=np.float32)), dim=1)
+    upper = torch.triu_indices(len(rows), len(rows), offset=1)
+    return (unit @ unit.T)[upper[0], upper[1]].numpy()
+
+
+def read_results(evaluation: StageLike) -> dict[str, Any]:
+    """The ``results.json`` of an evaluate stage output (a StageOutput or its directory)."""
+    path = Path(evaluation.path if isinstance(evaluation, StageOutput) else evaluation)
+    return json.loads((path / RESULTS_FILE).read_text())
+
+
+def result_rows(results: Mapping[str, Any]) -> list[tuple[str, str, float]]:
+    """(suite, metric, value) for every metric in ``results``, suites in the order they ran."""
+    return [(suite, name, value) for suite, metrics in results["suites"].items() for name, value in metrics.items()]
+

@@ -1,0 +1,51 @@
+"""The evaluation stages as Prefect tasks: features of one split under an encoder, and the suites run
+on a train and a test features output. Stage outputs travel between tasks as directory paths, so
+each task's cache key is its planner's stage key."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from prefect import task
+
+from repsim.eval.stages import (DEFAULT_SUITES, KNN_K, PIXELS, TextEncoder, evaluate_features, evaluate_stage_of,
+                                extract_features, features_stage_of)
+from repsim.stage import Stage, StageOutput
+from repsim.tasks.stage import stage_cache_key
+
+
+def _writes_to(stage: Stage, out_dir: str | None) -> tuple[Stage, Path]:
+    return stage, Path(out_dir).expanduser().resolve() if out_dir else stage.default_dir()
+
+
+def plan_features(shards_path: str, encoder: str = PIXELS, split: str = "test", batch_size: int = 512,
+                  device: str | None = None, out_dir: str | None = None) -> tuple[Stage, Path]:
+    """The features stage of one split and the directory it writes to (the batch size is not in the key)."""
+    return _writes_to(features_stage_of(shards_path, encoder, split, device), out_dir)
+
+
+def plan_evaluate(train_path: str, test_path: str, suites: Sequence[str] = DEFAULT_SUITES,
+                  knn_k: Sequence[int] = KNN_K, text_encoder: TextEncoder | None = None,
+                  captions_path: str | None = None, device: str | None = None,
+                  out_dir: str | None = None) -> tuple[Stage, Path]:
+    """The evaluate stage of two features outputs and the directory it writes to."""
+    stage = evaluate_stage_of(train_path, test_path, suites, knn_k, text_encoder=text_encoder, captions=captions_path)
+    return _writes_to(stage, out_dir)
+
+
+@task(name="features", cache_key_fn=stage_cache_key(plan_features), persist_result=True)
+def features_task(shards_path: str, encoder: str = PIXELS, split: str = "test", batch_size: int = 512,
+                  device: str | None = None, out_dir: str | None = None) -> StageOutput:
+    """Features (N, F) of every sample of one split of a shard directory, under a frozen encoder."""
+    return extract_features(shards_path, encoder, split, batch_size, device, out_dir=out_dir)
+
+
+@task(name="evaluate", cache_key_fn=stage_cache_key(plan_evaluate), persist_result=True)
+def evaluate_task(train_path: str, test_path: str, suites: Sequence[str] = DEFAULT_SUITES,
+                  knn_k: Sequence[int] = KNN_K, text_encoder: TextEncoder | None = None,
+                  captions_path: str | None = None, device: str | None = None,
+                  out_dir: str | None = None) -> StageOutput:
+    """The evaluation suites (kNN, linear probe, diagnostics, plots, ...) on train/test features."""
+    return evaluate_features(train_path, test_path, suites, knn_k, text_encoder=text_encoder, captions=captions_path,
+                             device=device, out_dir=out_dir)
