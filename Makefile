@@ -10,8 +10,10 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 setup:
 	@bash scripts/setup.sh
 
-run: setup  ## shard Fashion-MNIST and Animal-MNIST through the shard flow, tracked in MLflow
+run: setup  ## shard both datasets, precompute Animal-MNIST's similarities, evaluate its raw pixels
 	$(REPSIM) shard data_specs/fashion-mnist.yaml data_specs/animal-mnist.yaml
+	$(REPSIM) precompute data_specs/animal-mnist.yaml
+	$(REPSIM) eval data_specs/animal-mnist.yaml --encoder pixels --suite knn --suite diagnostics --suite plots
 
 test: setup  ## the whole test suite, slow tests included
 	$(PY) -m pytest

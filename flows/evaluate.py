@@ -6,17 +6,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import repsim.tasks  # noqa: F401  (first: it fills in the embedded defaults before Prefect reads its settings)
 from prefect import flow
-from prefect.states import State
 
 from repsim.data.sharding import MANIFEST
 from repsim.eval.stages import DEFAULT_SUITES, KNN_K, PIXELS, RESULTS_FILE, check_split
-from repsim.stage import read_record
 from repsim.tasks.evaluate import evaluate_task, features_task
 from repsim.tasks.shard import shard_task
-from repsim.tasks.stage import log_stage
-from repsim.tasks.tracking import StageRun, Tracker
+from repsim.tasks.stage import track
+from repsim.tasks.tracking import Tracker
 
 
 @flow(name="evaluate")
@@ -33,37 +30,14 @@ def evaluate_flow(spec: str, encoder: str = PIXELS, suites: Sequence[str] = DEFA
     tracker = Tracker()
     summaries: list[dict] = []
     with tracker.flow_run("evaluate", params) as parent:
-        shards = _track(tracker, parent, summaries, shard_task(spec, return_state=True), [MANIFEST])
+        shards = track(tracker, parent, summaries, shard_task(spec, return_state=True), [MANIFEST])
         for split in (train_split, test_split):  # both, before extracting either
             check_split(shards, split)
-        train, test = [_track(tracker, parent, summaries,
+        train, test = [track(tracker, parent, summaries,
                               features_task(str(shards.path), encoder, split, batch_size, device, return_state=True))
                        for split in (train_split, test_split)]
-        evaluated = _track(tracker, parent, summaries,
+        evaluated = track(tracker, parent, summaries,
                            evaluate_task(str(train.path), str(test.path), list(suites), list(knn_k), device=device,
                                          return_state=True), ["*.png", RESULTS_FILE])
         parent.log_metrics(evaluated.metrics)
     return {"stages": summaries, "results": str(evaluated.path / RESULTS_FILE)}
-
-
-def _track(tracker: Tracker, parent: StageRun, summaries: list[dict], state: State,
-           artifacts: Sequence[str] = ()) -> Any:
-    """Log a finished stage task as a nested run (with the files matching ``artifacts``), append its
-    summary, and return its result."""
-    result = state.result()
-    log_stage(tracker, parent, result.path, state,
-              sorted(path for pattern in artifacts for path in result.path.glob(pattern)))
-    record = read_record(result.path)
-    summaries.append({"stage": record["stage"], "detail": _detail(record), "key": result.key,
-                      "path": str(result.path), "cached": result.cached or state.name == "Cached"})
-    return result
-
-
-def _detail(record: dict) -> str:
-    """One line on what a stage produced, for the summary table."""
-    metrics = record["metrics"]
-    if record["stage"] == "features":
-        return f"{record['config']['split']}: {metrics['samples']} x {metrics['dim']}"
-    if record["stage"] == "evaluate":
-        return ", ".join(record["config"]["suites"])
-    return f"{metrics['samples']} samples"

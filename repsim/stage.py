@@ -65,6 +65,10 @@ class Stage:
     def default_dir(self) -> Path:
         return artifacts_root() / self.name / self.key
 
+    def output_dir(self, out_dir: str | Path | None = None) -> Path:
+        """Where the stage writes: ``out_dir`` if given, else its content-addressed default."""
+        return Path(out_dir).expanduser().resolve() if out_dir is not None else self.default_dir()
+
 
 @dataclass(frozen=True)
 class StageOutput:
@@ -148,7 +152,7 @@ def run_stage(stage: Stage, build: Callable[[Path], Mapping[str, float] | None],
     (e.g. samples, bytes); they are stored in ``stage.json``. The directory becomes visible under
     its final name only after ``build`` returns and ``stage.json`` is written.
     """
-    out = Path(out_dir).expanduser().resolve() if out_dir is not None else stage.default_dir()
+    out = stage.output_dir(out_dir)
     done = _completed(stage, out)
     if done is not None:
         return done

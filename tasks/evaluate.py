@@ -15,14 +15,11 @@ from repsim.stage import Stage, StageOutput
 from repsim.tasks.stage import stage_cache_key
 
 
-def _writes_to(stage: Stage, out_dir: str | None) -> tuple[Stage, Path]:
-    return stage, Path(out_dir).expanduser().resolve() if out_dir else stage.default_dir()
-
-
 def plan_features(shards_path: str, encoder: str = PIXELS, split: str = "test", batch_size: int = 512,
                   device: str | None = None, out_dir: str | None = None) -> tuple[Stage, Path]:
     """The features stage of one split and the directory it writes to (the batch size is not in the key)."""
-    return _writes_to(features_stage_of(shards_path, encoder, split, device), out_dir)
+    stage = features_stage_of(shards_path, encoder, split, device)
+    return stage, stage.output_dir(out_dir)
 
 
 def plan_evaluate(train_path: str, test_path: str, suites: Sequence[str] = DEFAULT_SUITES,
@@ -31,7 +28,7 @@ def plan_evaluate(train_path: str, test_path: str, suites: Sequence[str] = DEFAU
                   out_dir: str | None = None) -> tuple[Stage, Path]:
     """The evaluate stage of two features outputs and the directory it writes to."""
     stage = evaluate_stage_of(train_path, test_path, suites, knn_k, text_encoder=text_encoder, captions=captions_path)
-    return _writes_to(stage, out_dir)
+    return stage, stage.output_dir(out_dir)
 
 
 @task(name="features", cache_key_fn=stage_cache_key(plan_features), persist_result=True)

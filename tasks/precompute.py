@@ -14,26 +14,25 @@ from repsim.stage import Stage, StageOutput
 from repsim.tasks.stage import stage_cache_key
 
 
-def _writes_to(stage: Stage, out_dir: str | None) -> tuple[Stage, Path]:
-    return stage, Path(out_dir).expanduser().resolve() if out_dir else stage.default_dir()
-
-
 def plan_captions(shards_path: str, model: str | None = None, batch_size: int = 256,
                   out_dir: str | None = None) -> tuple[Stage, Path]:
     """The caption stage of a shard directory and the directory it writes to (the batch size does not
     change the output, so it is not part of the key)."""
-    return _writes_to(embed_captions_stage_of(shards_path, model), out_dir)
+    stage = embed_captions_stage_of(shards_path, model)
+    return stage, stage.output_dir(out_dir)
 
 
 def plan_wordnet(spec_path: str, measure: str = "wup", out_dir: str | None = None) -> tuple[Stage, Path]:
     """The WordNet stage of a spec's classes and the directory it writes to."""
-    return _writes_to(wordnet_similarity_stage_of(spec_path, measure), out_dir)
+    stage = wordnet_similarity_stage_of(spec_path, measure)
+    return stage, stage.output_dir(out_dir)
 
 
 def plan_neighbours(embeddings_path: str, k: int = 10, kind: str = "flat", metric: str = "ip",
                     out_dir: str | None = None) -> tuple[Stage, Path]:
     """The neighbour stage of an embedding file or caption stage directory and where it writes."""
-    return _writes_to(neighbours_stage_of(embeddings_path, k, kind, metric), out_dir)
+    stage = neighbours_stage_of(embeddings_path, k, kind, metric)
+    return stage, stage.output_dir(out_dir)
 
 
 @task(name="captions", cache_key_fn=stage_cache_key(plan_captions), persist_result=True)

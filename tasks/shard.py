@@ -14,7 +14,7 @@ from repsim.tasks.stage import stage_cache_key
 def plan_shard(spec_path: str, out_dir: str | None = None) -> tuple[Stage, Path]:
     """The shard stage of a spec and the directory it writes to."""
     stage = shard_stage(load_spec(spec_path))
-    return stage, Path(out_dir).expanduser().resolve() if out_dir else stage.default_dir()
+    return stage, stage.output_dir(out_dir)
 
 
 @task(name="shard", cache_key_fn=stage_cache_key(plan_shard), persist_result=True)

@@ -3,7 +3,7 @@ to MLflow as a nested run, whether it ran or was served from cache."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,3 +38,33 @@ def log_stage(tracker: Tracker, parent: StageRun, path: Path, state: State,
     cached = state.name == "Cached" or bool(getattr(state.result(), "cached", False))
     with tracker.stage_run(parent.run_id, record["stage"], record["key"], path) as run:
         run.log_stage_output(path, cached, artifacts)
+
+
+def track(tracker: Tracker, parent: StageRun, summaries: list[dict], state: State,
+          artifacts: Sequence[str] = ()) -> Any:
+    """Log a finished stage task as a nested run (with the files of its output matching the glob
+    patterns ``artifacts``), append its summary to ``summaries``, and return its result."""
+    result = state.result()
+    log_stage(tracker, parent, result.path, state,
+              sorted(path for pattern in artifacts for path in result.path.glob(pattern)))
+    record = read_record(result.path)
+    summaries.append({"stage": record["stage"], "detail": describe(record), "key": result.key,
+                      "path": str(result.path), "cached": result.cached or state.name == "Cached"})
+    return result
+
+
+def describe(record: dict) -> str:
+    """One line on what a stage produced, for summary tables."""
+    stage, config, metrics = record["stage"], record["config"], record["metrics"]
+    if stage == "captions":
+        return f"{metrics['samples']} x {metrics['dim']}, {metrics['unique_captions']} distinct captions"
+    if stage == "wordnet":
+        return f"{config['measure']}, {metrics['classes']} classes"
+    if stage == "neighbours":
+        recall = f", recall {metrics['recall_tie_aware']:.3f}" if "recall_tie_aware" in metrics else ""
+        return f"{config['kind']} k={config['k']}{recall}"
+    if stage == "features":
+        return f"{config['split']}: {metrics['samples']} x {metrics['dim']}"
+    if stage == "evaluate":
+        return ", ".join(config["suites"])
+    return f"{metrics['samples']} samples"
