@@ -10,7 +10,26 @@ import difflib
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
+import yaml
 from pydantic import BaseModel, ValidationError
+
+from repsim.errors import SpecError
+
+
+def read_yaml_mapping(path: Path, kind: str, example: str) -> dict[str, Any]:
+    """The YAML mapping in the ``kind`` file at ``path`` (e.g. "data spec"); SpecError in one line when
+    the file is missing, is not valid YAML, or is not a mapping (the fix points at ``example``)."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise SpecError(f"{kind} {path} does not exist", "check the path") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise SpecError(f"{path}: not valid YAML{where}", "fix the YAML syntax") from None
+    if not isinstance(raw, dict):
+        raise SpecError(f"{path}: a {kind} is a YAML mapping", f"start from {example}")
+    return raw
 
 
 def describe(err: ValidationError, path: Path | str, model: type[BaseModel]) -> tuple[str, str]:

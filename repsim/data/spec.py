@@ -12,10 +12,9 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from repsim.config_errors import describe, message, model_at
+from repsim.config_errors import describe, message, model_at, read_yaml_mapping
 from repsim.errors import SpecError
 
 FASHION_MNIST_ROOT = Path("/usr/share/datasets/fashion-mnist")
@@ -173,16 +172,7 @@ def load_spec(path: str | Path) -> DataSpec:
     Raises SpecError with one line naming the file, the field and the fix.
     """
     path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise SpecError(f"data spec {path} does not exist", "check the path") from None
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise SpecError(f"{path}: not valid YAML{where}", "fix the YAML syntax") from None
-    if not isinstance(raw, dict):
-        raise SpecError(f"{path}: a data spec is a YAML mapping", "start from data_specs/fashion-mnist.yaml")
+    raw = read_yaml_mapping(path, "data spec", "data_specs/fashion-mnist.yaml")
     try:
         spec = DataSpec.model_validate(_resolve_paths(raw, path.parent.resolve()))
     except ValidationError as err:

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from repsim.config_errors import describe, model_at
+from repsim.config_errors import describe, model_at, read_yaml_mapping
 from repsim.data.augment import PRESETS
 from repsim.errors import SpecError
 from repsim.models.backbones import RESNETS
@@ -194,16 +194,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = (), defaults: Path 
 
 
 def _read_layer(path: Path) -> _Layer:
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise SpecError(f"config {path} does not exist", "check the path") from None
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise SpecError(f"{path}: not valid YAML{where}", "fix the YAML syntax") from None
-    if not isinstance(raw, dict):
-        raise SpecError(f"{path}: a config is a YAML mapping", "start from configs/simclr.yaml")
+    raw = read_yaml_mapping(path, "config", "configs/simclr.yaml")
     return _Layer(str(path), _resolve_paths(raw, path.parent.resolve()))
 
 
