@@ -12,7 +12,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 from PIL import Image
-from test_orchestration import repsim
+from e2e import flow_runs, repsim
 
 from repsim.cli import build_parser, main
 from repsim.data import make_loader, shard
@@ -279,12 +279,9 @@ def test_eval_runs_caches_and_tracks_every_stage(make_image_folder, write_spec, 
     assert json.loads(open(results).read())["suites"]["linear"]["linear_top1"] >= 0
 
     client = MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
-    experiment = client.get_experiment_by_name("repsim")
-    found = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
-    parents = [run for run in found if run.data.tags.get("repsim.flow") == "evaluate"]
-    assert len(parents) == 2
-    for parent, cached in zip(parents, ("false", "true")):
-        children = [run for run in found if run.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    runs = flow_runs(home, "evaluate")
+    assert len(runs) == 2
+    for (parent, children), cached in zip(runs, ("false", "true")):
         assert sorted(run.data.tags["repsim.stage"] for run in children) == sorted(stage_names)
         assert {run.data.tags["repsim.cached"] for run in children} == {cached}
         assert all(run.info.status == "FINISHED" for run in [parent, *children])

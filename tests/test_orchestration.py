@@ -1,23 +1,10 @@
 """End to end through the CLI, the Prefect flow and MLflow, on the embedded defaults."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from e2e import flow_runs, repsim
 from mlflow.tracking import MlflowClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.orchestration]
-
-REPSIM = str(Path(sys.executable).parent / "repsim")
-
-
-def repsim(home: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith(("PREFECT_", "MLFLOW_"))}
-    env["REPSIM_HOME"] = str(home)
-    return subprocess.run([REPSIM, *args], capture_output=True, text=True, env=env, timeout=600)
 
 
 @pytest.fixture
@@ -40,12 +27,9 @@ def test_shard_flow_runs_caches_and_tracks_every_stage(pets_spec, tmp_path):
 
     [output] = [path for path in (home / "artifacts" / "shard").iterdir() if not path.name.startswith(".")]
     client = MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
-    experiment = client.get_experiment_by_name("repsim")
-    runs = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
-    parents = [run for run in runs if run.data.tags.get("repsim.flow") == "shard"]
-    stages = [run for run in runs if run.data.tags.get("repsim.stage") == "shard"]
-    assert len(parents) == 2 and len(stages) == 2
-    for parent, stage, cached in zip(parents, stages, ("false", "true")):
+    runs = flow_runs(home, "shard")
+    assert len(runs) == 2
+    for (parent, [stage]), cached in zip(runs, ("false", "true")):
         tags = stage.data.tags
         assert tags["mlflow.parentRunId"] == parent.info.run_id
         assert tags["repsim.stage_key"] == output.name and tags["repsim.output"] == str(output)

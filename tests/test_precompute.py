@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
-from test_orchestration import repsim
+from e2e import flow_runs, repsim
 
 from repsim.cli import build_parser, main
 from repsim.data import DataSpec, shard
@@ -285,12 +285,9 @@ def test_precompute_runs_every_stage_caches_and_tracks_them(pets_spec, wordnet_h
         assert all(row[-1].startswith(str(home / "artifacts")) for row in rows), done.stdout
 
     client = MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
-    experiment = client.get_experiment_by_name("repsim")
-    found = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
-    parents = [run for run in found if run.data.tags.get("repsim.flow") == "precompute"]
-    assert len(parents) == 2
-    for parent, cached in zip(parents, ("false", "true")):
-        children = [run for run in found if run.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    runs = flow_runs(home, "precompute")
+    assert len(runs) == 2
+    for (parent, children), cached in zip(runs, ("false", "true")):
         assert sorted(run.data.tags["repsim.stage"] for run in children) == sorted(stage_names)
         assert {run.data.tags["repsim.cached"] for run in children} == {cached}
         assert all(run.info.status == "FINISHED" for run in [parent, *children])
