@@ -3,7 +3,7 @@
 Exports resolve on first use, so reading a data spec does not import torch.
 """
 
-import importlib
+from repsim._lazy import lazy_exports
 
 _EXPORTS = {
     "DataSpec": "spec", "load_spec": "spec",
@@ -12,9 +12,4 @@ _EXPORTS = {
     "ShardLoader": "loader", "make_loader": "loader",
 }
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'repsim.data' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"repsim.data.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

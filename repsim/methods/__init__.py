@@ -8,7 +8,7 @@ Trainer's module) wires config, data, method and Trainer.
 Exports resolve on first use, so reading a config does not start the Trainer's imports.
 """
 
-import importlib
+from repsim._lazy import lazy_exports
 
 _EXPORTS = {
     "Config": "config", "load_config": "config",
@@ -16,9 +16,4 @@ _EXPORTS = {
     "train_stage_of": "stage", "load_encoder": "stage",
 }
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'repsim.methods' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"repsim.methods.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
