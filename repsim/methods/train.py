@@ -22,6 +22,7 @@ import contextlib
 import math
 import os
 import random
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import islice
@@ -47,7 +48,7 @@ class TrainingError(RepsimError):
     """Training cannot go on: the loss diverged, or the data gives no full batch."""
 
 
-class Method(nn.Module):
+class Method(nn.Module, ABC):
     """A training method: ``training_step(batch) -> {"loss": scalar, **scalars}`` and an ``encoder``.
 
     ``batch`` is the loader's dict (``views``, ``label``, ``index``) already on the device.
@@ -55,8 +56,9 @@ class Method(nn.Module):
 
     encoder: nn.Module
 
+    @abstractmethod
     def training_step(self, batch: Batch) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
+        """The loss of one batch, plus any scalars worth logging."""
 
     def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
         return self.training_step(batch)
