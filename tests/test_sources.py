@@ -203,28 +203,17 @@ def test_manifest_rows_keep_order_and_resolve_paths(make_image_folder, tmp_path)
     assert reader.read(entries[0]) == (root / "dog" / "dog-0.png").read_bytes()
 
 
-def test_manifest_with_unknown_class_names_the_row(tmp_path):
+@pytest.mark.parametrize("table, classes, error", [
+    ("path,label\na.png,cat\nb.png,horse\n", CLASSES, r"row 1: class 'horse' is not in the spec's classes"),
+    ("path,caption\na.png,one\n,two\n", None, "row 1 has no path"),
+    ("path\na.png\n", None, "'label' and/or 'caption'"),
+])
+def test_a_malformed_manifest_names_its_problem(tmp_path, table, classes, error):
     manifest = tmp_path / "list.csv"
-    manifest.write_text("path,label\na.png,cat\nb.png,horse\n")
+    manifest.write_text(table)
     spec = DataSpec.model_validate({"name": "m", "source": {"type": "manifest", "path": str(manifest)},
-                                    "classes": CLASSES})
-    with pytest.raises(DataError, match=r"row 1: class 'horse' is not in the spec's classes"):
-        open_source(spec).entries()
-
-
-def test_manifest_rows_need_a_path(tmp_path):
-    manifest = tmp_path / "list.csv"
-    manifest.write_text("path,caption\na.png,one\n,two\n")
-    spec = DataSpec.model_validate({"name": "m", "source": {"type": "manifest", "path": str(manifest)}})
-    with pytest.raises(DataError, match="row 1 has no path"):
-        open_source(spec).entries()
-
-
-def test_manifest_needs_label_or_caption(tmp_path):
-    manifest = tmp_path / "list.csv"
-    manifest.write_text("path\na.png\n")
-    spec = DataSpec.model_validate({"name": "m", "source": {"type": "manifest", "path": str(manifest)}})
-    with pytest.raises(DataError, match="'label' and/or 'caption'"):
+                                    "classes": classes})
+    with pytest.raises(DataError, match=error):
         open_source(spec).entries()
 
 
