@@ -34,6 +34,7 @@ import torch
 from repsim.data.spec import load_spec
 from repsim.similarity.captions import embed_captions, load_text_model
 from repsim.similarity.neighbours import build_index, default_nlist, recall_at_k
+from _report import markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 CAPTION_SPEC = ROOT / "data_specs" / "animal-mnist.yaml"
@@ -98,11 +99,6 @@ def caption_rows(n: int, device: str) -> list[list[str]]:
         rows.append([name, f"{len(texts):,}", f"{len(set(texts)):,}", f"{seconds:.2f}", f"{len(texts) / seconds:,.0f}",
                      f"{baseline / seconds:.1f}"])
     return rows
-
-
-def markdown(header: list[str], rows: list[list[str]]) -> str:
-    lines = [header, ["---"] * len(header), *rows]
-    return "\n".join("| " + " | ".join(line) + " |" for line in lines)
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ import torch
 
 from repsim.data import shard
 from repsim.eval.stages import KNN_K, evaluate, read_results
+from _report import markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = {"fashion-mnist": ROOT / "data_specs" / "fashion-mnist.yaml",
@@ -40,11 +41,6 @@ def benchmark(dataset: str, device: torch.device) -> list[list[str]]:
              f"{seconds['knn']:.1f}"] for k in KNN_K]
     return rows + [[dataset, sizes, f"linear wd={linear['linear_weight_decay']:g}", f"{linear['linear_top1']:.4f}",
                     f"{linear['linear_top5']:.4f}", f"{seconds['linear']:.1f}"]]
-
-
-def markdown(header: list[str], rows: list[list[str]]) -> str:
-    lines = [header, ["---"] * len(header), *rows]
-    return "\n".join("| " + " | ".join(line) + " |" for line in lines)
 
 
 def main() -> None:

@@ -13,16 +13,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from repsim.device import resolve_device  # noqa: F401  (the eval modules' one device rule)
 from repsim.errors import EvalError
 
 ArrayLike = np.ndarray | torch.Tensor
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """``device`` as a torch device; ``None`` picks the GPU when there is one, else the CPU."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def _tensor(values: ArrayLike, name: str) -> torch.Tensor:

@@ -39,9 +39,10 @@ import torch.distributed as dist
 from repsim.data.loader import ShardLoader, make_loader, peek_image
 from repsim.data.sharding import ShardResult, shard, shard_stage
 from repsim.data.spec import DataSpec, load_spec
+from repsim.device import resolve_device
 from repsim.errors import SpecError
 from repsim.methods.config import Config
-from repsim.methods.train import (KnnMonitor, LogFn, Method, Trainer, default_device, distributed,
+from repsim.methods.train import (KnnMonitor, LogFn, Method, Trainer, distributed,
                                   init_distributed, is_main_process, seed_everything)
 from repsim.models.backbones import ENCODER_FILE, load_encoder, save_encoder
 from repsim.stage import Stage, StageOutput, read_record, repsim_home, run_stage
@@ -167,7 +168,7 @@ def train(config: Config, out_dir: str | Path | None = None, log: LogFn | None =
         data = replace(data, upstream=upstream.run())
     stage = _stage(config, shards, upstream)
     scratch = repsim_home() / "scratch" / "train" / stage.key
-    build = _builder(config, data, scratch, log, torch.device(device) if device else default_device(), progress)
+    build = _builder(config, data, scratch, log, resolve_device(device), progress)
     if distributed():
         return _train_distributed(stage, build, out_dir, scratch)
     output = run_stage(stage, build, out_dir)

