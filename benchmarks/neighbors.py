@@ -1,4 +1,4 @@
-"""Neighbour search and caption embedding speed: FAISS exact vs torch brute force, IVF and HNSW, de-duplication.
+"""Neighbor search and caption embedding speed: FAISS exact vs torch brute force, IVF and HNSW, de-duplication.
 
 Points are synthetic clustered unit vectors of MiniLM's width (384): a mixture of ``--clusters``
 Gaussians in a 32-d latent space, mapped to 384 dims by a fixed random matrix, plus a little
@@ -7,7 +7,9 @@ their exact ties). A seeded subset of ``--queries`` points is searched against a
 by inner product (cosine), k = 10:
 
 - FAISS flat (exact) and chunked ``torch.topk`` over query-by-database similarity blocks;
-- IVF and HNSW with the library defaults: build time, search time and recall@10 against flat.
+- IVF-Flat, IVF-PQ (alone and re-ranked exactly, as ``knn`` does) and HNSW with the library
+  defaults: build time, search time, recall@10 against flat, and the index's bytes per vector,
+  extrapolated to the 10M x 384 case of the ``repsim.similarity.neighbors`` docstring.
 
 Captions: ``--captions`` Animal-MNIST template captions (``DataSpec.caption_for``: 30 distinct
 texts) and as many distinct texts made by numbering them ("a photo of a dog, number 17."), both
@@ -33,7 +35,9 @@ import torch
 
 from repsim.data.spec import load_spec
 from repsim.similarity.captions import embed_captions, load_text_model
-from repsim.similarity.neighbours import build_index, default_nlist, recall_at_k
+import faiss
+
+from repsim.similarity.neighbors import IVFPQ_RERANK, build_index, default_nlist, recall_at_k, rerank
 from _report import markdown
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,7 +53,7 @@ def clustered_points(n: int, clusters: int, seed: int) -> np.ndarray:
     latent = centres[rng.integers(clusters, size=n)] + 0.5 * rng.normal(size=(n, LATENT_DIM)).astype(np.float32)
     mapping = rng.normal(size=(LATENT_DIM, DIM)).astype(np.float32) / np.sqrt(LATENT_DIM)
     x = latent @ mapping + 0.05 * rng.normal(size=(n, DIM)).astype(np.float32)
-    return x / np.linalg.norm(x, axis=1, keepdims=True)
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
 
 
 def timed(run: Callable[..., object], *args, **options) -> tuple[object, float]:
@@ -67,17 +71,24 @@ def torch_top_k(x: np.ndarray, queries: np.ndarray, chunk: int) -> np.ndarray:
 
 
 def search_rows(x: np.ndarray, queries: np.ndarray, chunk: int) -> list[list[str]]:
-    """One row per method: build s, search s, queries/s, search speed vs flat, recall@10 vs flat."""
+    """One row per method: build s, search s, queries/s, search speed vs flat, recall@10 vs flat,
+    index bytes per vector and the index size for 10M vectors."""
     results = {}
-    for kind in ("flat", "ivf", "hnsw"):
+    for kind in ("flat", "ivf", "ivfpq", "hnsw"):
         index, build = timed(build_index, x, kind, metric="ip", use_gpu=False)
         (_, ids), search = timed(index.search, queries, K)
-        results[kind] = (ids, build, search)
+        results[kind] = (ids, build, search, len(faiss.serialize_index(index)) / len(x))
+        if kind == "ivfpq":
+            def search_and_rerank() -> np.ndarray:
+                return rerank(x, queries, index.search(queries, K * IVFPQ_RERANK)[1], "ip", K)[0]
+            ids, search = timed(search_and_rerank)
+            results[f"ivfpq + exact re-rank of {IVFPQ_RERANK}k"] = (ids, build, search, results[kind][3])
     ids, search = timed(torch_top_k, x, queries, chunk)
-    results["torch topk"] = (ids, 0.0, search)
+    results["torch topk"] = (ids, 0.0, search, x.itemsize * x.shape[1])
     exact, flat_search = results["flat"][0], results["flat"][2]
     return [[name, f"{build:.2f}", f"{search:.2f}", f"{len(queries) / search:,.0f}", f"{flat_search / search:.2f}",
-             f"{recall_at_k(ids, exact):.4f}"] for name, (ids, build, search) in results.items()]
+             f"{recall_at_k(ids, exact):.4f}", f"{per_vector:,.0f}", f"{per_vector * 1e7 / 2 ** 30:.1f}"]
+            for name, (ids, build, search, per_vector) in results.items()]
 
 
 def template_captions(n: int) -> list[str]:
@@ -114,19 +125,21 @@ def main() -> None:
     args = parser.parse_args()
     x = clustered_points(args.points, args.clusters, args.seed)
     queries = x[np.sort(np.random.default_rng(args.seed).choice(args.points, args.queries, replace=False))]
-    search = markdown(["method", "build s", "search s", "queries/s", "speed vs flat", "recall@10 vs flat"],
+    search = markdown(["method", "build s", "search s", "queries/s", "speed vs flat", "recall@10 vs flat",
+                       "index B/vector", "GiB at 10M"],
                       search_rows(x, queries, args.chunk))
     captions = markdown(["captions", "texts", "distinct", "seconds", "captions/s", "speed vs all distinct"],
                         caption_rows(args.captions, args.device))
     command = "python benchmarks/neighbors.py " + " ".join(
         f"--{name} {getattr(args, name)}" for name in ("points", "queries", "clusters", "captions", "chunk", "device"))
-    report = (f"# Neighbour search and caption embedding\n\n"
+    report = (f"# Neighbor search and caption embedding\n\n"
               f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
               f"{torch.get_num_threads()} torch threads; torch {torch.__version__}; FAISS on the CPU.\n"
               f"Produced by `{command}`.\n\n"
               f"Search: {args.queries:,} seeded queries against {args.points:,} x {DIM} synthetic clustered unit "
               f"vectors ({args.clusters:,} Gaussian clusters in {LATENT_DIM} latent dims, randomly mapped to {DIM}), "
-              f"inner product, k = {K}. IVF: nlist {default_nlist(args.points)} and nprobe nlist / 8 (defaults); "
+              f"inner product, k = {K}. IVF-Flat and IVF-PQ: nlist {default_nlist(args.points)} and nprobe nlist / 8 "
+              f"(defaults); IVF-PQ codes: {DIM // 8} one-byte sub-quantisers (default D / 8); "
               f"HNSW: M 32, efConstruction 80, efSearch 128 (defaults). Torch: `torch.topk` over "
               f"{args.chunk}-query similarity blocks, no index to build.\n\n{search}\n\n"
               f"Captions: all-MiniLM-L6-v2 on {args.device} through `embed_captions`; templated = Animal-MNIST's "

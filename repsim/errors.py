@@ -27,4 +27,4 @@ class EvalError(RepsimError):
 
 
 class SimilarityError(RepsimError):
-    """A similarity source or neighbour list cannot be built from what it was given."""
+    """A similarity source or neighbor list cannot be built from what it was given."""

@@ -1,5 +1,5 @@
 """The precompute stages as Prefect tasks: caption embeddings, WordNet class similarities and
-neighbour lists. Stage outputs are passed between tasks as directory paths, so each task's cache key
+neighbor lists. Stage outputs are passed between tasks as directory paths, so each task's cache key
 is its planner's stage key."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 from prefect import task
 
-from repsim.similarity.stages import (embed_captions_stage, embed_captions_stage_of, neighbours_stage,
-                                      neighbours_stage_of, wordnet_similarity_stage, wordnet_similarity_stage_of)
+from repsim.similarity.stages import (embed_captions_stage, embed_captions_stage_of, neighbors_stage,
+                                      neighbors_stage_of, wordnet_similarity_stage, wordnet_similarity_stage_of)
 from repsim.stage import Stage, StageOutput
 from repsim.tasks.stage import stage_cache_key
 
@@ -28,10 +28,10 @@ def plan_wordnet(spec_path: str, measure: str = "wup", out_dir: str | None = Non
     return stage, stage.output_dir(out_dir)
 
 
-def plan_neighbours(embeddings_path: str, k: int = 10, kind: str = "flat", metric: str = "ip",
-                    out_dir: str | None = None) -> tuple[Stage, Path]:
-    """The neighbour stage of an embedding file or caption stage directory and where it writes."""
-    stage = neighbours_stage_of(embeddings_path, k, kind, metric)
+def plan_neighbors(embeddings_path: str, k: int = 10, index: str = "flat", metric: str = "cosine",
+                   out_dir: str | None = None) -> tuple[Stage, Path]:
+    """The neighbor stage of an embedding file or caption stage directory and where it writes."""
+    stage = neighbors_stage_of(embeddings_path, k, index, metric)
     return stage, stage.output_dir(out_dir)
 
 
@@ -48,8 +48,8 @@ def wordnet_task(spec_path: str, measure: str = "wup", out_dir: str | None = Non
     return wordnet_similarity_stage(spec_path, measure, out_dir)
 
 
-@task(name="neighbours", cache_key_fn=stage_cache_key(plan_neighbours), persist_result=True)
-def neighbours_task(embeddings_path: str, k: int = 10, kind: str = "flat", metric: str = "ip",
-                    out_dir: str | None = None) -> StageOutput:
-    """The k nearest neighbours of every embedding row, with FAISS."""
-    return neighbours_stage(embeddings_path, k, kind, metric, out_dir=out_dir)
+@task(name="neighbors", cache_key_fn=stage_cache_key(plan_neighbors), persist_result=True)
+def neighbors_task(embeddings_path: str, k: int = 10, index: str = "flat", metric: str = "cosine",
+                   out_dir: str | None = None) -> StageOutput:
+    """The k nearest neighbors of every embedding row, with a FAISS ``index``."""
+    return neighbors_stage(embeddings_path, k, index, metric, out_dir=out_dir)

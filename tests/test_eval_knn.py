@@ -83,7 +83,7 @@ def test_several_k_in_one_pass_equal_separate_calls(fashion):
         np.testing.assert_array_equal(predictions, alone[k])
 
 
-def test_neighbours_equal_a_brute_force_ranking_excluding_self():
+def test_neighbors_equal_a_brute_force_ranking_excluding_self():
     rng = np.random.default_rng(0)
     points = np.round(rng.normal(size=(60, 3)), 1)  # coarse values: exact ties in similarity occur
     points[10] = points[3]
@@ -156,7 +156,7 @@ def test_bad_input_fails_with_one_line(replace, message):
 
 
 def test_k_beyond_the_training_set_fails():
-    with pytest.raises(EvalError, match="k=4 neighbours asked of 3 searchable samples"):
+    with pytest.raises(EvalError, match="k=4 neighbors asked of 3 searchable samples"):
         knn_predict(*GOOD[:3], k=4, device="cpu")
     with pytest.raises(EvalError, match="k=0 is not a positive int"):
         knn_predict(*GOOD[:3], k=0, device="cpu")

@@ -1,4 +1,4 @@
-"""The precompute stages: caption embeddings, WordNet class similarities and neighbour lists as
+"""The precompute stages: caption embeddings, WordNet class similarities and neighbor lists as
 cached stages, and `repsim precompute` through Prefect and MLflow."""
 
 import argparse
@@ -17,11 +17,11 @@ from e2e import flow_runs, repsim
 from repsim.cli import build_parser, main
 from repsim.data import DataSpec, shard
 from repsim.errors import SimilarityError
-from repsim.similarity import EmbeddingSource, class_similarity, embed_captions, load_neighbours, stages
-from repsim.similarity.neighbours import INDEX_KINDS
+from repsim.similarity import EmbeddingSource, class_similarity, embed_captions, load_neighbors, stages
+from repsim.similarity.neighbors import INDEX_KINDS, METRICS
 from repsim.similarity.stages import (CLASSES_FILE, EMBEDDINGS_FILE, HEAT_MAP_FILE, KEYS_FILE, SIMILARITY_FILE,
-                                      embed_captions_stage, embed_captions_stage_of, neighbours_stage,
-                                      neighbours_stage_of, wordnet_similarity_stage, wordnet_similarity_stage_of)
+                                      embed_captions_stage, embed_captions_stage_of, neighbors_stage,
+                                      neighbors_stage_of, wordnet_similarity_stage, wordnet_similarity_stage_of)
 from repsim.similarity.wordnet import MEASURES, prepare_wordnet
 
 PETS = {"cat": "cat.n.01", "dog": "dog.n.01"}
@@ -205,67 +205,75 @@ def test_classless_spec_has_no_wordnet_stage():
 
 
 # ---------------------------------------------------------------------------------------------
-# Neighbours
+# Neighbors
 
-def test_flat_neighbours_equal_brute_force(tmp_path):
+def test_flat_neighbors_equal_brute_force(tmp_path):
     points = unit_rows(300)
     np.save(tmp_path / "points.npy", points)
-    output = neighbours_stage(tmp_path / "points.npy", k=5, progress=False)
-    ids, distances = load_neighbours(output.path)
+    output = neighbors_stage(tmp_path / "points.npy", k=5, progress=False)
+    ids, scores = load_neighbors(output.path)
     similarity = points.astype(np.float64) @ points.T.astype(np.float64)
     np.fill_diagonal(similarity, -np.inf)
     expected = np.argsort(-similarity, axis=1)[:, :5]
     np.testing.assert_array_equal(ids, expected)
-    np.testing.assert_allclose(distances, np.take_along_axis(similarity, expected, axis=1), atol=1e-5)
+    np.testing.assert_allclose(scores, np.take_along_axis(similarity, expected, axis=1), atol=1e-5)
     assert output.metrics["samples"] == 300 and "recall" not in output.metrics
-    assert neighbours_stage(tmp_path / "points.npy", k=5).cached
+    assert neighbors_stage(tmp_path / "points.npy", k=5).cached
 
 
 @pytest.mark.parametrize("kind", ["ivf", "hnsw"])
-def test_approximate_neighbours_record_their_recall(tmp_path, kind):
+def test_approximate_neighbors_record_their_recall(tmp_path, kind):
     np.save(tmp_path / "points.npy", unit_rows(2000))
-    output = neighbours_stage(tmp_path / "points.npy", k=10, kind=kind, recall_queries=300, progress=False)
+    output = neighbors_stage(tmp_path / "points.npy", k=10, index=kind, recall_queries=300, progress=False)
     metrics = json.loads((output.path / "stage.json").read_text())["metrics"]
     assert metrics["recall_queries"] == 300
     assert 0 <= metrics["recall"] <= metrics["recall_tie_aware"] <= 1
     assert metrics["recall"] == output.metrics["recall"]
-    assert output.key != neighbours_stage_of(tmp_path / "points.npy", k=10).key
-    assert output.key != neighbours_stage_of(tmp_path / "points.npy", k=10, kind=kind, seed=1).key
+    assert output.key != neighbors_stage_of(tmp_path / "points.npy", k=10).key
+    assert output.key != neighbors_stage_of(tmp_path / "points.npy", k=10, index=kind, seed=1).key
 
 
-def test_neighbours_of_caption_embeddings_key_on_the_caption_stage(pets_shards, fake_encoder):
+def test_neighbors_of_caption_embeddings_key_on_the_caption_stage(pets_shards, fake_encoder):
     captions = embed_captions_stage(pets_shards, progress=False)
-    output = neighbours_stage(captions, k=2, kind="hnsw", progress=False)
+    output = neighbors_stage(captions, k=2, index="hnsw", progress=False)
     assert output.record["inputs"] == {"embeddings": captions.key}
-    assert neighbours_stage_of(captions.path, k=2, kind="hnsw").key == output.key
-    assert neighbours_stage_of(captions.path / EMBEDDINGS_FILE, k=2, kind="hnsw").key == output.key
-    ids, distances = load_neighbours(output.path)
+    assert neighbors_stage_of(captions.path, k=2, index="hnsw").key == output.key
+    assert neighbors_stage_of(captions.path / EMBEDDINGS_FILE, k=2, index="hnsw").key == output.key
+    ids, scores = load_neighbors(output.path)
     text = np.array(manifest_captions(pets_shards))
-    assert sorted(Counter(text).values()) == [3, 3, 3, 3]  # so each row's two neighbours are its twins
+    assert sorted(Counter(text).values()) == [3, 3, 3, 3]  # so each row's two neighbors are its twins
     assert ids.shape == (12, 2) and np.all(text[ids] == text[:, None])
-    np.testing.assert_allclose(distances, 1, atol=2e-3)
+    np.testing.assert_allclose(scores, 1, atol=2e-3)
     assert output.metrics["recall_tie_aware"] == 1.0
 
 
 def test_missing_embeddings_say_which_stage_to_run(tmp_path):
     with pytest.raises(SimilarityError, match="run the caption embedding stage"):
-        neighbours_stage(tmp_path)
+        neighbors_stage(tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------
 # Command line
 
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction)).choices
+
+
 def test_cli_choices_are_the_library_ones():
-    commands = next(action for action in build_parser()._actions
-                    if isinstance(action, argparse._SubParsersAction))
-    choices = {action.dest: action.choices for action in commands.choices["precompute"]._actions}
+    stages = subcommands(subcommands(build_parser())["precompute"])
+    assert set(stages) == {"all", "captions", "wordnet", "neighbors"}
+    choices = {action.dest: action.choices for action in stages["all"]._actions}
     assert tuple(choices["measures"]) == MEASURES and tuple(choices["index"]) == INDEX_KINDS
+    assert tuple(choices["metric"]) == METRICS
+    options = {name: {action.dest for action in parser._actions} for name, parser in stages.items()}
+    assert "measures" not in options["neighbors"] and "index" not in options["wordnet"]
+    assert "model" not in options["wordnet"] and "k" not in options["captions"]
 
 
 def test_cli_rejects_wordnet_for_a_classless_spec_in_one_line(write_spec, tmp_path, capsys):
     (tmp_path / "pairs.csv").write_text("path,caption\na.png,a cat\n")
     spec = write_spec({"name": "captioned", "source": {"type": "manifest", "path": "pairs.csv"}})
-    assert main(["precompute", str(spec)]) == 2
+    assert main(["precompute", "wordnet", str(spec)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: data spec 'captioned' lists no classes") and err.count("\n") == 1
 
@@ -276,8 +284,8 @@ def test_precompute_runs_every_stage_caches_and_tracks_them(pets_spec, wordnet_h
     home = tmp_path / "home"
     home.mkdir()
     (home / "nltk_data").symlink_to(wordnet_home / "nltk_data")
-    runs = [repsim(home, "precompute", str(pets_spec), "--k", "3", "--index", "hnsw") for _ in range(2)]
-    stage_names = ["shard", "captions", "wordnet", "neighbours"]
+    runs = [repsim(home, "precompute", "all", str(pets_spec), "--k", "3", "--index", "hnsw") for _ in range(2)]
+    stage_names = ["shard", "captions", "wordnet", "neighbors"]
     for done, cached in zip(runs, ("no", "yes")):
         assert done.returncode == 0, done.stderr
         rows = [line.split() for line in done.stdout.splitlines() if line.split()[0] in stage_names]
@@ -294,5 +302,7 @@ def test_precompute_runs_every_stage_caches_and_tracks_them(pets_spec, wordnet_h
         [wordnet] = [run for run in children if run.data.tags["repsim.stage"] == "wordnet"]
         assert {a.path for a in client.list_artifacts(wordnet.info.run_id)} >= \
             {CLASSES_FILE, HEAT_MAP_FILE, SIMILARITY_FILE, "stage.json"}
-        [neighbours] = [run for run in children if run.data.tags["repsim.stage"] == "neighbours"]
-        assert 0 <= neighbours.data.metrics["recall"] <= 1
+        [neighbors] = [run for run in children if run.data.tags["repsim.stage"] == "neighbors"]
+        assert 0 <= neighbors.data.metrics["recall"] <= 1
+        histograms = {a.path for a in client.list_artifacts(parent.info.run_id)}
+        assert histograms >= {f"target_similarity_{name}.png" for name in ("labels", "captions", "wordnet_wup")}

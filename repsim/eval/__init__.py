@@ -14,13 +14,13 @@ Bad input raises :class:`~repsim.errors.EvalError` with a one-line message. Figu
 """
 
 from repsim.eval.diagnostics import alignment, effective_rank, embedding_diagnostics, embedding_std, uniformity
-from repsim.eval.knn import NeighbourChunk, cosine_top_k, knn_accuracy, knn_predict, knn_rankings, top_k_accuracy
+from repsim.eval.knn import NeighborChunk, cosine_top_k, knn_accuracy, knn_predict, knn_rankings, top_k_accuracy
 from repsim.eval.linear import DEFAULT_WEIGHT_DECAYS, linear_probe, stratified_split
 from repsim.eval.retrieval import map_at_r, paired_retrieval, retrieval_recall
 from repsim.eval.zeroshot import zero_shot_accuracy, zero_shot_classifier
 
 __all__ = [
-    "DEFAULT_WEIGHT_DECAYS", "NeighbourChunk", "alignment", "cosine_top_k", "effective_rank", "embedding_diagnostics",
+    "DEFAULT_WEIGHT_DECAYS", "NeighborChunk", "alignment", "cosine_top_k", "effective_rank", "embedding_diagnostics",
     "embedding_std", "knn_accuracy", "knn_predict", "knn_rankings", "linear_probe", "map_at_r", "paired_retrieval",
     "retrieval_recall", "stratified_split", "top_k_accuracy", "uniformity", "zero_shot_accuracy",
     "zero_shot_classifier",

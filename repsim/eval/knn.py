@@ -1,11 +1,11 @@
-"""Weighted k-nearest-neighbour classification on cosine similarity.
+"""Weighted k-nearest-neighbor classification on cosine similarity.
 
-Both sides are L2-normalised; each test sample takes its top max(k) training neighbours once and,
-for every requested k, each of its first k neighbours votes for its class with weight
+Both sides are L2-normalised; each test sample takes its top max(k) training neighbors once and,
+for every requested k, each of its first k neighbors votes for its class with weight
 ``exp(similarity / temperature)``. Work is chunked over test rows and over training rows (with a
 running top-k merge), so memory stays bounded however large both sets are.
 
-Ties are broken deterministically: among equally similar neighbours the lower training row comes
+Ties are broken deterministically: among equally similar neighbors the lower training row comes
 first, and among classes with equal votes the lower class id wins.
 
 :func:`knn_accuracy` returns fractions in [0, 1] under the keys ``knn_top1_k{k}`` and
@@ -30,8 +30,8 @@ KEY_CHUNK = 32768
 
 
 @dataclass(frozen=True)
-class NeighbourChunk:
-    """The neighbours of query rows ``start .. start + B - 1``, most similar first."""
+class NeighborChunk:
+    """The neighbors of query rows ``start .. start + B - 1``, most similar first."""
 
     start: int
     similarities: torch.Tensor  # (B, k) cosine similarities, descending
@@ -41,11 +41,11 @@ class NeighbourChunk:
 def cosine_top_k(queries: ArrayLike, keys: ArrayLike, k: int, *, exclude_self: bool = False,
                  chunk_size: int = QUERY_CHUNK, key_chunk_size: int = KEY_CHUNK,
                  device: str | torch.device | None = None,
-                 dtype: torch.dtype = torch.float32) -> Iterator[NeighbourChunk]:
-    """The k most cosine-similar keys of every query, one :class:`NeighbourChunk` per query chunk.
+                 dtype: torch.dtype = torch.float32) -> Iterator[NeighborChunk]:
+    """The k most cosine-similar keys of every query, one :class:`NeighborChunk` per query chunk.
 
     queries (Nq, D), keys (Nk, D). ``exclude_self`` treats queries and keys as the same set and
-    leaves each row out of its own neighbours. Inputs are checked at the call; keys are normalised
+    leaves each row out of its own neighbors. Inputs are checked at the call; keys are normalised
     once onto ``device``; at most ``chunk_size × key_chunk_size`` similarities exist at a time.
     """
     queries, keys = as_features(queries, "queries"), as_features(keys, "keys")
@@ -54,17 +54,17 @@ def cosine_top_k(queries: ArrayLike, keys: ArrayLike, k: int, *, exclude_self: b
         check_same_rows(queries, "queries", keys, "keys")
     searchable = len(keys) - int(exclude_self)
     if not 1 <= k <= searchable:
-        raise EvalError(f"k={k} neighbours asked of {searchable} searchable samples", f"use k between 1 and {searchable}")
+        raise EvalError(f"k={k} neighbors asked of {searchable} searchable samples", f"use k between 1 and {searchable}")
     device = resolve_device(device)
-    return _neighbour_chunks(queries, unit_rows(keys, device, dtype), k, exclude_self, chunk_size, key_chunk_size)
+    return _neighbor_chunks(queries, unit_rows(keys, device, dtype), k, exclude_self, chunk_size, key_chunk_size)
 
 
-def _neighbour_chunks(queries: torch.Tensor, keys: torch.Tensor, k: int, exclude_self: bool, chunk_size: int,
-                      key_chunk_size: int) -> Iterator[NeighbourChunk]:
+def _neighbor_chunks(queries: torch.Tensor, keys: torch.Tensor, k: int, exclude_self: bool, chunk_size: int,
+                      key_chunk_size: int) -> Iterator[NeighborChunk]:
     for start in range(0, len(queries), chunk_size):
         chunk = unit_rows(queries[start:start + chunk_size], keys.device, keys.dtype)
         similarities, indices = _search(chunk, keys, k, key_chunk_size, start if exclude_self else None)
-        yield NeighbourChunk(start, similarities, indices)
+        yield NeighborChunk(start, similarities, indices)
 
 
 def _search(queries: torch.Tensor, keys: torch.Tensor, k: int, key_chunk_size: int,
@@ -129,13 +129,13 @@ def knn_rankings(train_x: ArrayLike, train_y: ArrayLike, test_x: ArrayLike, k: i
     rankings = {k: np.empty((len(test_x), top), dtype=np.int64) for k in ks}
     for chunk in cosine_top_k(test_x, train_x, ks[-1], chunk_size=chunk_size, key_chunk_size=train_chunk_size,
                               device=device, dtype=dtype):
-        neighbour_labels = train_y[chunk.indices]
+        neighbor_labels = train_y[chunk.indices]
         # Shifting by each row's best similarity rescales its votes by one constant: same ranking, no overflow.
         weights = torch.exp((chunk.similarities - chunk.similarities[:, :1]) / temperature)
         rows = slice(chunk.start, chunk.start + len(weights))
         for k in ks:
             votes = weights.new_zeros((len(weights), num_classes))
-            votes.scatter_add_(1, neighbour_labels[:, :k], weights[:, :k])
+            votes.scatter_add_(1, neighbor_labels[:, :k], weights[:, :k])
             rankings[k][rows] = votes.sort(dim=1, descending=True, stable=True).indices[:, :top].cpu().numpy()
     return rankings
 

@@ -9,12 +9,29 @@ from torch import nn
 from repsim.losses._pairs import at_least_float32, view_pairs
 
 
+def target_mass(similarity: torch.Tensor, target_temperature: float) -> torch.Tensor:
+    """X-CLR's target distribution per view: (B, B), entry [i, j] the target probability that a view
+    of sample i puts on each view of sample j (on i's other view for j = i).
+
+    A view's target row runs over the 2B - 1 other views: ``softmax(s / target_temperature)`` with
+    s[i, i] = 1. Both views of j share s[i, j], so the row's normaliser is
+    ``2 Σ_j exp(s_ij / τ_s) - exp(1 / τ_s)`` and rows of the full (2B, 2B) target are [P_i, P_i]
+    with the view's own entry set to 0.
+    """
+    scaled = (at_least_float32(similarity) / target_temperature).fill_diagonal_(1.0 / target_temperature)
+    weights = (scaled - scaled.max(dim=1, keepdim=True).values).exp()
+    return weights / (2 * weights.sum(dim=1, keepdim=True) - weights.diagonal()[:, None])
+
+
 class XCLRLoss(nn.Module):
     """Cross-entropy between ``softmax(s / target_temperature)`` and ``softmax(z z^T / temperature)``.
 
     Over the 2B views, each view's pairing with itself excluded; ``s`` between views of samples i and
     j is ``similarity[i, j]``, and ``similarity[i, i] = 1`` by definition. With s = identity and
     target_temperature -> 0 this is SimCLR's NT-Xent; with s = same-label it is SupCon.
+
+    The target is built from the (B, B) :func:`target_mass`, so only one exponential per sample pair
+    is taken, not one per view pair.
 
     Args:
         temperature: of the predicted distribution.
@@ -37,9 +54,6 @@ class XCLRLoss(nn.Module):
         size = pairs.global_batch
         if similarity.shape != (size, size):
             raise ValueError(f"similarity must be ({size}, {size}) for this batch; got {tuple(similarity.shape)}")
-        target_logits = (at_least_float32(similarity) / self.target_temperature).fill_diagonal_(
-            1.0 / self.target_temperature).repeat(2, 2)
-        if pairs.logits.shape[1] != pairs.logits.shape[0]:  # gathered: this rank's rows only
-            target_logits = target_logits[pairs.row_ids]
-        target = target_logits.scatter_(1, pairs.row_ids[:, None], float("-inf")).softmax(dim=1)
+        mass = target_mass(similarity, self.target_temperature)[pairs.row_ids % size]    # (2B, B')
+        target = mass.repeat(1, 2).scatter_(1, pairs.row_ids[:, None], 0.0)               # (2B, 2B')
         return F.cross_entropy(pairs.logits, target)

