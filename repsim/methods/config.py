@@ -23,10 +23,11 @@ from repsim.config_errors import describe, model_at, read_yaml_mapping
 from repsim.data.augment import PRESETS
 from repsim.errors import SpecError
 from repsim.models.backbones import RESNETS
+from repsim.models.vit import VITS
 
 DEFAULTS = Path(__file__).resolve().parents[2] / "configs" / "defaults.yaml"
 TAG_FIELDS = ("type", "name")
-PATH_FIELDS = (("data", "spec"), ("method", "similarity", "path"))
+PATH_FIELDS = (("data", "spec"), ("method", "similarity", "path"), ("image", "path"))  # image: alignment configs
 
 
 class _Strict(BaseModel):
@@ -46,8 +47,10 @@ class DataConfig(_Strict):
 class ModelConfig(_Strict):
     """The backbone and the projection head on top of it."""
 
-    backbone: Literal[RESNETS] = "resnet18"
+    backbone: Literal[RESNETS + VITS] = "resnet18"
     small_images: bool = True
+    patch_size: int = Field(4, gt=0, description="ViT patch side in pixels (4 for 28 px images, 16 for 224 px)")
+    depth: int = Field(12, gt=0, description="ViT blocks")
     projection_hidden_dim: int = Field(2048, gt=0)
     projection_dim: int = Field(128, gt=0)
     projection_layers: int = Field(2, ge=1)
@@ -154,7 +157,52 @@ class ClipConfig(_Strict):
                                         "default: a linear projection")
 
 
-MethodConfig = Annotated[XCLRConfig | SimCLRConfig | SupConConfig | ClipConfig, Field(discriminator="name")]
+class _SelfDistillationConfig(_Strict):
+    """A student and its EMA teacher (momentum cosine from ``teacher_momentum`` to 1) on multi-crop views."""
+
+    student_temperature: float = Field(0.1, gt=0)
+    teacher_temperature: float = Field(0.04, gt=0)
+    teacher_momentum: float = Field(0.996, ge=0, le=1)
+
+
+class SOPConfig(_SelfDistillationConfig):
+    """SOP: distributions over self-organizing prototypes drawn from memories of teacher outputs.
+
+    Each step ``num_anchors`` anchors (at most the filled entries) with ``support_size`` nearest
+    neighbours each; ``one_hot`` labels instead of the soft ones; ``fixed_anchors``: draw the anchors
+    once, when the memory is full, and keep them (an ablation). ``cls_weight`` λ1 and ``mim_weight``
+    λ2 (0: no masking, no MIM) weight the [CLS] and the masked-patch losses; ``mask_ratio`` is the
+    range of each masked view's ratio and ``mask_share`` the share of global views masked.
+    ``patches_per_view`` teacher patch tokens of each global view enter the patch memory per step.
+    """
+
+    name: Literal["sop"]
+    num_anchors: int = Field(4096, gt=1)
+    support_size: int = Field(8, gt=0)
+    epsilon: float = Field(0.1, ge=0, lt=1)
+    one_hot: bool = False
+    fixed_anchors: bool = False
+    cls_memory: int = Field(65536, gt=1)
+    patch_memory: int = Field(8192, gt=1)
+    patches_per_view: int = Field(1, gt=0)
+    patch_teacher_temperature: float = Field(0.07, gt=0)
+    cls_weight: float = Field(1.0, ge=0)
+    mim_weight: float = Field(1.0, ge=0)
+    mask_ratio: tuple[float, float] = (0.1, 0.5)
+    mask_share: float = Field(0.5, ge=0, le=1)
+
+
+class DinoConfig(_SelfDistillationConfig):
+    """The DINO-style baseline: ``num_prototypes`` learnable prototypes (a weight-normalised last
+    layer), the teacher centred by an EMA of momentum ``center_momentum`` and sharpened."""
+
+    name: Literal["dino"]
+    num_prototypes: int = Field(4096, gt=1)
+    center_momentum: float = Field(0.9, ge=0, lt=1)
+
+
+MethodConfig = Annotated[XCLRConfig | SimCLRConfig | SupConConfig | ClipConfig | SOPConfig | DinoConfig,
+                         Field(discriminator="name")]
 
 
 class Config(_Strict):
@@ -178,9 +226,11 @@ class _Layer:
     values: dict[str, Any]
 
 
-def load_config(path: str | Path, overrides: Sequence[str] = (), defaults: Path | None = DEFAULTS) -> Config:
-    """Read the experiment config at ``path`` merged over ``defaults`` (if that file exists), then
-    apply ``overrides`` (``"optim.lr=0.01"``). Raises SpecError in one line naming file and field."""
+def load_config(path: str | Path, overrides: Sequence[str] = (), defaults: Path | None = DEFAULTS,
+                schema: type[BaseModel] = Config) -> Any:
+    """Read the config at ``path`` merged over ``defaults`` (if that file exists), then apply
+    ``overrides`` (``"optim.lr=0.01"``), as a ``schema`` (default: a training :class:`Config`).
+    Raises SpecError in one line naming file and field."""
     layers = [_read_layer(defaults)] if defaults is not None and defaults.is_file() else []
     layers.append(_read_layer(Path(path)))
     layers += [_override_layer(override) for override in overrides]
@@ -188,9 +238,9 @@ def load_config(path: str | Path, overrides: Sequence[str] = (), defaults: Path 
     for layer in layers:
         merged = _merge(merged, layer.values)
     try:
-        return Config.model_validate(merged)
+        return schema.model_validate(merged)
     except ValidationError as err:
-        raise SpecError(*describe(err, _origin(err, layers, Path(path)), Config)) from None
+        raise SpecError(*describe(err, _origin(err, layers, Path(path), schema), schema)) from None
 
 
 def _read_layer(path: Path) -> _Layer:
@@ -238,9 +288,9 @@ def _merge(base: Any, update: Any) -> Any:
     return {**base, **{key: _merge(base.get(key), value) for key, value in update.items()}}
 
 
-def _origin(err: ValidationError, layers: list[_Layer], path: Path) -> str:
+def _origin(err: ValidationError, layers: list[_Layer], path: Path, schema: type[BaseModel] = Config) -> str:
     """The last layer that set the field of the first error (the config file when none did)."""
-    _, field = model_at(Config, err.errors()[0]["loc"])
+    _, field = model_at(schema, err.errors()[0]["loc"])
     for layer in reversed(layers):
         if _sets(layer.values, field):
             return layer.name

@@ -67,6 +67,11 @@ class Method(nn.Module, ABC):
     def after_optimizer_step(self, step: int, total_steps: int) -> None:
         """Called after optimizer step ``step`` (1-based) of ``total_steps``, e.g. to update an EMA teacher."""
 
+    def epoch_metrics(self) -> dict[str, float]:
+        """Scalars logged (and written to metrics.jsonl) with the kNN accuracies at each epoch's end,
+        on rank 0, e.g. collapse diagnostics. None by default."""
+        return {}
+
 
 # ---------------------------------------------------------------------------------------------
 # Optimisers and schedule
@@ -385,13 +390,16 @@ class Trainer:
         return metrics
 
     def _end_epoch(self, progress: Progress) -> dict[str, float]:
-        """Run the kNN monitor (rank 0; the others wait) and log the finished epoch."""
-        knn = {}
-        if self.monitor is not None and is_main_process():
-            knn = self.monitor(self.method.encoder, self.device, self.dtype)
+        """Run the kNN monitor and the method's epoch metrics (rank 0; the others wait) and log the
+        finished epoch."""
+        knn, extra = {}, {}
+        if is_main_process():
+            if self.monitor is not None:
+                knn = self.monitor(self.method.encoder, self.device, self.dtype)
+            extra = self.method.epoch_metrics()
         if distributed():
             dist.barrier()
-        self._log({"epoch": progress.epoch + 1, **knn}, progress.step)
+        self._log({"epoch": progress.epoch + 1, **knn, **extra}, progress.step)
         return knn
 
     def _share_buffers(self) -> None:

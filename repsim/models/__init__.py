@@ -1,6 +1,9 @@
-"""Backbones and heads."""
+"""Backbones, heads and alignment networks."""
 
+from repsim.models.alignment import AlignmentNetwork
 from repsim.models.backbones import RESNETS, load_encoder, resnet, save_encoder
 from repsim.models.heads import ProjectionMLP
+from repsim.models.vit import VITS, MaskableViT, vit
 
-__all__ = ["RESNETS", "ProjectionMLP", "load_encoder", "resnet", "save_encoder"]
+__all__ = ["RESNETS", "VITS", "AlignmentNetwork", "MaskableViT", "ProjectionMLP", "load_encoder", "resnet",
+           "save_encoder", "vit"]

@@ -1,4 +1,5 @@
-"""Image backbones: torchvision ResNets (random init) that return pooled features instead of logits.
+"""Image backbones: torchvision ResNets (random init) that return pooled features instead of logits,
+and the ViTs of :mod:`repsim.models.vit`.
 
 Every backbone records how it was built in its ``recipe`` attribute, so :func:`save_encoder` can
 store it beside its weights and :func:`load_encoder` can rebuild it without the training config.
@@ -14,6 +15,7 @@ import torchvision
 from torch import nn
 
 from repsim.errors import SpecError, StageError
+from repsim.models.vit import vit
 
 RESNETS = ("resnet18", "resnet34", "resnet50")
 ENCODER_FILE = "encoder.pt"
@@ -42,7 +44,7 @@ def resnet(name: str = "resnet18", small_images: bool = False, in_channels: int 
     return network
 
 
-BUILDERS = {"resnet": resnet}
+BUILDERS = {"resnet": resnet, "vit": vit}
 
 
 def save_encoder(encoder: nn.Module, path: str | Path) -> None:

@@ -1,0 +1,168 @@
+"""Reproduce the SOP comparison: SOP, SOP without MIM (λ2 = 0), SOP with fixed anchors and the
+DINO-style baseline.
+
+Every variant is trained from ``configs/sop.yaml`` or ``configs/dino.yaml`` with the same ViT,
+views, epochs and batch size (``--set``-style overrides), over ``--seeds`` seeds, as cached train
+stages; each encoder is scored by the evaluate stage (weighted cosine kNN and a linear probe on
+frozen features of the train split, tested on the test split), and the collapse diagnostics of the
+last epoch (effective rank and per-dimension std of the teacher embeddings in memory, normalised
+entropy of the teacher's mean SOP or prototype assignment) are read from ``metrics.jsonl``. The
+section goes to ``benchmarks/REPORT_SOP.md``.
+
+CPU default: a seeded, stratified 1.5 % / 1.5 % train / test subset of the dataset (through a
+derived data spec; about 1050 / 1050 Fashion-MNIST images), a 4-block ViT-Tiny, memories of 4096
+and 1024 anchors (configs/sop.yaml), 3 epochs of batch 128: 12 runs of 24 steps, about 30 minutes
+on 2 idle cores by the step times of ``benchmarks/sop_cost.py``. ``--full``: the data spec's own
+split, a 12-block ViT-Tiny, the paper's memories (65536 / 8192) and 4096 anchors, 100 epochs of
+batch 512 (a GPU run).
+
+    python benchmarks/reproduce_sop.py [--dataset animal-mnist] [--full] [--device cuda]
+    python benchmarks/reproduce_sop.py --train-fraction 0.005 --test-fraction 0.005 --epochs 1 \\
+        --batch-size 64 --depth 1 --seeds 1 --report /tmp/REPORT_SOP.md      # a smoke test
+
+Stages live under ``$REPSIM_HOME``: an interrupted run resumes, a repeated one only rewrites the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from repsim.data.sharding import ShardResult, shard
+from repsim.methods.config import load_config
+from repsim.methods.stage import METRICS_FILE, train
+from reproduce_contrastive import SPECS, Score, mean_std, score, subset_spec
+
+REPO = Path(__file__).resolve().parents[1]
+REPORT = REPO / "benchmarks" / "REPORT_SOP.md"
+VARIANTS = {  # name in the report: (config file, overrides)
+    "SOP": ("sop.yaml", ()),
+    "SOP without MIM (λ2 = 0)": ("sop.yaml", ("method.mim_weight=0",)),
+    "SOP, fixed anchors": ("sop.yaml", ("method.fixed_anchors=true",)),
+    "DINO-style (learned prototypes)": ("dino.yaml", ()),
+}
+DIAGNOSTICS = ("effective_rank", "embedding_std", "assignment_entropy")
+ENTROPIES = ("sop_entropy", "prototype_entropy")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What every variant shares: the ViT depth, epochs, global batch size and memory sizes."""
+
+    depth: int
+    epochs: int
+    batch_size: int
+    full: bool
+
+    def overrides(self, spec: Path, seed: int, config_file: str) -> list[str]:
+        shared = [f"data.spec={spec}", f"model.depth={self.depth}", f"optim.epochs={self.epochs}",
+                  f"optim.batch_size={self.batch_size}", f"optim.seed={seed}", "monitor.knn=false"]
+        if self.full and config_file == "sop.yaml":
+            shared += ["method.cls_memory=65536", "method.patch_memory=8192", "method.num_anchors=4096"]
+        return shared
+
+
+@dataclass(frozen=True)
+class Run:
+    """The scores and last-epoch diagnostics of one trained encoder."""
+
+    score: Score
+    diagnostics: dict[str, float]
+
+
+def last_epoch_diagnostics(output: Path) -> dict[str, float]:
+    """Effective rank, per-dimension std and assignment entropy of the last epoch in metrics.jsonl."""
+    records = [json.loads(line) for line in (output / METRICS_FILE).read_text().splitlines()]
+    last = [record for record in records if "epoch" in record][-1]
+    entropy = next((last[name] for name in ENTROPIES if name in last), float("nan"))
+    return {"effective_rank": last.get("effective_rank", float("nan")),
+            "embedding_std": last.get("embedding_std", float("nan")), "assignment_entropy": entropy}
+
+
+def train_and_score(variant: str, schedule: Schedule, spec: Path, seed: int, shards: ShardResult,
+                    device: torch.device) -> Run:
+    config_file, overrides = VARIANTS[variant]
+    config = load_config(REPO / "configs" / config_file, [*schedule.overrides(spec, seed, config_file), *overrides])
+    output = train(config, shards=shards, device=device, progress=False)
+    run = Run(score(shards, output.path, device), last_epoch_diagnostics(output.path))
+    print(f"{variant} seed={seed}: {run}", flush=True)
+    return run
+
+
+def mean_of(values: Sequence[float], digits: int) -> str:
+    return f"{sum(values) / len(values):.{digits}f}"
+
+
+def report(command: str, dataset: str, schedule: Schedule, shards: ShardResult, seeds: Sequence[int],
+           results: dict[str, list[Run]], minutes: float) -> str:
+    lines = [
+        "# SOP compared", "",
+        f"Command: `{command}`", "",
+        (f"Data: {dataset}, {shards.splits.get('train', 0)} train / {shards.splits.get('test', 0)} test images. "
+         f"Every variant: configs/sop.yaml or configs/dino.yaml with ViT-Tiny ({schedule.depth} blocks, patch 4), "
+         f"multi-crop views, {schedule.epochs} epochs, batch {schedule.batch_size}; seeds "
+         f"{', '.join(map(str, seeds))}. Scores: top-1 accuracy (%) on the test split of a weighted cosine kNN "
+         "and of a linear probe on frozen features of the train split (the student's [CLS] feature); mean ± "
+         "standard deviation over the seeds. Diagnostics of the last epoch, mean over the seeds: effective rank "
+         "and per-dimension std of the teacher's unit embeddings in memory (collapse: rank → 1, std → 0) and "
+         "the entropy of the teacher's mean SOP (or prototype) assignment over log K (collapse: → 0). "
+         f"Wall clock: {minutes:.1f} min."), "",
+        "| variant | kNN top-1 | linear top-1 | effective rank | per-dim std | assignment entropy |",
+        "|---|---:|---:|---:|---:|---:|",
+        *[f"| {variant} | {mean_std([r.score.knn for r in runs])} | {mean_std([r.score.linear for r in runs])} "
+          f"| {mean_of([r.diagnostics['effective_rank'] for r in runs], 1)} "
+          f"| {mean_of([r.diagnostics['embedding_std'] for r in runs], 4)} "
+          f"| {mean_of([r.diagnostics['assignment_entropy'] for r in runs], 3)} |"
+          for variant, runs in results.items()], "",
+    ]
+    return "\n".join(lines)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dataset", choices=sorted(SPECS), default="fashion-mnist")
+    parser.add_argument("--full", action="store_true",
+                        help="the spec's own split, 12 blocks, the paper's memories, 100 epochs, batch 512 (a GPU run)")
+    parser.add_argument("--train-fraction", type=float, default=0.015, help="of all images (ignored with --full)")
+    parser.add_argument("--test-fraction", type=float, default=0.015, help="of all images (ignored with --full)")
+    parser.add_argument("--depth", type=int)
+    parser.add_argument("--epochs", type=int)
+    parser.add_argument("--batch-size", type=int)
+    parser.add_argument("--seeds", type=int, default=3, help="how many seeds, 0..n-1")
+    parser.add_argument("--device", default=None, help="default: cuda when present, else cpu")
+    parser.add_argument("--report", type=Path, default=REPORT)
+    args = parser.parse_args()
+    if not (0 < args.train_fraction and 0 < args.test_fraction and args.train_fraction + args.test_fraction <= 1):
+        parser.error("--train-fraction and --test-fraction must be positive and sum to at most 1")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    started = time.perf_counter()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    schedule = Schedule(depth=args.depth or (12 if args.full else 4), epochs=args.epochs or (100 if args.full else 3),
+                        batch_size=args.batch_size or (512 if args.full else 128), full=args.full)
+    spec = SPECS[args.dataset] if args.full else subset_spec(SPECS[args.dataset], args.train_fraction,
+                                                            args.test_fraction)
+    shards = shard(spec, progress=False)
+    seeds = list(range(args.seeds))
+    results = {variant: [train_and_score(variant, schedule, spec, seed, shards, device) for seed in seeds]
+               for variant in VARIANTS}
+    command = shlex.join(["python", "benchmarks/reproduce_sop.py", *sys.argv[1:]])
+    text = report(command, args.dataset, schedule, shards, seeds, results, (time.perf_counter() - started) / 60)
+    args.report.parent.mkdir(parents=True, exist_ok=True)
+    args.report.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,9 @@
+"""Aligning frozen image and text embedding spaces: GeRA, contrastive alignment alone, and ASIF.
+
+- :mod:`~repsim.align.config`: the alignment config (``configs/gera.yaml``).
+- :mod:`~repsim.align.tables`: the embedding tables stage (frozen image and text embeddings).
+- :mod:`~repsim.align.pairing`: the seeded pairing and the neighbours among unpaired points.
+- :mod:`~repsim.align.train`: neighbour sampling, batches and the alignment method.
+- :mod:`~repsim.align.evaluate`: zero-shot and retrieval scores of a shared space.
+- :mod:`~repsim.align.stage`: the align stage, ``align(config)`` and ``align_stage_of(config)``.
+"""

@@ -1,0 +1,173 @@
+"""Alignment configs: pydantic models read from YAML (``configs/gera.yaml``), overridable by ``a.b=value``.
+
+Loaded with :func:`load_align_config`, which is :func:`repsim.methods.config.load_config` with this
+schema and without the training defaults: the same one-line errors naming the file and the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from repsim.asif import BACKENDS
+from repsim.losses.gera import KERNELS
+from repsim.methods.config import OptimConfig, _Strict, load_config
+from repsim.similarity.neighbors import INDEX_KINDS
+
+STRATEGIES = ("nearest", "uniform", "rank")
+
+
+class AlignData(_Strict):
+    """The data spec whose samples are embedded, the split pairs are drawn from, and the split scored."""
+
+    spec: Path
+    train_split: str = "train"
+    test_split: str = "test"
+
+
+class EncoderImages(_Strict):
+    """Image embeddings from an encoder: a train stage directory, its ``encoder.pt``, or any file
+    written by :func:`repsim.models.save_encoder` (the features stage extracts them, cached). A plain
+    torchvision state dict has no recipe to rebuild the network from: save it with ``save_encoder``."""
+
+    type: Literal["encoder"]
+    path: Path
+    batch_size: int = Field(512, gt=0)
+
+
+class PixelImages(_Strict):
+    """The flattened, normalised pixels as image embeddings (a floor, and fast for tests)."""
+
+    type: Literal["pixels"]
+    batch_size: int = Field(512, gt=0)
+
+
+class TableImages(_Strict):
+    """A user's image embeddings: a Parquet file with columns ``key`` (manifest keys) and ``embedding``
+    (a list of floats per row), or an ``.npy`` (N, D) whose row i is manifest index i."""
+
+    type: Literal["table"]
+    path: Path
+
+
+ImageSource = Annotated[EncoderImages | PixelImages | TableImages, Field(discriminator="type")]
+
+
+class AlignText(_Strict):
+    """Caption embeddings from a frozen sentence-transformer (default all-MiniLM-L6-v2).
+
+    ``source: classes`` (labelled data) draws each sample's caption, seeded by ``seed``, from its
+    class's captions: ``templates`` (default: the data spec's) × the class name and its synset's
+    lemmas, plus, if asked, the templates followed by the synset's ``gloss`` or "a kind of <hypernym>".
+    ``source: manifest`` uses each sample's own caption.
+    """
+
+    model: str | None = None
+    source: Literal["classes", "manifest"] = "classes"
+    templates: tuple[str, ...] | None = None
+    lemmas: bool = True
+    gloss: bool = True
+    hypernym: bool = True
+    seed: int = 0
+
+
+class PairingConfig(_Strict):
+    """``pairs`` paired training samples (M), and ``unpaired`` samples per modality (default: all the
+    rest), drawn independently for each modality; seeded."""
+
+    pairs: int = Field(100, ge=2)
+    unpaired: int | None = Field(None, ge=1)
+    seed: int = 0
+
+
+class NeighbourConfig(_Strict):
+    """L nearest unpaired points of each paired point in its own modality, by cosine, with FAISS."""
+
+    count: int = Field(100, ge=1, description="L")
+    index: Literal[INDEX_KINDS] = "flat"
+
+
+class GeometryConfig(_Strict):
+    """The geometric regulariser (see :mod:`repsim.losses.gera`): weight ``alpha``; ``samples`` (n)
+    neighbours drawn per paired point and step by ``strategy`` (``rank``: probability ∝
+    (rank + 1)^-rank_exponent, without replacement); the ``kernel`` with its ``sigma`` (heat) or
+    ``knn_k`` (binary kNN, which passes no gradient and so needs alpha 0)."""
+
+    alpha: float = Field(1.0, ge=0)
+    samples: int = Field(16, ge=1)
+    strategy: Literal[STRATEGIES] = "rank"
+    rank_exponent: float = Field(1.0, gt=0)
+    kernel: Literal[KERNELS] = "heat"
+    sigma: float = Field(1.0, gt=0)
+    knn_k: int = Field(5, ge=1)
+
+    @model_validator(mode="after")
+    def _kernel_fits(self) -> GeometryConfig:
+        if self.kernel == "knn" and self.alpha > 0:
+            raise ValueError("kernel knn passes no gradient; use heat or cosine, or alpha 0 (to monitor it)")
+        if self.kernel == "knn" and self.knn_k > self.samples + 1:
+            raise ValueError(f"knn_k {self.knn_k} exceeds the neighbourhood size samples + 1 = {self.samples + 1}")
+        return self
+
+
+class AlignModel(_Strict):
+    """f and g (:class:`repsim.models.AlignmentNetwork`): ``linear`` or a residual ``mlp``, into ``dim``."""
+
+    kind: Literal["linear", "mlp"] = "linear"
+    dim: int = Field(256, gt=0)
+    hidden_dim: int = Field(512, gt=0)
+    blocks: int = Field(1, ge=0)
+
+
+class AlignLoss(_Strict):
+    """Symmetric InfoNCE on the paired points (CLIP's loss) at ``temperature``, learned if asked."""
+
+    temperature: float = Field(0.07, gt=0)
+    learn_temperature: bool = True
+
+
+class ASIFConfig(_Strict):
+    """The training-free baseline over the M paired points: top ``k`` anchors (at most M), power ``p``."""
+
+    k: int = Field(100, ge=1)
+    p: float = Field(8.0, gt=0)
+    backend: Literal[BACKENDS] = "exact"
+
+
+class AlignEval(_Strict):
+    """Zero-shot prompt ``templates`` (default: the data spec's) and retrieval recall@``retrieval_k``."""
+
+    templates: tuple[str, ...] | None = None
+    retrieval_k: tuple[int, ...] = (1, 5, 10)
+
+
+class AlignConfig(_Strict):
+    """One alignment experiment: GeRA (alpha > 0) or contrastive alignment alone (alpha = 0)."""
+
+    data: AlignData
+    image: ImageSource
+    text: AlignText = AlignText()
+    pairing: PairingConfig = PairingConfig()
+    neighbours: NeighbourConfig = NeighbourConfig()
+    geometry: GeometryConfig = GeometryConfig()
+    model: AlignModel = AlignModel()
+    loss: AlignLoss = AlignLoss()
+    optim: OptimConfig = OptimConfig(epochs=100, batch_size=256, warmup_epochs=5)
+    asif: ASIFConfig = ASIFConfig()
+    evaluation: AlignEval = AlignEval()
+
+    @model_validator(mode="after")
+    def _samples_within_neighbours(self) -> AlignConfig:
+        if self.geometry.samples > self.neighbours.count:
+            raise ValueError(f"geometry.samples (n = {self.geometry.samples}) exceeds neighbours.count "
+                             f"(L = {self.neighbours.count}); lower n or raise L")
+        return self
+
+
+def load_align_config(path: str | Path, overrides: Sequence[str] = ()) -> AlignConfig:
+    """Read the alignment config at ``path`` and apply ``overrides`` (``"geometry.alpha=0"``);
+    SpecError in one line naming the file and the field."""
+    return load_config(path, overrides, defaults=None, schema=AlignConfig)

@@ -1,0 +1,70 @@
+"""Which training samples are paired, which are unpaired in each modality, and the neighbours of
+each paired point among the unpaired points of its own modality.
+
+Of N training samples, M are drawn as pairs; of the N - M others each modality draws its own
+unpaired pool, independently, so a sample unpaired in both modalities is not known to be one pair.
+All draws are seeded. Rows index the split's embedding tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from repsim.errors import SpecError
+from repsim.similarity.neighbors import knn
+
+PAIRED_FILE = "paired.npy"
+UNPAIRED_FILES = {"image": "unpaired_image.npy", "text": "unpaired_text.npy"}
+NEIGHBOUR_FILES = {"image": "neighbours_image.npy", "text": "neighbours_text.npy"}
+
+
+@dataclass(frozen=True)
+class Pairing:
+    """``paired`` (M,), ``unpaired_image`` (U_a,) and ``unpaired_text`` (U_b,): sorted int64 table rows;
+    ``paired`` is disjoint from both pools."""
+
+    paired: np.ndarray
+    unpaired_image: np.ndarray
+    unpaired_text: np.ndarray
+
+    def save(self, folder: Path) -> None:
+        np.save(folder / PAIRED_FILE, self.paired)
+        np.save(folder / UNPAIRED_FILES["image"], self.unpaired_image)
+        np.save(folder / UNPAIRED_FILES["text"], self.unpaired_text)
+
+    @classmethod
+    def load(cls, folder: Path) -> Pairing:
+        return cls(np.load(folder / PAIRED_FILE), np.load(folder / UNPAIRED_FILES["image"]),
+                   np.load(folder / UNPAIRED_FILES["text"]))
+
+
+def draw_pairing(count: int, pairs: int, unpaired: int | None = None, seed: int = 0) -> Pairing:
+    """M = ``pairs`` paired rows of ``count``, and per modality ``unpaired`` rows (default: all the
+    rest) drawn independently from the rest; SpecError when the split is too small."""
+    if not 2 <= pairs < count:
+        raise SpecError(f"pairing.pairs is {pairs} but the training split holds {count} samples",
+                        f"choose from 2 to {count - 1}, leaving unpaired points")
+    order = np.random.default_rng(seed).permutation(count)
+    paired, rest = np.sort(order[:pairs]), order[pairs:]
+    pool = len(rest) if unpaired is None else unpaired
+    if pool > len(rest):
+        raise SpecError(f"pairing.unpaired is {pool} but only {len(rest)} samples are left after {pairs} pairs",
+                        f"choose at most {len(rest)}, or leave it unset for all of them")
+    image_pool, text_pool = (np.sort(np.random.default_rng([seed, stream]).choice(rest, pool, replace=False))
+                             for stream in (1, 2))
+    return Pairing(paired.astype(np.int64), image_pool.astype(np.int64), text_pool.astype(np.int64))
+
+
+def neighbour_lists(embeddings: np.ndarray, paired: np.ndarray, pool: np.ndarray, count: int,
+                    index: str = "flat") -> np.ndarray:
+    """(M, L) int64 table rows: the ``count`` (L) nearest ``pool`` rows of each paired row, by cosine,
+    nearest first."""
+    if count > len(pool):
+        raise SpecError(f"neighbours.count (L = {count}) exceeds the {len(pool)} unpaired points",
+                        f"choose L from 1 to {len(pool)}, or pair fewer points")
+    ids, _ = knn(embeddings, count, queries=embeddings[paired], index=index, metric="cosine",
+                 exclude_self=False, subset=pool)
+    return ids

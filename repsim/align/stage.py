@@ -1,0 +1,185 @@
+"""The align stage: GeRA (or contrastive alignment alone, alpha = 0) between frozen image and text
+embeddings, with ASIF as the training-free baseline, as one cached stage.
+
+Upstream (each cached): the shards of ``data.spec``, then the embedding tables of the train and test
+splits (:mod:`repsim.align.tables`). Output (``$REPSIM_HOME/artifacts/align/<key>/`` unless given),
+besides ``stage.json``:
+
+- ``paired.npy`` (M,), ``unpaired_image.npy``, ``unpaired_text.npy``: train table rows (the seeded
+  pairing, :mod:`repsim.align.pairing`), and ``neighbours_image.npy``, ``neighbours_text.npy`` (M, L):
+  the L nearest unpaired rows of each paired row in its own modality;
+- ``alignment.pt``: f and g (:func:`repsim.align.train.load_alignment`);
+- ``metrics.jsonl``: per step ``loss``, ``contrastive``, ``geo_a``, ``geo_b``, ``lr``;
+- ``results.json``: ``{"suites": {"zeroshot": {...}, "retrieval": {...}}, "baselines": {"asif":
+  {"suites": ...}}, "samples": {...}}`` on the test split, as the evaluate stage writes it;
+- ``loss.png``: the loss curves.
+
+``stage.json`` metrics: the training summary (``loss``, ``final_loss``, ``steps``, ``epochs``), every
+suite metric (``zeroshot_top1``, ``i2t_r1``, ...) and the same for ASIF prefixed ``asif_``. The key
+covers the config without ``data``, ``image`` and ``text`` (the tables' keys stand for them) and
+without ``optim.num_workers`` and ``optim.checkpoint_every``, plus the two tables' keys; the
+pairing is a function of ``pairing`` and the train table. An interrupted run resumes from
+``$REPSIM_HOME/scratch/align/<key>/``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from matplotlib.figure import Figure
+
+from repsim.align.config import AlignConfig
+from repsim.align.evaluate import SharedSpace, networks_space, score_space
+from repsim.align.pairing import NEIGHBOUR_FILES, draw_pairing, neighbour_lists
+from repsim.align.tables import (
+    EmbeddingTables,
+    embedding_tables,
+    embedding_tables_stage_of,
+    load_tables,
+)
+from repsim.align.train import (
+    ALIGNMENT_FILE,
+    AlignmentMethod,
+    PairedBatches,
+    save_alignment,
+)
+from repsim.asif import ASIF
+from repsim.data.sharding import ShardResult, shard, shard_stage
+from repsim.data.spec import DataSpec, load_spec
+from repsim.device import resolve_device
+from repsim.methods.stage import (
+    CHECKPOINT_FILE,
+    METRICS_FILE,
+    JsonlMetrics,
+    _tee,
+    summarise,
+)
+from repsim.methods.train import LogFn, Trainer, seed_everything
+from repsim.stage import Stage, StageOutput, repsim_home, run_stage
+
+VERSION = "1"
+RESULTS_FILE = "results.json"
+LOSS_PLOT_FILE = "loss.png"
+KEY_NEUTRAL = {"data": True, "image": True, "text": True, "optim": {"num_workers", "checkpoint_every"}}
+CURVES = ("loss", "contrastive", "geo_a", "geo_b")
+
+__all__ = ["align", "align_stage_of"]
+
+
+def align_stage_of(config: AlignConfig, shards: ShardResult | str | Path | None = None,
+                   device: str | torch.device | None = None) -> Stage:
+    """The align stage of ``config`` (and thus its key) without running it. ``shards`` defaults to the
+    completed shard output of the config's data spec (StageError if it has not been sharded)."""
+    spec = load_spec(config.data.spec)
+    shards = _as_shards(shards) if shards is not None else ShardResult.from_dir(shard_stage(spec).default_dir())
+    keys = [embedding_tables_stage_of(shards, config.image, config.text, split, device).key
+            for split in (config.data.train_split, config.data.test_split)]
+    return _stage(config, *keys)
+
+
+def _stage(config: AlignConfig, train_key: str, test_key: str) -> Stage:
+    return Stage("align", VERSION, config.model_dump(mode="json", exclude=KEY_NEUTRAL),
+                 {"train_tables": train_key, "test_tables": test_key})
+
+
+def _as_shards(shards: ShardResult | str | Path) -> ShardResult:
+    return shards if isinstance(shards, ShardResult) else ShardResult.from_dir(shards)
+
+
+def align(config: AlignConfig, out_dir: str | Path | None = None, log: LogFn | None = None,
+          shards: ShardResult | str | Path | None = None, device: str | torch.device | None = None,
+          progress: bool = True) -> StageOutput:
+    """Align ``config`` into its stage directory, or return the cached output at once.
+
+    Shards the data spec and builds the train and test embedding tables (all cached) unless
+    ``shards`` is given, then pairs, finds neighbours, trains f and g on ``device`` (default: the GPU
+    when present) and scores them and ASIF on the test split. ``log(metrics, step)`` receives the
+    per-step curves.
+    """
+    spec = load_spec(config.data.spec)
+    shards = _as_shards(shards) if shards is not None else shard(spec, progress=progress)
+    train_tables, test_tables = (embedding_tables(shards, spec, config.image, config.text, split, device,
+                                                  progress=progress)
+                                 for split in (config.data.train_split, config.data.test_split))
+    stage = _stage(config, train_tables.key, test_tables.key)
+    scratch = repsim_home() / "scratch" / "align" / stage.key
+    run = _AlignRun(config, spec, load_tables(train_tables), load_tables(test_tables), scratch, log,
+                    resolve_device(device), progress)
+    output = run_stage(stage, run.build, out_dir)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return output
+
+
+class _AlignRun:
+    """Everything one align stage reads; :meth:`build` writes its outputs."""
+
+    def __init__(self, config: AlignConfig, spec: DataSpec, train: EmbeddingTables, test: EmbeddingTables,
+                 scratch: Path, log: LogFn | None, device: torch.device, progress: bool):
+        self.config, self.spec, self.train, self.test = config, spec, train, test
+        self.scratch, self.log, self.device, self.progress = scratch, log, device, progress
+
+    def build(self, out: Path) -> dict[str, float]:
+        config, train = self.config, self.train
+        pairing = draw_pairing(len(train.indices), config.pairing.pairs, config.pairing.unpaired, config.pairing.seed)
+        pairing.save(out)
+        neighbours = {modality: neighbour_lists(table, pairing.paired, pool, config.neighbours.count,
+                                                config.neighbours.index)
+                      for modality, table, pool in (("image", train.image, pairing.unpaired_image),
+                                                    ("text", train.text, pairing.unpaired_text))}
+        for modality, ids in neighbours.items():
+            np.save(out / NEIGHBOUR_FILES[modality], ids)
+        method, steps_per_epoch = self._train(pairing.paired, neighbours)
+        shutil.copyfile(self.scratch / METRICS_FILE, out / METRICS_FILE)
+        save_alignment(method, out / ALIGNMENT_FILE)
+        loss_plot(out / METRICS_FILE, out / LOSS_PLOT_FILE)
+        anchors = ASIF(train.image[pairing.paired], train.text[pairing.paired],
+                       min(config.asif.k, len(pairing.paired)), config.asif.p, config.asif.backend)
+        results = {"suites": self._score(networks_space(method.image_net, method.text_net)),
+                   "baselines": {"asif": {"suites": self._score(SharedSpace(anchors.embed_a, anchors.embed_b))}},
+                   "samples": {"paired": len(pairing.paired), "unpaired_image": len(pairing.unpaired_image),
+                               "unpaired_text": len(pairing.unpaired_text), "test": len(self.test.indices)}}
+        (out / RESULTS_FILE).write_text(json.dumps(results, indent=2))
+        return {**summarise(out / METRICS_FILE, steps_per_epoch), **_flat(results["suites"]),
+                **_flat(results["baselines"]["asif"]["suites"], "asif_")}
+
+    def _train(self, paired: np.ndarray, neighbours: dict[str, np.ndarray]) -> tuple[AlignmentMethod, int]:
+        config, train = self.config, self.train
+        seed_everything(config.optim.seed)
+        method = AlignmentMethod(train.image.shape[1], train.text.shape[1], config)
+        batches = PairedBatches(train.image, train.text, paired, neighbours["image"], neighbours["text"],
+                                config.geometry, config.optim.batch_size, config.optim.seed)
+        trainer = Trainer(method, config.optim, batches, checkpoint_path=self.scratch / CHECKPOINT_FILE,
+                          log=_tee(JsonlMetrics(self.scratch / METRICS_FILE), self.log), device=self.device,
+                          progress=self.progress)
+        trainer.fit()
+        return method.eval(), trainer.steps_per_epoch
+
+    def _score(self, space: SharedSpace) -> dict[str, dict[str, float]]:
+        evaluation = self.config.evaluation
+        return score_space(space, self.test, evaluation.templates or self.spec.captions.templates,
+                           self.config.text.model, evaluation.retrieval_k)
+
+
+def _flat(suites: dict[str, dict[str, float]], prefix: str = "") -> dict[str, float]:
+    return {f"{prefix}{name}": value for metrics in suites.values() for name, value in metrics.items()}
+
+
+def loss_plot(metrics_path: Path, path: Path) -> Path:
+    """A PNG of the per-step curves in ``metrics.jsonl`` (loss, contrastive, geo_a, geo_b)."""
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines()]
+    figure = Figure(figsize=(6, 4))
+    axes = figure.add_subplot()
+    for name in CURVES:
+        points = [(record["step"], record[name]) for record in records if name in record]
+        if points:
+            axes.plot(*zip(*points), label=name)
+    axes.set_xlabel("step")
+    axes.set_yscale("log")
+    axes.legend()
+    axes.set_title("alignment loss")
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+    return path

@@ -1,0 +1,126 @@
+"""Training the alignment networks with the shared :class:`~repsim.methods.train.Trainer`.
+
+The Trainer's loader interface (``len``, ``batch_size``, ``set_epoch`` and an iterable of dict
+batches that replays an epoch identically for the same seed) fits an in-memory dataset in a few
+lines (:class:`PairedBatches`), so alignment gets AdamW, the warm-up cosine schedule, seeding,
+progress, checkpoints with exact resume and logging from the same code as the image methods.
+
+A batch holds B paired points with n sampled neighbours each, per modality: ``x`` (B, n + 1, D_a)
+and ``y`` (B, n + 1, D_b), the paired point first. Neighbours are sampled from each paired point's
+L precomputed nearest unpaired points (:func:`sample_neighbours`), afresh every step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from repsim.align.config import AlignConfig, GeometryConfig
+from repsim.losses.gera import GeRALoss
+from repsim.methods.train import Method
+from repsim.models.alignment import AlignmentNetwork
+
+ALIGNMENT_FILE = "alignment.pt"
+
+
+def sample_neighbours(rows: int, available: int, samples: int, strategy: str, generator: torch.Generator,
+                      rank_exponent: float = 1.0) -> torch.Tensor:
+    """(rows, samples) distinct ranks in [0, available) per row: which of L nearest-first neighbours to use.
+
+    ``nearest``: ranks 0..n-1. ``uniform``: n ranks uniformly without replacement. ``rank``: n ranks
+    without replacement, each draw ∝ (rank + 1)^-rank_exponent among those left (Gumbel top-k).
+    """
+    if not 1 <= samples <= available:
+        raise ValueError(f"cannot sample {samples} of {available} neighbours")
+    if strategy == "nearest":
+        return torch.arange(samples).expand(rows, samples)
+    keys = torch.rand(rows, available, generator=generator)
+    if strategy == "rank":
+        gumbel = -torch.log(-torch.log(keys.clamp(min=1e-20)))
+        keys = gumbel - rank_exponent * torch.log1p(torch.arange(available, dtype=torch.float32))
+    elif strategy != "uniform":
+        raise ValueError(f"unknown neighbour sampling strategy {strategy!r}")
+    return keys.topk(samples, dim=1).indices
+
+
+class PairedBatches:
+    """Each epoch the M paired points in a seeded random order, as ceil(M / batch_size) batches of
+    near-equal size (``batch_size`` is capped at M), each ``{"x", "y"}`` neighbourhoods (module docstring).
+
+    image (N, D_a) and text (N, D_b): the training tables; paired (M,) their paired rows; neighbours
+    of each modality (M, L): table rows of the L nearest unpaired points of each paired point.
+    """
+
+    def __init__(self, image: np.ndarray, text: np.ndarray, paired: np.ndarray, image_neighbours: np.ndarray,
+                 text_neighbours: np.ndarray, geometry: GeometryConfig, batch_size: int, seed: int = 0):
+        self.image, self.text = torch.as_tensor(image, dtype=torch.float32), torch.as_tensor(text, dtype=torch.float32)
+        self.paired = torch.as_tensor(paired, dtype=torch.int64)
+        self.neighbours = (torch.as_tensor(image_neighbours), torch.as_tensor(text_neighbours))
+        self.geometry, self.seed, self.epoch = geometry, seed, 0
+        self.batch_size = min(batch_size, len(self.paired))
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.paired) / self.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        self.epoch += 1
+        for batch in torch.randperm(len(self.paired), generator=generator).tensor_split(len(self)):
+            yield {"x": self._neighbourhoods(self.image, self.neighbours[0], batch, generator),
+                   "y": self._neighbourhoods(self.text, self.neighbours[1], batch, generator)}
+
+    def _neighbourhoods(self, table: torch.Tensor, neighbours: torch.Tensor, batch: torch.Tensor,
+                        generator: torch.Generator) -> torch.Tensor:
+        """(B, n + 1, D): each paired point of ``batch`` followed by n of its sampled neighbours."""
+        geometry = self.geometry
+        ranks = sample_neighbours(len(batch), neighbours.shape[1], geometry.samples, geometry.strategy, generator,
+                                  geometry.rank_exponent)
+        rows = torch.cat([self.paired[batch, None], neighbours[batch].gather(1, ranks)], dim=1)
+        return table[rows]
+
+
+class AlignmentMethod(Method):
+    """f (image) and g (text) alignment networks trained with :class:`~repsim.losses.GeRALoss`."""
+
+    def __init__(self, image_dim: int, text_dim: int, config: AlignConfig):
+        super().__init__()
+        model, geometry = config.model, config.geometry
+        self.image_net = AlignmentNetwork(image_dim, model.dim, model.kind, model.hidden_dim, model.blocks)
+        self.text_net = AlignmentNetwork(text_dim, model.dim, model.kind, model.hidden_dim, model.blocks)
+        self.loss = GeRALoss(geometry.alpha, config.loss.temperature, config.loss.learn_temperature,
+                             geometry.kernel, geometry.sigma, geometry.knn_k)
+
+    @property
+    def encoder(self) -> AlignmentNetwork:
+        return self.image_net
+
+    def training_step(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        x, y = batch["x"], batch["y"]
+        return self.loss(x, y, self.image_net(x), self.text_net(y))
+
+
+def save_alignment(method: AlignmentMethod, path: Path) -> None:
+    """Write both networks' recipes and weights (loadable with weights_only)."""
+    torch.save({name: {"recipe": net.recipe, "state_dict": net.state_dict()}
+                for name, net in (("image", method.image_net), ("text", method.text_net))}, path)
+
+
+def load_alignment(path: str | Path, device: str | torch.device = "cpu") -> tuple[AlignmentNetwork, AlignmentNetwork]:
+    """(f, g) in eval mode, from an ``alignment.pt`` or an align stage directory."""
+    path = Path(path)
+    saved: dict[str, Any] = torch.load(path / ALIGNMENT_FILE if path.is_dir() else path, map_location="cpu",
+                                       weights_only=True)
+    networks = []
+    for name in ("image", "text"):
+        network = AlignmentNetwork(**saved[name]["recipe"])
+        network.load_state_dict(saved[name]["state_dict"])
+        networks.append(network.to(device).eval())
+    return networks[0], networks[1]

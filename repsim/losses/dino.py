@@ -1,0 +1,68 @@
+"""DINO's self-distillation loss (Caron et al., 2021): a sharpened, centred teacher against the student.
+
+Over K prototype logits, the teacher's target is ``softmax((t − c) / τ_t)`` with the centre c an EMA
+of the teacher's mean logits (``c ← m·c + (1 − m)·mean(t)``, all ranks' batches), the student's
+prediction ``softmax(s / τ_s)``. Multi-crop pairing: every teacher (global) view is the target of
+every student view but the one of the same index; the loss is the mean cross-entropy over those pairs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from repsim.losses._pairs import at_least_float32
+
+
+def cross_view_cross_entropy(teacher: Sequence[torch.Tensor], student_log: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Mean of −Σ t·log s over the samples and the pairs (teacher view i, student view j ≠ i).
+
+    ``teacher``: target distributions, one (B, K) per global view; ``student_log``: log-probabilities,
+    one (B, K) per student view, the global views first in the teacher's order.
+    """
+    losses = [-(target * log_probs).sum(dim=1).mean()
+              for i, target in enumerate(teacher) for j, log_probs in enumerate(student_log) if i != j]
+    if not losses:
+        raise ValueError("cross-view pairs need two views, or one teacher and two student views")
+    return torch.stack(losses).mean()
+
+
+class DINOLoss(nn.Module):
+    """Cross-view cross-entropy of centred, sharpened teacher logits and student logits.
+
+    ``forward(student, teacher)``: lists of (B, K) logits, the student's views (global ones first)
+    and the teacher's global views. The centre (a buffer, so it is checkpointed) moves after each
+    call made in training mode.
+    """
+
+    def __init__(self, num_prototypes: int, student_temperature: float = 0.1, teacher_temperature: float = 0.04,
+                 center_momentum: float = 0.9):
+        super().__init__()
+        self.student_temperature, self.teacher_temperature = student_temperature, teacher_temperature
+        self.center_momentum = center_momentum
+        self.register_buffer("center", torch.zeros(num_prototypes))
+
+    def teacher_probabilities(self, teacher: torch.Tensor) -> torch.Tensor:
+        """softmax((t − c) / τ_t) of teacher logits (B, K)."""
+        return torch.softmax((at_least_float32(teacher) - self.center) / self.teacher_temperature, dim=1)
+
+    def forward(self, student: Sequence[torch.Tensor], teacher: Sequence[torch.Tensor]) -> torch.Tensor:
+        targets = [self.teacher_probabilities(logits.detach()) for logits in teacher]
+        log_probs = [torch.log_softmax(at_least_float32(logits) / self.student_temperature, dim=1)
+                     for logits in student]
+        loss = cross_view_cross_entropy(targets, log_probs)
+        if self.training:
+            self.update_center(torch.cat(teacher).detach())
+        return loss
+
+    @torch.no_grad()
+    def update_center(self, teacher: torch.Tensor) -> None:
+        """c ← m·c + (1 − m)·(mean of the teacher logits (N, K) over every rank)."""
+        total, count = at_least_float32(teacher).sum(dim=0), torch.tensor(float(len(teacher)), device=teacher.device)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(total)
+            dist.all_reduce(count)
+        self.center.mul_(self.center_momentum).add_(total / count, alpha=1 - self.center_momentum)

@@ -1,0 +1,129 @@
+"""GeRA: geometrically regularised alignment of two frozen embedding spaces (Klebe et al.).
+
+Alignment networks f, g map paired embeddings x (modality A) and y (modality B) into a shared space.
+The loss is CLIP's symmetric InfoNCE on the paired points plus ``alpha · (geo_A + geo_B)``, where a
+geometric term compares, for each paired point, a kernel over the point and n of its neighbours among
+the unpaired points of its own modality, before and after alignment.
+
+Kernels over a neighbourhood of m = n + 1 points (the paired point first), each row normalised to
+sum to 1:
+
+- ``heat``: ``exp(-‖a - b‖² / ε)`` with ε = σ · the mean *squared* Euclidean distance between the
+  m(m - 1) ordered pairs of distinct points of that neighbourhood. Because ε scales with the
+  neighbourhood, the kernel is invariant to rotations, translations and uniform scaling.
+- ``cosine``: ``(1 + cos(a, b)) / 2``, in [0, 1]; invariant to rotations and uniform scaling.
+- ``knn``: 1 where b is among the ``knn_k`` nearest points of a in the neighbourhood (a itself
+  included), else 0. It is piecewise constant, so it passes no gradient: a measure of how well
+  neighbourhoods are kept, not a training signal.
+
+The geometric term of one modality is the squared Euclidean distance between corresponding rows of
+the input-space and aligned-space kernels, averaged over rows and paired points.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from repsim.losses._pairs import at_least_float32
+from repsim.losses.clip import ClipLoss
+
+Kernel = Literal["heat", "cosine", "knn"]
+KERNELS: tuple[str, ...] = ("heat", "cosine", "knn")
+EPSILON_FLOOR = 1e-12
+
+
+def neighbourhood_kernel(points: torch.Tensor, kind: Kernel = "heat", sigma: float = 1.0,
+                         knn_k: int = 5) -> torch.Tensor:
+    """Row-normalised kernels over neighbourhoods: points (B, m, D) -> (B, m, m), every row summing to 1.
+
+    See the module docstring for the kernels; ``sigma`` scales the heat kernel's ε, ``knn_k`` is the
+    binary kernel's neighbour count (self included, at most m).
+    """
+    if points.ndim != 3 or points.shape[1] < 2:
+        raise ValueError(f"points must be (B, m, D) with m >= 2, not {tuple(points.shape)}")
+    points = at_least_float32(points)
+    if kind == "heat":
+        kernel = _heat(points, sigma)
+    elif kind == "cosine":
+        unit = F.normalize(points, dim=-1)
+        kernel = (1 + unit @ unit.transpose(1, 2)) / 2
+    elif kind == "knn":
+        kernel = _binary_knn(points, knn_k)
+    else:
+        raise ValueError(f"unknown kernel {kind!r}; use one of {', '.join(KERNELS)}")
+    return kernel / kernel.sum(dim=-1, keepdim=True)
+
+
+def _heat(points: torch.Tensor, sigma: float) -> torch.Tensor:
+    squared = torch.cdist(points, points).square()
+    m = points.shape[1]
+    epsilon = sigma * squared.sum(dim=(1, 2), keepdim=True) / (m * (m - 1))
+    return torch.exp(-squared / epsilon.clamp(min=EPSILON_FLOOR))
+
+
+def _binary_knn(points: torch.Tensor, k: int) -> torch.Tensor:
+    if not 1 <= k <= points.shape[1]:
+        raise ValueError(f"knn_k must be from 1 to the neighbourhood size {points.shape[1]}, not {k}")
+    nearest = torch.cdist(points, points).topk(k, dim=-1, largest=False).indices
+    return torch.zeros(points.shape[:2] + points.shape[1:2], dtype=points.dtype, device=points.device).scatter_(
+        -1, nearest, 1.0)
+
+
+class GeometricLoss(nn.Module):
+    """How much alignment distorts neighbourhoods: mean over paired points and rows of
+    ``‖K(inputs)_row - K(aligned)_row‖²``.
+
+    Shapes: inputs (B, m, D_in) and aligned (B, m, D_out), the same m points per neighbourhood in the
+    same order (the paired point first). Returns a scalar.
+    """
+
+    def __init__(self, kernel: Kernel = "heat", sigma: float = 1.0, knn_k: int = 5):
+        super().__init__()
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown kernel {kernel!r}; use one of {', '.join(KERNELS)}")
+        if sigma <= 0:
+            raise ValueError("sigma must be positive")
+        self.kernel, self.sigma, self.knn_k = kernel, sigma, knn_k
+
+    def forward(self, inputs: torch.Tensor, aligned: torch.Tensor) -> torch.Tensor:
+        if inputs.shape[:2] != aligned.shape[:2]:
+            raise ValueError(f"inputs {tuple(inputs.shape)} and aligned {tuple(aligned.shape)} "
+                             "must hold the same (B, m) neighbourhoods")
+        with torch.no_grad():
+            target = neighbourhood_kernel(inputs, self.kernel, self.sigma, self.knn_k)
+        predicted = neighbourhood_kernel(aligned, self.kernel, self.sigma, self.knn_k)
+        return (predicted - target).square().sum(dim=-1).mean()
+
+
+class GeRALoss(nn.Module):
+    """Symmetric InfoNCE on the paired points + ``alpha · (geo_A + geo_B)``.
+
+    Shapes: x (B, m, D_a) and y (B, m, D_b) frozen neighbourhoods, fx (B, m, d) and gy (B, m, d) their
+    aligned images; row 0 of each neighbourhood is the paired point (x[:, 0] pairs with y[:, 0]), the
+    other rows its sampled unpaired neighbours in its own modality. With m = 1 only InfoNCE is left.
+    Returns ``{"loss", "contrastive", "geo_a", "geo_b"}`` scalars; with ``alpha == 0`` the geometric
+    terms are still reported (when m > 1) but carry no gradient.
+    """
+
+    def __init__(self, alpha: float = 1.0, temperature: float = 0.07, learn_temperature: bool = True,
+                 kernel: Kernel = "heat", sigma: float = 1.0, knn_k: int = 5):
+        super().__init__()
+        if alpha < 0:
+            raise ValueError("alpha must be non-negative")
+        self.alpha = alpha
+        self.contrastive = ClipLoss(temperature, learnable=learn_temperature)
+        self.geometric = GeometricLoss(kernel, sigma, knn_k)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, fx: torch.Tensor, gy: torch.Tensor) -> dict[str, torch.Tensor]:
+        contrastive = self.contrastive(fx[:, 0], gy[:, 0])
+        if x.shape[1] < 2:
+            zero = contrastive.new_zeros(())
+            return {"loss": contrastive, "contrastive": contrastive, "geo_a": zero, "geo_b": zero}
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.alpha > 0):
+            geo_a, geo_b = self.geometric(x, fx), self.geometric(y, gy)
+        return {"loss": contrastive + self.alpha * (geo_a + geo_b), "contrastive": contrastive,
+                "geo_a": geo_a, "geo_b": geo_b}

@@ -1,0 +1,146 @@
+"""Self-organizing visual prototypes (SOP): distributions over prototypes built from a memory.
+
+An SOP is an anchor embedding from the memory and its k nearest other memory entries (its support
+embeddings). With K anchors the M = K(k+1) elements carry a weight w (an anchor 1 − ε, a support
+embedding its cosine score with the anchor, clipped to [0, 1]) and the label matrix Y (M × K) puts w
+on the element's own SOP and (1 − w) / (K − 1) on each other SOP, so every row sums to 1 (one-hot:
+1 on its own SOP). An embedding's distribution over SOPs is ``softmax(e · elementsᵀ / τ) · Y``.
+
+:class:`SOPLoss` is the [CLS] loss: cross-entropy between the teacher's and the student's
+distributions of different views, paired as in DINO. :class:`MaskedSOPLoss` is the MIM loss:
+the student's masked patch tokens against the teacher's tokens at the same positions of the same
+view, over patch SOPs; unmasked positions take no part.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from repsim.losses._pairs import at_least_float32
+from repsim.losses.dino import cross_view_cross_entropy
+
+ANCHOR_CHUNK = 1024  # anchors scored against the memory at a time: bounds the (chunk, N) score matrix
+
+
+@dataclass(frozen=True)
+class SOPs:
+    """K SOPs as M = K(k+1) elements with the rows of their label matrix in factored form.
+
+    Row m of Y is ``spread[m]`` everywhere but column ``sop_of[m]``, which holds ``own[m]``.
+    """
+
+    elements: torch.Tensor  # (M, D) unit rows: the K anchors, then the k support embeddings of each
+    sop_of: torch.Tensor    # (M,) long, the SOP of each element
+    own: torch.Tensor       # (M,) label mass on the element's own SOP
+    spread: torch.Tensor    # (M,) label mass on each other SOP
+    count: int              # K
+
+    @property
+    def labels(self) -> torch.Tensor:
+        """The label matrix Y (M, K), dense."""
+        labels = self.spread[:, None].expand(-1, self.count).clone()
+        return labels.scatter_(1, self.sop_of[:, None], self.own[:, None])
+
+    def distribution(self, embeddings: torch.Tensor, temperature: float) -> torch.Tensor:
+        """``softmax(e · elementsᵀ / τ) · Y`` (B, K) of unit embeddings (B, D), without forming Y."""
+        embeddings = at_least_float32(embeddings)
+        dtype = embeddings.dtype
+        probabilities = torch.softmax(embeddings @ self.elements.to(dtype).T / temperature, dim=1)
+        spread = probabilities @ self.spread.to(dtype)
+        own = torch.zeros(len(probabilities), self.count, dtype=dtype, device=probabilities.device)
+        own.index_add_(1, self.sop_of, probabilities * (self.own - self.spread).to(dtype))
+        return own + spread[:, None]
+
+
+def nearest_supports(anchors: torch.Tensor, anchor_ids: torch.Tensor, memory: torch.Tensor,
+                     memory_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cosine scores (K, k), memory rows (K, k)) of each anchor's k nearest memory entries, nearest first.
+
+    ``anchors`` (K, D) and ``memory`` (N, D) are unit rows; an entry whose id (``memory_ids`` (N,))
+    equals the anchor's (``anchor_ids`` (K,)) is the anchor itself and is never its own support.
+    """
+    if k >= len(memory):
+        raise ValueError(f"{k} support embeddings need more than {len(memory)} memory entries")
+    scores, rows = [], []
+    for chunk, chunk_ids in zip(anchors.split(ANCHOR_CHUNK), anchor_ids.split(ANCHOR_CHUNK)):
+        similarity = chunk @ memory.T
+        similarity.masked_fill_(chunk_ids[:, None] == memory_ids[None, :], float("-inf"))
+        top = similarity.topk(k, dim=1)
+        scores.append(top.values)
+        rows.append(top.indices)
+    return torch.cat(scores), torch.cat(rows)
+
+
+def build_sops(anchors: torch.Tensor, anchor_ids: torch.Tensor, memory: torch.Tensor, memory_ids: torch.Tensor,
+               support_size: int = 8, epsilon: float = 0.1, one_hot: bool = False) -> SOPs:
+    """The SOPs of ``anchors`` (K, D) over ``memory`` (N, D), ids as in :func:`nearest_supports`."""
+    count = len(anchors)
+    if count < 2:
+        raise ValueError(f"SOPs need at least two anchors, got {count}")
+    scores, rows = nearest_supports(anchors, anchor_ids, memory, memory_ids, support_size)
+    elements = torch.cat([anchors, memory[rows.flatten()]])
+    sop_of = torch.cat([torch.arange(count, device=anchors.device),
+                        torch.arange(count, device=anchors.device).repeat_interleave(support_size)])
+    if one_hot:
+        weights = torch.ones(len(elements), dtype=memory.dtype, device=memory.device)
+    else:
+        weights = torch.cat([torch.full((count,), 1 - epsilon, dtype=memory.dtype, device=memory.device),
+                             scores.flatten().clamp(0, 1)])
+    return SOPs(elements, sop_of, weights, (1 - weights) / (count - 1), count)
+
+
+def safe_log(probabilities: torch.Tensor) -> torch.Tensor:
+    """log of probabilities, with 0 read as the smallest positive float (a finite log)."""
+    return probabilities.clamp_min(torch.finfo(probabilities.dtype).tiny).log()
+
+
+def cross_entropy(target: torch.Tensor, prediction: torch.Tensor) -> torch.Tensor:
+    """−Σ target · log prediction per row of two (B, K) distributions."""
+    return -(target * safe_log(prediction)).sum(dim=1)
+
+
+class SOPLoss(nn.Module):
+    """[CLS] loss over SOPs; ``forward(student, teacher, sops)`` with lists of (B, D) unit embeddings,
+    the student's views (global ones first) and the teacher's global views."""
+
+    def __init__(self, student_temperature: float = 0.1, teacher_temperature: float = 0.04):
+        super().__init__()
+        self.student_temperature, self.teacher_temperature = student_temperature, teacher_temperature
+
+    def forward(self, student: Sequence[torch.Tensor], teacher: Sequence[torch.Tensor], sops: SOPs) -> torch.Tensor:
+        targets = [sops.distribution(view.detach(), self.teacher_temperature) for view in teacher]
+        log_probs = [safe_log(sops.distribution(view, self.student_temperature)) for view in student]
+        return cross_view_cross_entropy(targets, log_probs)
+
+
+class MaskedSOPLoss(nn.Module):
+    """MIM loss over patch SOPs; ``forward(student, teacher, mask, sops)`` with student and teacher
+    patch embeddings (V, P, D) of the same V views and ``mask`` (V, P) bool, True where the student
+    saw the mask token. The mean cross-entropy over masked positions (0 when none is masked)."""
+
+    def __init__(self, student_temperature: float = 0.1, teacher_temperature: float = 0.07):
+        super().__init__()
+        self.student_temperature, self.teacher_temperature = student_temperature, teacher_temperature
+
+    def forward(self, student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, sops: SOPs) -> torch.Tensor:
+        if student.shape != teacher.shape or student.shape[:2] != mask.shape:
+            raise ValueError(f"student {tuple(student.shape)}, teacher {tuple(teacher.shape)} and mask "
+                             f"{tuple(mask.shape)} must be (V, P, D), (V, P, D) and (V, P)")
+        if not mask.any():
+            return student.sum() * 0.0
+        target = sops.distribution(teacher[mask].detach(), self.teacher_temperature)
+        prediction = sops.distribution(student[mask], self.student_temperature)
+        return cross_entropy(target, prediction).mean()
+
+
+def mean_assignment_entropy(distributions: torch.Tensor) -> torch.Tensor:
+    """Entropy of the mean of distributions (B, K) over the batch, divided by log K: 1 when the batch
+    uses every SOP (or prototype) equally, 0 when all of it sits on one (collapse)."""
+    mean = at_least_float32(distributions).mean(dim=0)
+    entropy = -(mean * safe_log(mean)).sum()
+    return entropy / math.log(distributions.shape[1])

@@ -1,0 +1,76 @@
+"""The DINO-style baseline (Caron et al., 2021) to SOP: learnable prototypes instead of SOPs.
+
+The same ViT, multi-crop views, projection head and EMA teacher as :mod:`repsim.methods.sop`
+(:class:`~repsim.methods.sop.SelfDistillation`); the unit projection goes through a weight-normalised
+layer of K prototypes, and :class:`~repsim.losses.dino.DINOLoss` matches the student's prototype
+distributions to the centred, sharpened teacher's of the other views. No masking (no iBOT loss).
+A FIFO memory of the teacher's projections serves the collapse diagnostics only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from repsim.losses.dino import DINOLoss
+from repsim.losses.sop import mean_assignment_entropy
+from repsim.methods.config import Config
+from repsim.methods.sop import Memory, SelfDistillation, projection_head, vit_backbone
+from repsim.methods.stage import TrainingData
+from repsim.methods.train import Batch
+from repsim.models.vit import MaskableViT
+
+DIAGNOSTIC_MEMORY = 4096
+
+
+class Prototypes(nn.Module):
+    """Logits (..., K) of unit embeddings (..., D) against K prototypes of unit length: a linear
+    layer weight-normalised with the norm fixed at 1 (DINO's ``norm_last_layer``)."""
+
+    def __init__(self, dim: int, count: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(count, dim))
+        nn.init.trunc_normal_(self.weight, std=0.02)
+
+    def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
+        return embeddings @ F.normalize(self.weight, dim=1).to(embeddings.dtype).T
+
+
+class Dino(SelfDistillation):
+    """DINO on a ViT. ``head`` ends with the unit projection; ``prototypes`` (and the teacher's EMA
+    copy) map it to K logits. ``training_step`` returns ``loss`` and ``prototype_entropy`` (the
+    normalised entropy of the teacher's mean prototype distribution)."""
+
+    entropy_metric = "prototype_entropy"
+
+    def __init__(self, encoder: MaskableViT, head: nn.Module, prototypes: Prototypes, loss: DINOLoss,
+                 momentum: float = 0.996, memory_size: int = DIAGNOSTIC_MEMORY):
+        super().__init__(encoder, nn.Sequential(head, prototypes), momentum, masking=None)
+        self.loss = loss
+        self.memory = Memory(memory_size, prototypes.weight.shape[1])
+
+    @property
+    def embeddings(self) -> Memory:
+        return self.memory
+
+    def training_step(self, batch: Batch) -> dict[str, torch.Tensor]:
+        globals_ = self.global_views(batch)
+        projection, prototypes = self.teacher_head
+        teacher = projection(self.teacher_tokens(globals_)[0])
+        teacher_logits = prototypes(teacher)
+        student_cls, _ = self.student_tokens(batch, globals_, None)
+        entropy = mean_assignment_entropy(self.loss.teacher_probabilities(teacher_logits))
+        loss = self.loss([self.head(view) for view in student_cls], list(teacher_logits.chunk(2)))
+        self.record_entropy(entropy)
+        self.memory.enqueue(teacher)
+        return {"loss": loss, "prototype_entropy": entropy}
+
+
+def build(config: Config, data: TrainingData) -> Dino:
+    method = config.method
+    encoder = vit_backbone(config, data)
+    return Dino(encoder, projection_head(encoder.feature_dim, config.model),
+                Prototypes(config.model.projection_dim, method.num_prototypes),
+                DINOLoss(method.num_prototypes, method.student_temperature, method.teacher_temperature,
+                         method.center_momentum), momentum=method.teacher_momentum)

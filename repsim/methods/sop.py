@@ -1,0 +1,307 @@
+"""SOP (Silva et al., 2025): self-distillation towards self-organizing visual prototypes.
+
+A student ViT with a projection head to a 256-d unit sphere, and its EMA teacher, see multi-crop
+views: the teacher the two global views, the student every view, its global views partly masked.
+Two FIFO memories keep the teacher's [CLS] and patch embeddings. Each step, K anchors drawn from a
+memory and their k nearest entries form the SOPs (:mod:`repsim.losses.sop`); the [CLS] loss matches
+the student's distribution over [CLS] SOPs to the teacher's of the other views, the MIM loss the
+student's masked patch tokens to the teacher's tokens at the same positions over patch SOPs. The
+teacher's outputs then enter the memories (gathered from every rank under DDP, so every rank keeps
+the same memories). Anchors are drawn anew every step with torch's global RNG, as are the masks,
+and the memories are buffers, so checkpoints resume exactly.
+
+The student and teacher machinery (:class:`SelfDistillation`) is shared with the DINO-style
+baseline of :mod:`repsim.methods.dino`. Each epoch, :meth:`SelfDistillation.epoch_metrics`
+reports the effective rank and per-dimension std of the memory of teacher embeddings and the mean
+over the epoch's steps of the normalised entropy of the teacher's mean assignment.
+
+The patch memory takes ``patches_per_view`` random teacher patch embeddings of each global view
+per step (all of them would refill it with a few images each step). ``encoder`` is the student's
+backbone: what the kNN monitor and the evaluate stage score.
+
+Nearest supports are found by one matrix product and ``topk`` on the memory's device rather than
+with FAISS: the memory changes every step, so an index would be rebuilt each time (and, on a GPU,
+fed from a host copy); ``benchmarks/sop_cost.py`` measures both (on the CPU, torch was 1.4-1.7x
+faster for 256-1024 anchors among 4096-16384 entries).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from abc import abstractmethod
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from repsim.data.masking import BlockMasking
+from repsim.errors import SpecError
+from repsim.eval.diagnostics import effective_rank, embedding_std
+from repsim.losses._pairs import gather_no_grad
+from repsim.losses.sop import MaskedSOPLoss, SOPLoss, SOPs, build_sops, mean_assignment_entropy
+from repsim.methods.config import Config, ModelConfig
+from repsim.methods.stage import TrainingData
+from repsim.methods.train import Batch, Method
+from repsim.models.vit import VITS, MaskableViT, vit
+
+
+class Memory(nn.Module):
+    """A FIFO queue of ``size`` embeddings (D = ``dim``): each enqueue overwrites the oldest entries.
+
+    Buffers (checkpointed with the model): ``entries`` (size, D), ``ids`` (size,) the running number
+    of the embedding each slot holds (-1 while empty) and ``count``, the number ever enqueued. Until
+    the queue is full, the ``filled`` entries are the first slots.
+    """
+
+    def __init__(self, size: int, dim: int):
+        super().__init__()
+        self.register_buffer("entries", torch.zeros(size, dim))
+        self.register_buffer("ids", torch.full((size,), -1, dtype=torch.long))
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+
+    @property
+    def size(self) -> int:
+        return len(self.entries)
+
+    @property
+    def filled(self) -> int:
+        return min(int(self.count), self.size)
+
+    def contents(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(embeddings (filled, D), their ids (filled,))."""
+        return self.entries[:self.filled], self.ids[:self.filled]
+
+    @torch.no_grad()
+    def enqueue(self, embeddings: torch.Tensor, gather: bool = True) -> None:
+        """Append embeddings (n, D), those of every rank in rank order under DDP (when ``gather``)."""
+        embeddings = gather_no_grad(embeddings.detach().contiguous(), gather)
+        arriving = len(embeddings)
+        numbers = self.count + torch.arange(arriving, device=self.count.device)
+        embeddings, numbers = embeddings[-self.size:], numbers[-self.size:]  # more than fit: the newest
+        self.entries[numbers % self.size] = embeddings.to(self.entries.dtype)
+        self.ids[numbers % self.size] = numbers
+        self.count += arriving
+
+
+class SOPBank(nn.Module):
+    """A :class:`Memory` and the SOPs drawn from it: ``sops()`` each step, ``memory.enqueue`` after.
+
+    ``num_anchors`` anchors (at most the filled entries) with ``support_size`` supports each; no SOPs
+    until the memory holds more than ``support_size`` entries. With ``fixed_anchors`` the anchors
+    are drawn once the memory is full and then kept (their embeddings, in buffers).
+    """
+
+    def __init__(self, size: int, dim: int, num_anchors: int = 4096, support_size: int = 8, epsilon: float = 0.1,
+                 one_hot: bool = False, fixed_anchors: bool = False):
+        super().__init__()
+        self.memory = Memory(size, dim)
+        self.num_anchors, self.support_size = min(num_anchors, size), support_size
+        self.epsilon, self.one_hot, self.fixed_anchors = epsilon, one_hot, fixed_anchors
+        self.register_buffer("anchors", torch.zeros(self.num_anchors, dim))
+        self.register_buffer("anchor_ids", torch.full((self.num_anchors,), -1, dtype=torch.long))
+        self.register_buffer("anchors_drawn", torch.zeros((), dtype=torch.bool))
+
+    def sops(self) -> SOPs | None:
+        filled = self.memory.filled
+        if filled <= max(self.support_size, 1):
+            return None
+        entries, ids = self.memory.contents()
+        anchors, anchor_ids = self._anchors(entries, ids)
+        return build_sops(anchors, anchor_ids, entries, ids, self.support_size, self.epsilon, self.one_hot)
+
+    def _anchors(self, entries: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Random distinct memory rows (with their ids), or the kept ones of ``fixed_anchors``."""
+        if self.fixed_anchors and bool(self.anchors_drawn):
+            return self.anchors, self.anchor_ids
+        rows = torch.randperm(len(entries))[:self.num_anchors].to(entries.device)
+        if self.fixed_anchors and len(entries) == self.memory.size:
+            self.anchors.copy_(entries[rows])
+            self.anchor_ids.copy_(ids[rows])
+            self.anchors_drawn.fill_(True)
+        return entries[rows], ids[rows]
+
+
+def teacher_momentum(step: int, total_steps: int, base: float) -> float:
+    """The EMA momentum after ``step`` of ``total_steps``: cosine from ``base`` (step 0) to 1 (the last)."""
+    return 1 - (1 - base) * (math.cos(math.pi * min(step, total_steps) / max(total_steps, 1)) + 1) / 2
+
+
+class Normalize(nn.Module):
+    """Rows scaled to unit length along the last dimension."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.normalize(x, dim=-1)
+
+
+def projection_head(in_dim: int, model: ModelConfig) -> nn.Sequential:
+    """DINO's head: ``projection_layers`` linear maps with GELU between them, to ``projection_dim``,
+    then L2 normalisation. No BatchNorm, so each token is projected on its own."""
+    widths = [in_dim] + [model.projection_hidden_dim] * (model.projection_layers - 1) + [model.projection_dim]
+    layers: list[nn.Module] = []
+    for width_in, width_out in zip(widths, widths[1:]):
+        layers += [nn.Linear(width_in, width_out), nn.GELU()]
+    return nn.Sequential(*layers[:-1], Normalize())
+
+
+class SelfDistillation(Method):
+    """A student (``encoder`` and ``head``), its EMA teacher (``teacher_encoder``, ``teacher_head``,
+    without gradients) and block masking of the student's global views (None: no masking).
+
+    ``embeddings`` is a memory of teacher embeddings whose effective rank and per-dimension std
+    :meth:`epoch_metrics` reports, with the epoch's mean of the entropies passed to
+    :meth:`record_entropy` under the name ``entropy_metric``.
+    """
+
+    entropy_metric = "assignment_entropy"
+
+    def __init__(self, encoder: MaskableViT, head: nn.Module, momentum: float, masking: BlockMasking | None):
+        super().__init__()
+        self.encoder, self.head, self.base_momentum, self.masking = encoder, head, momentum, masking
+        self.teacher_encoder = copy.deepcopy(encoder).requires_grad_(False)
+        self.teacher_head = copy.deepcopy(head).requires_grad_(False)
+        if masking is None:
+            encoder.mask_token.requires_grad_(False)
+        self.register_buffer("entropy_sum", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("entropy_steps", torch.zeros((), dtype=torch.long))
+
+    @property
+    @abstractmethod
+    def embeddings(self) -> Memory:
+        """The memory of teacher embeddings the collapse diagnostics look at."""
+
+    def global_views(self, batch: Batch) -> torch.Tensor:
+        """The two global views stacked (2B, C, H, W)."""
+        if len(batch["views"]) < 2:
+            raise SpecError(f"{type(self).__name__} needs two global views, the augmentation gives "
+                            f"{len(batch['views'])}", "set data.preset to multicrop")
+        return torch.cat(batch["views"][:2])
+
+    def draw_mask(self, images: torch.Tensor) -> torch.Tensor | None:
+        """(N, P) bool patch masks of images (N, C, H, W), or None without masking."""
+        if self.masking is None:
+            return None
+        return self.masking(len(images), self.encoder.patch_grid(*images.shape[-2:])).to(images.device)
+
+    @torch.no_grad()
+    def teacher_tokens(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The teacher's ([CLS] (N, D), patches (N, P, D)) backbone tokens of images (N, C, H, W)."""
+        return self.teacher_encoder.forward_tokens(images)
+
+    def student_tokens(self, batch: Batch, globals_: torch.Tensor,
+                       mask: torch.Tensor | None) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The student's [CLS] tokens, one (B, D) per view (global views masked by ``mask``), and the
+        patch tokens (2B, P, D) of the global views; views of one size go through in one pass."""
+        cls, patches = self.encoder.forward_tokens(globals_, mask)
+        local = batch["views"][2:]
+        if local:
+            cls = torch.cat([cls, self.encoder(torch.cat(local))])
+        return list(cls.chunk(len(batch["views"]))), patches
+
+    @torch.no_grad()
+    def after_optimizer_step(self, step: int, total_steps: int) -> None:
+        momentum = teacher_momentum(step, total_steps, self.base_momentum)
+        for student, teacher in ((self.encoder, self.teacher_encoder), (self.head, self.teacher_head)):
+            torch._foreach_lerp_(list(teacher.parameters()), list(student.parameters()), 1 - momentum)
+
+    def record_entropy(self, entropy: torch.Tensor) -> None:
+        self.entropy_sum += entropy.detach().double()
+        self.entropy_steps += 1
+
+    def epoch_metrics(self) -> dict[str, float]:
+        """``effective_rank`` and ``embedding_std`` of the teacher embeddings in memory and the mean
+        ``entropy_metric`` of the epoch's steps (then reset)."""
+        metrics = {}
+        entries, _ = self.embeddings.contents()
+        if len(entries) >= 2:
+            metrics |= {"effective_rank": effective_rank(entries, device=entries.device),
+                        "embedding_std": embedding_std(entries, device=entries.device)}
+        if int(self.entropy_steps):
+            metrics[self.entropy_metric] = float(self.entropy_sum / self.entropy_steps)
+        self.entropy_sum.zero_()
+        self.entropy_steps.zero_()
+        return metrics
+
+
+class SOP(SelfDistillation):
+    """SOP on a ViT (see the module docstring). ``training_step`` returns ``loss`` = λ1·``cls_loss``
+    + λ2·``mim_loss``, ``sop_entropy`` (of the teacher's [CLS] embeddings over [CLS] SOPs) and the
+    number of [CLS] SOPs, ``sops``."""
+
+    entropy_metric = "sop_entropy"
+
+    def __init__(self, encoder: MaskableViT, head: nn.Module, cls_bank: SOPBank, patch_bank: SOPBank, *,
+                 cls_loss: SOPLoss, mim_loss: MaskedSOPLoss, cls_weight: float = 1.0, mim_weight: float = 1.0,
+                 momentum: float = 0.996, masking: BlockMasking | None = None, patches_per_view: int = 1):
+        super().__init__(encoder, head, momentum, masking if mim_weight > 0 else None)
+        self.cls_bank, self.patch_bank = cls_bank, patch_bank
+        self.cls_loss, self.mim_loss = cls_loss, mim_loss
+        self.cls_weight, self.mim_weight, self.patches_per_view = cls_weight, mim_weight, patches_per_view
+
+    @property
+    def embeddings(self) -> Memory:
+        return self.cls_bank.memory
+
+    def training_step(self, batch: Batch) -> dict[str, torch.Tensor]:
+        globals_ = self.global_views(batch)
+        mask = self.draw_mask(globals_)
+        teacher_cls, teacher_patches = self.teacher_tokens(globals_)
+        teacher_cls = self.teacher_head(teacher_cls)
+        student_cls, student_patches = self.student_tokens(batch, globals_, mask)
+        student = [self.head(view) for view in student_cls]
+        cls_sops, zero = self.cls_bank.sops(), sum(view.sum() for view in student) * 0.0
+        cls_loss, entropy = zero, zero.detach()
+        if cls_sops is not None:
+            cls_loss = self.cls_loss(student, list(teacher_cls.chunk(2)), cls_sops)
+            entropy = mean_assignment_entropy(cls_sops.distribution(teacher_cls, self.cls_loss.teacher_temperature))
+            self.record_entropy(entropy)
+        mim_loss = self._mim_loss(student_patches, teacher_patches, mask, zero)
+        self.cls_bank.memory.enqueue(teacher_cls)
+        self.patch_bank.memory.enqueue(self._sample_patches(teacher_patches))
+        count = torch.tensor(float(cls_sops.count if cls_sops is not None else 0), device=zero.device)
+        return {"loss": self.cls_weight * cls_loss + self.mim_weight * mim_loss, "cls_loss": cls_loss,
+                "mim_loss": mim_loss, "sop_entropy": entropy, "sops": count}
+
+    def _mim_loss(self, student_patches: torch.Tensor, teacher_patches: torch.Tensor, mask: torch.Tensor | None,
+                  zero: torch.Tensor) -> torch.Tensor:
+        """The MIM loss over freshly drawn patch SOPs; ``zero`` without masked patches or patch SOPs."""
+        sops = self.patch_bank.sops() if mask is not None and mask.any() else None
+        if sops is None:
+            return zero
+        return self.mim_loss(project_masked(self.head, student_patches, mask),
+                             project_masked(self.teacher_head, teacher_patches, mask), mask, sops)
+
+    @torch.no_grad()
+    def _sample_patches(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``patches_per_view`` random teacher patch embeddings of each view: (N·n, D) from tokens (N, P, D')."""
+        positions = torch.randint(tokens.shape[1], (len(tokens), self.patches_per_view)).to(tokens.device)
+        chosen = tokens.gather(1, positions[..., None].expand(-1, -1, tokens.shape[2]))
+        return self.teacher_head(chosen).flatten(0, 1)
+
+
+def project_masked(head: nn.Module, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``head`` of the masked tokens of (V, P, D) at their positions, zeros elsewhere: (V, P, D').
+    The head sees only the masked tokens (a small share), which is all the MIM loss reads."""
+    projected = head(tokens[mask])
+    return projected.new_zeros(*mask.shape, projected.shape[-1]).index_put((mask,), projected)
+
+
+def vit_backbone(config: Config, data: TrainingData) -> MaskableViT:
+    """The configured ViT for the data's channels and view size; SpecError for a ResNet."""
+    model = config.model
+    if model.backbone not in VITS:
+        raise SpecError(f"method {config.method.name!r} needs a ViT, but model.backbone is {model.backbone!r}",
+                        f"set model.backbone to one of {', '.join(VITS)}")
+    return vit(model.backbone.removeprefix("vit_"), data.image_size, model.patch_size, model.depth, data.channels)
+
+
+def build(config: Config, data: TrainingData) -> SOP:
+    method, dim = config.method, config.model.projection_dim
+    encoder = vit_backbone(config, data)
+    banks = (SOPBank(size, dim, method.num_anchors, method.support_size, method.epsilon, method.one_hot,
+                     method.fixed_anchors) for size in (method.cls_memory, method.patch_memory))
+    return SOP(encoder, projection_head(encoder.feature_dim, config.model), *banks,
+               cls_loss=SOPLoss(method.student_temperature, method.teacher_temperature),
+               mim_loss=MaskedSOPLoss(method.student_temperature, method.patch_teacher_temperature),
+               cls_weight=method.cls_weight, mim_weight=method.mim_weight, momentum=method.teacher_momentum,
+               masking=BlockMasking(method.mask_ratio, method.mask_share), patches_per_view=method.patches_per_view)

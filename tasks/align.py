@@ -1,0 +1,40 @@
+"""The align stage as a Prefect task; its loss curves stream to MLflow, its scores and figures follow."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import task
+from repsim.tasks.stage import stage_cache_key
+from repsim.tasks.tracking import Tracker
+
+from repsim.align.config import load_align_config
+from repsim.align.stage import LOSS_PLOT_FILE, RESULTS_FILE, align, align_stage_of
+from repsim.align.train import ALIGNMENT_FILE
+from repsim.methods.stage import METRICS_FILE
+from repsim.stage import Stage, StageOutput
+
+ARTIFACTS = (RESULTS_FILE, LOSS_PLOT_FILE, METRICS_FILE, ALIGNMENT_FILE)
+
+
+def plan_align(config: str, overrides: list[str], parent_run_id: str | None = None) -> tuple[Stage, Path]:
+    """The align stage of a config file with ``--set`` overrides (its shards must exist)."""
+    stage = align_stage_of(load_align_config(config, overrides))
+    return stage, stage.default_dir()
+
+
+@task(name="align", cache_key_fn=stage_cache_key(plan_align), persist_result=True)
+def align_task(config: str, overrides: list[str], parent_run_id: str) -> StageOutput:
+    """Align (or find cached) the config, logging to a nested MLflow run under ``parent_run_id``."""
+    resolved = load_align_config(config, overrides)
+    stage = align_stage_of(resolved)
+    streamed: set[str] = set()
+    with Tracker().stage_run(parent_run_id, stage.name, stage.key, stage.default_dir()) as run:
+
+        def log(metrics: dict[str, float], step: int) -> None:
+            streamed.update(metrics)
+            run.log_metrics(metrics, step)
+
+        output = align(resolved, log=log)
+        run.log_stage_output(output.path, output.cached, [output.path / name for name in ARTIFACTS], streamed)
+    return output

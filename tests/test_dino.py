@@ -1,0 +1,95 @@
+"""The DINO-style baseline: its loss (centring, sharpening, multi-crop pairs), the prototypes and
+training through the train stage."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from repsim.data.sharding import shard
+from repsim.losses.dino import DINOLoss, cross_view_cross_entropy
+from repsim.methods.config import ModelConfig, load_config
+from repsim.methods.dino import Dino, Prototypes
+from repsim.methods.sop import projection_head
+from repsim.methods.stage import train
+from repsim.models import vit
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_loss_is_the_cross_entropy_of_centred_sharpened_teachers_over_other_views():
+    generator = torch.Generator().manual_seed(0)
+    student = [torch.randn(4, 10, generator=generator) for _ in range(3)]
+    teacher = [torch.randn(4, 10, generator=generator) for _ in range(2)]
+    loss = DINOLoss(10, student_temperature=0.1, teacher_temperature=0.04)
+    loss.center.fill_(0.3)
+    targets = [torch.softmax((t - 0.3) / 0.04, dim=1) for t in teacher]
+    expected = sum(-(targets[i] * torch.log_softmax(student[j] / 0.1, dim=1)).sum(dim=1).mean()
+                   for i, j in [(0, 1), (0, 2), (1, 0), (1, 2)]) / 4
+    torch.testing.assert_close(loss(student, teacher), expected)
+
+
+def test_the_centre_is_an_ema_of_the_teacher_means_in_training_only():
+    loss = DINOLoss(3, center_momentum=0.9)
+    teacher = [torch.tensor([[1.0, 2.0, 3.0]]), torch.tensor([[3.0, 2.0, 1.0]])]
+    loss([torch.zeros(1, 3)] * 2, teacher)
+    torch.testing.assert_close(loss.center, torch.full((3,), 0.2))
+    loss.eval()
+    loss([torch.zeros(1, 3)] * 2, teacher)
+    torch.testing.assert_close(loss.center, torch.full((3,), 0.2))
+
+
+def test_pairs_of_the_same_view_take_no_part():
+    first, second = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 1.0]])
+    predicts_second, predicts_first = torch.tensor([[0.1, 0.9]]).log(), torch.tensor([[0.9, 0.1]]).log()
+    loss = cross_view_cross_entropy([first, second], [predicts_second, predicts_first])
+    torch.testing.assert_close(loss, -torch.tensor(0.9).log())  # each view only predicts the other
+    with pytest.raises(ValueError, match="cross-view pairs"):
+        cross_view_cross_entropy([first], [predicts_first])
+
+
+def test_prototype_logits_are_cosines_whatever_the_weight_norm():
+    prototypes = Prototypes(dim=8, count=5)
+    with torch.no_grad():
+        prototypes.weight.mul_(torch.arange(1.0, 6.0)[:, None])
+    embeddings = F.normalize(torch.randn(3, 8), dim=1)
+    logits = prototypes(embeddings)
+    torch.testing.assert_close(logits, embeddings @ F.normalize(prototypes.weight, dim=1).T)
+    assert logits.abs().max() <= 1 + 1e-6
+
+
+def test_gradients_reach_the_student_and_its_prototypes_only():
+    torch.manual_seed(0)
+    encoder = vit("tiny", image_size=16, patch_size=4, depth=1, in_channels=1)
+    head = projection_head(encoder.feature_dim, ModelConfig(projection_hidden_dim=32, projection_dim=16))
+    method = Dino(encoder, head, Prototypes(16, 12), DINOLoss(12))
+    batch = {"views": [torch.randn(4, 1, 16, 16), torch.randn(4, 1, 16, 16), torch.randn(4, 1, 8, 8)]}
+    outputs = method.training_step(batch)
+    outputs["loss"].backward()
+    assert 0 < outputs["prototype_entropy"] <= 1
+    assert all(p.grad is None for p in [*method.teacher_encoder.parameters(), *method.teacher_head.parameters()])
+    assert not encoder.mask_token.requires_grad
+    assert all(p.grad is not None for name, p in method.named_parameters()
+               if p.requires_grad and not name.startswith("teacher"))
+    assert method.head[1].weight.grad.abs().sum() > 0
+
+
+def test_dino_trains_through_the_train_stage(make_image_folder, write_spec, tmp_path):
+    folder = make_image_folder({"cat": 20, "dog": 20}, size=16)
+    spec = write_spec({"name": "tiny", "source": {"type": "image_folder", "root": str(folder)},
+                       "classes": {"cat": "cat.n.01", "dog": "dog.n.01"},
+                       "split": {"type": "random", "fractions": {"train": 0.8, "test": 0.2}}, "shard_size": 4})
+    shards = shard(spec, out_dir=tmp_path / "shards", progress=False)
+    config = load_config(REPO / "configs" / "dino.yaml", [
+        f"data.spec={spec}", "data.image_size=16", "model.depth=1", "model.projection_hidden_dim=32",
+        "model.projection_dim=16", "optim.batch_size=16", "optim.epochs=2", "optim.num_workers=0", "monitor.k=3",
+        "method.num_prototypes=32", "data.preset_options={local_crops: 2}"])
+    output = train(config, out_dir=tmp_path / "out", shards=shards, device="cpu", progress=False)
+    records = [json.loads(line) for line in (output.path / "metrics.jsonl").read_text().splitlines()]
+    last_epoch = [record for record in records if "epoch" in record][-1]
+    assert {"knn_top1_k3", "effective_rank", "embedding_std", "prototype_entropy"} <= set(last_epoch)
+    assert output.metrics["steps"] == 4
