@@ -17,7 +17,7 @@ from PIL import Image
 from repsim.align.config import AlignConfig, load_align_config
 from repsim.align.pairing import NEIGHBOUR_FILES, Pairing, draw_pairing, neighbour_lists
 from repsim.align.stage import LOSS_PLOT_FILE, RESULTS_FILE, align, align_stage_of
-from repsim.align.tables import class_captions, embedding_tables, load_tables
+from repsim.align.tables import class_captions, embedding_tables, hold_out, load_tables
 from repsim.align.train import PairedBatches, load_alignment
 from repsim.cli import main
 from repsim.data.sharding import ShardResult, shard
@@ -195,6 +195,24 @@ def test_alpha_zero_is_contrastive_alone_with_the_geometry_still_reported(animal
     records = [json.loads(line) for line in (contrastive.path / "metrics.jsonl").read_text().splitlines()]
     steps = [record for record in records if "loss" in record]
     assert all(record["loss"] == pytest.approx(record["contrastive"]) and record["geo_a"] > 0 for record in steps)
+
+
+def test_holdout_scores_a_seeded_part_of_the_train_split_instead_of_the_test_split(animals):
+    spec, shards = animals
+    config = tiny_config(spec, data={"holdout": 0.25}, optim={"epochs": 1})
+    tables = load_tables(embedding_tables(shards, load_spec(spec), config.image, config.text, "train", progress=False))
+    kept, held = hold_out(tables, 0.25)
+    assert (len(kept.indices), len(held.indices)) == (96, 32)
+    assert sorted([*kept.indices, *held.indices]) == sorted(tables.indices)
+    np.testing.assert_array_equal(hold_out(tables, 0.25)[1].indices, held.indices)
+    row = tables.keys.index(held.keys[5])
+    np.testing.assert_array_equal(held.image[5], tables.image[row])
+    assert (held.captions[5], held.labels[5], held.indices[5]) == (tables.captions[row], tables.labels[row],
+                                                                  tables.indices[row])
+    output = align(config, shards=shards, progress=False)
+    samples = json.loads((output.path / RESULTS_FILE).read_text())["samples"]
+    assert samples == {"paired": 32, "unpaired_image": 64, "unpaired_text": 64, "test": 32}
+    assert output.key != align_stage_of(tiny_config(spec, optim={"epochs": 1}), shards).key
 
 
 # ---------------------------------------------------------------------------------------------

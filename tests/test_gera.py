@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from repsim.align.train import sample_neighbours
 from repsim.losses import ClipLoss, GeometricLoss, GeRALoss
-from repsim.losses.gera import neighbourhood_kernel
+from repsim.losses.gera import KERNEL_FLOOR, neighbourhood_kernel
 from repsim.models import AlignmentNetwork
 
 B, M_POINTS, DIM = 6, 9, 12  # 6 neighbourhoods of a paired point and 8 neighbours, 12-d
@@ -27,7 +29,7 @@ def rotation(dim: int, seed: int = 1) -> torch.Tensor:
 def test_every_kernel_row_is_a_distribution(hoods, kind):
     kernel = neighbourhood_kernel(hoods, kind, sigma=0.5, knn_k=3)
     assert kernel.shape == (B, M_POINTS, M_POINTS)
-    assert (kernel >= 0).all()
+    assert (kernel > 0).all()  # strictly positive, so the KL between rows is finite
     torch.testing.assert_close(kernel.sum(dim=-1), torch.ones(B, M_POINTS))
 
 
@@ -50,11 +52,11 @@ def test_binary_knn_kernel_marks_the_k_nearest_including_self():
 @pytest.mark.parametrize("kind", ["heat", "cosine", "knn"])
 @pytest.mark.parametrize("scale", [0.1, 1.0, 7.0])
 def test_geometric_term_vanishes_for_a_rotation_with_uniform_scaling(hoods, kind, scale):
-    f = AlignmentNetwork(DIM, DIM, "linear")
+    f = AlignmentNetwork(DIM, DIM, "linear").double()
     with torch.no_grad():
         f[0].weight.copy_(scale * rotation(DIM))
         f[0].bias.zero_()
-    loss = GeometricLoss(kind, sigma=0.7, knn_k=3)(hoods, f(hoods))
+    loss = GeometricLoss(kind, sigma=0.7, knn_k=3)(hoods.double(), f(hoods.double()))
     assert loss.item() == pytest.approx(0.0, abs=1e-10)
 
 
@@ -62,6 +64,32 @@ def test_geometric_term_vanishes_for_a_rotation_with_uniform_scaling(hoods, kind
 def test_geometric_term_is_positive_for_a_map_that_is_no_isometry(hoods, kind):
     stretch = torch.diag(torch.logspace(-1, 1, DIM)) @ rotation(DIM)
     assert GeometricLoss(kind)(hoods, hoods @ stretch.T).item() > 1e-4
+
+
+def test_geometric_term_is_the_mean_kl_divergence_between_kernel_rows(hoods):
+    aligned = torch.randn(B, M_POINTS, 4, generator=torch.Generator().manual_seed(3))
+    p, q = neighbourhood_kernel(hoods, "heat", sigma=0.5), neighbourhood_kernel(aligned, "heat", sigma=0.5)
+    kl = torch.stack([torch.distributions.kl_divergence(torch.distributions.Categorical(probs=p[b, i]),
+                                                        torch.distributions.Categorical(probs=q[b, i]))
+                      for b in range(B) for i in range(M_POINTS)])
+    torch.testing.assert_close(GeometricLoss("heat", sigma=0.5)(hoods, aligned), kl.mean())
+
+
+def test_knn_geometric_term_counts_the_neighbours_lost():
+    line = torch.tensor([[[0.0], [1.0], [3.0], [10.0]]])
+    swapped = torch.tensor([[[0.0], [1.0], [10.0], [3.0]]])  # rows 2 and 3 each lose one of 2 neighbours
+    loss = GeometricLoss("knn", knn_k=2)
+    one_lost = loss(line, swapped).item()
+    assert loss(line, line).item() == pytest.approx(0.0, abs=1e-6)
+    assert one_lost == pytest.approx(2 / 4 * -math.log(KERNEL_FLOOR) / 2, rel=0.05)
+
+
+def test_geometric_term_does_not_shrink_with_the_neighbourhood_size():
+    generator = torch.Generator().manual_seed(5)
+    stretch = torch.diag(torch.logspace(-1, 1, DIM)) @ rotation(DIM)
+    terms = [GeometricLoss()(points, points @ stretch.T).item()
+             for points in (torch.randn(200, m, DIM, generator=generator) for m in (9, 33))]
+    assert terms[1] > 0.5 * terms[0]
 
 
 def test_gera_loss_is_infonce_plus_alpha_times_both_geometric_terms(hoods):

@@ -21,11 +21,16 @@ STRATEGIES = ("nearest", "uniform", "rank")
 
 
 class AlignData(_Strict):
-    """The data spec whose samples are embedded, the split pairs are drawn from, and the split scored."""
+    """The data spec whose samples are embedded, the split pairs are drawn from, and the split scored.
+
+    ``holdout`` > 0 holds out that fraction of ``train_split`` (the same seeded rows for every
+    pairing seed) and scores it instead of ``test_split``: a validation split for choosing alpha, n
+    or sigma without looking at the test split."""
 
     spec: Path
     train_split: str = "train"
     test_split: str = "test"
+    holdout: float = Field(0.0, ge=0, lt=1)
 
 
 class EncoderImages(_Strict):
@@ -96,7 +101,7 @@ class GeometryConfig(_Strict):
     (rank + 1)^-rank_exponent, without replacement); the ``kernel`` with its ``sigma`` (heat) or
     ``knn_k`` (binary kNN, which passes no gradient and so needs alpha 0)."""
 
-    alpha: float = Field(1.0, ge=0)
+    alpha: float = Field(1000.0, ge=0)
     samples: int = Field(16, ge=1)
     strategy: Literal[STRATEGIES] = "rank"
     rank_exponent: float = Field(1.0, gt=0)

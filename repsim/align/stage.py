@@ -11,13 +11,14 @@ besides ``stage.json``:
 - ``alignment.pt``: f and g (:func:`repsim.align.train.load_alignment`);
 - ``metrics.jsonl``: per step ``loss``, ``contrastive``, ``geo_a``, ``geo_b``, ``lr``;
 - ``results.json``: ``{"suites": {"zeroshot": {...}, "retrieval": {...}}, "baselines": {"asif":
-  {"suites": ...}}, "samples": {...}}`` on the test split, as the evaluate stage writes it;
+  {"suites": ...}}, "samples": {...}}`` on the test split (the held-out part of the train split when
+  ``data.holdout`` > 0), as the evaluate stage writes it;
 - ``loss.png``: the loss curves.
 
 ``stage.json`` metrics: the training summary (``loss``, ``final_loss``, ``steps``, ``epochs``), every
 suite metric (``zeroshot_top1``, ``i2t_r1``, ...) and the same for ASIF prefixed ``asif_``. The key
-covers the config without ``data``, ``image`` and ``text`` (the tables' keys stand for them) and
-without ``optim.num_workers`` and ``optim.checkpoint_every``, plus the two tables' keys; the
+covers the config without ``image``, ``text``, ``data`` but its ``holdout`` (the tables' keys stand
+for them), ``optim.num_workers`` and ``optim.checkpoint_every``, plus the two tables' keys; the
 pairing is a function of ``pairing`` and the train table. An interrupted run resumes from
 ``$REPSIM_HOME/scratch/align/<key>/``.
 """
@@ -39,6 +40,7 @@ from repsim.align.tables import (
     EmbeddingTables,
     embedding_tables,
     embedding_tables_stage_of,
+    hold_out,
     load_tables,
 )
 from repsim.align.train import (
@@ -64,7 +66,8 @@ from repsim.stage import Stage, StageOutput, repsim_home, run_stage
 VERSION = "1"
 RESULTS_FILE = "results.json"
 LOSS_PLOT_FILE = "loss.png"
-KEY_NEUTRAL = {"data": True, "image": True, "text": True, "optim": {"num_workers", "checkpoint_every"}}
+KEY_NEUTRAL = {"data": {"spec", "train_split", "test_split"}, "image": True, "text": True,
+               "optim": {"num_workers", "checkpoint_every"}}
 CURVES = ("loss", "contrastive", "geo_a", "geo_b")
 
 __all__ = ["align", "align_stage_of"]
@@ -98,7 +101,8 @@ def align(config: AlignConfig, out_dir: str | Path | None = None, log: LogFn | N
     Shards the data spec and builds the train and test embedding tables (all cached) unless
     ``shards`` is given, then pairs, finds neighbours, trains f and g on ``device`` (default: the GPU
     when present) and scores them and ASIF on the test split. ``log(metrics, step)`` receives the
-    per-step curves.
+    per-step curves. With ``data.holdout`` > 0 the held-out part of the train split is scored instead
+    of the test split.
     """
     spec = load_spec(config.data.spec)
     shards = _as_shards(shards) if shards is not None else shard(spec, progress=progress)
@@ -107,8 +111,10 @@ def align(config: AlignConfig, out_dir: str | Path | None = None, log: LogFn | N
                                  for split in (config.data.train_split, config.data.test_split))
     stage = _stage(config, train_tables.key, test_tables.key)
     scratch = repsim_home() / "scratch" / "align" / stage.key
-    run = _AlignRun(config, spec, load_tables(train_tables), load_tables(test_tables), scratch, log,
-                    resolve_device(device), progress)
+    train, test = load_tables(train_tables), load_tables(test_tables)
+    if config.data.holdout:
+        train, test = hold_out(train, config.data.holdout)
+    run = _AlignRun(config, spec, train, test, scratch, log, resolve_device(device), progress)
     output = run_stage(stage, run.build, out_dir)
     shutil.rmtree(scratch, ignore_errors=True)
     return output

@@ -17,7 +17,7 @@ split, the caption recipe and the text model's identity.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +60,22 @@ class EmbeddingTables:
     captions: list[str]
     class_names: list[str]
     key: str
+
+    def take(self, rows: np.ndarray) -> EmbeddingTables:
+        """The tables of ``rows`` (int positions), in that order, under the same key."""
+        return replace(self, image=self.image[rows], text=self.text[rows], indices=self.indices[rows],
+                       keys=[self.keys[row] for row in rows], labels=self.labels[rows],
+                       captions=[self.captions[row] for row in rows])
+
+
+def hold_out(tables: EmbeddingTables, fraction: float, seed: int = 0) -> tuple[EmbeddingTables, EmbeddingTables]:
+    """(kept, held out): a seeded random ``fraction`` of the rows held out, both in table order."""
+    order = np.random.default_rng(seed).permutation(len(tables.indices))
+    held = round(fraction * len(order))
+    if not 0 < held < len(order):
+        raise SpecError(f"data.holdout {fraction} of {len(order)} samples leaves an empty side",
+                        "choose a fraction that keeps samples on both sides")
+    return tables.take(np.sort(order[held:])), tables.take(np.sort(order[:held]))
 
 
 def embedding_tables(shards: ShardResult, spec: DataSpec, image: ImageSource, text: AlignText, split: str,

@@ -5,19 +5,29 @@ The loss is CLIP's symmetric InfoNCE on the paired points plus ``alpha · (geo_A
 geometric term compares, for each paired point, a kernel over the point and n of its neighbours among
 the unpaired points of its own modality, before and after alignment.
 
-Kernels over a neighbourhood of m = n + 1 points (the paired point first), each row normalised to
-sum to 1:
+Kernels over a neighbourhood of m = n + 1 points (the paired point first), each entry floored at
+``KERNEL_FLOOR`` (every kernel's largest entry, a point with itself, is 1) and each row normalised to
+sum to 1, so every row is a strictly positive distribution over the neighbourhood:
 
 - ``heat``: ``exp(-‖a - b‖² / ε)`` with ε = σ · the mean *squared* Euclidean distance between the
   m(m - 1) ordered pairs of distinct points of that neighbourhood. Because ε scales with the
   neighbourhood, the kernel is invariant to rotations, translations and uniform scaling.
 - ``cosine``: ``(1 + cos(a, b)) / 2``, in [0, 1]; invariant to rotations and uniform scaling.
 - ``knn``: 1 where b is among the ``knn_k`` nearest points of a in the neighbourhood (a itself
-  included), else 0. It is piecewise constant, so it passes no gradient: a measure of how well
-  neighbourhoods are kept, not a training signal.
+  included), else 0 (the floor). It is piecewise constant, so it passes no gradient: a measure of
+  how well neighbourhoods are kept, not a training signal.
 
-The geometric term of one modality is the squared Euclidean distance between corresponding rows of
-the input-space and aligned-space kernels, averaged over rows and paired points.
+The geometric term of one modality is ``KL(P_row ‖ Q_row)`` between each row P of the input-space
+kernel and the same row Q of the aligned-space kernel, averaged over rows and paired points — the
+divergence SNE and t-SNE minimise for exactly such row-normalised neighbourhood kernels. It is
+measured in nats, like InfoNCE (the cross-entropy of each paired point's softmax row against its
+partner), so α weighs the two terms in the same units whatever the neighbourhood size m or the
+embedding scale. The term itself stays small (about 0.002 nats for a random linear map, which nearly
+preserves distances, and 0.02 after contrastive training alone), so the useful α is large; the
+shipped one was chosen on held-out data (``configs/gera.yaml``). A squared distance between rows,
+the obvious alternative, shrinks like 1/m as the entries do, and rescaling it by m or by its value
+at initialisation would only tie α to m or to the initial map. For ``knn`` each lost neighbour
+costs about ``-log(KERNEL_FLOOR) / k`` nats, so the term counts neighbours lost.
 """
 
 from __future__ import annotations
@@ -34,11 +44,13 @@ from repsim.losses.clip import ClipLoss
 Kernel = Literal["heat", "cosine", "knn"]
 KERNELS: tuple[str, ...] = ("heat", "cosine", "knn")
 EPSILON_FLOOR = 1e-12
+KERNEL_FLOOR = 1e-12
 
 
 def neighbourhood_kernel(points: torch.Tensor, kind: Kernel = "heat", sigma: float = 1.0,
                          knn_k: int = 5) -> torch.Tensor:
-    """Row-normalised kernels over neighbourhoods: points (B, m, D) -> (B, m, m), every row summing to 1.
+    """Row-normalised kernels over neighbourhoods: points (B, m, D) -> (B, m, m), every row a strictly
+    positive distribution (entries floored at ``KERNEL_FLOOR`` before normalising).
 
     See the module docstring for the kernels; ``sigma`` scales the heat kernel's ε, ``knn_k`` is the
     binary kernel's neighbour count (self included, at most m).
@@ -55,6 +67,7 @@ def neighbourhood_kernel(points: torch.Tensor, kind: Kernel = "heat", sigma: flo
         kernel = _binary_knn(points, knn_k)
     else:
         raise ValueError(f"unknown kernel {kind!r}; use one of {', '.join(KERNELS)}")
+    kernel = kernel.clamp(min=KERNEL_FLOOR)
     return kernel / kernel.sum(dim=-1, keepdim=True)
 
 
@@ -75,7 +88,7 @@ def _binary_knn(points: torch.Tensor, k: int) -> torch.Tensor:
 
 class GeometricLoss(nn.Module):
     """How much alignment distorts neighbourhoods: mean over paired points and rows of
-    ``‖K(inputs)_row - K(aligned)_row‖²``.
+    ``KL(K(inputs)_row ‖ K(aligned)_row)``, in nats.
 
     Shapes: inputs (B, m, D_in) and aligned (B, m, D_out), the same m points per neighbourhood in the
     same order (the paired point first). Returns a scalar.
@@ -96,7 +109,7 @@ class GeometricLoss(nn.Module):
         with torch.no_grad():
             target = neighbourhood_kernel(inputs, self.kernel, self.sigma, self.knn_k)
         predicted = neighbourhood_kernel(aligned, self.kernel, self.sigma, self.knn_k)
-        return (predicted - target).square().sum(dim=-1).mean()
+        return (target * (target.log() - predicted.log())).sum(dim=-1).mean()
 
 
 class GeRALoss(nn.Module):
