@@ -4,16 +4,15 @@ PY     := $(VENV)/bin/python
 REPSIM := $(VENV)/bin/repsim
 export REPSIM_HOME ?= $(CURDIR)/.repsim
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+EXPERIMENT ?= experiments/default.yaml
 
-.PHONY: setup run test test-fast ui clean
+.PHONY: setup run test test-fast ui servers servers-stop serve clean
 
 setup:
 	@bash scripts/setup.sh
 
-run: setup  ## shard both datasets, precompute Animal-MNIST's similarities, evaluate its raw pixels
-	$(REPSIM) shard data_specs/fashion-mnist.yaml data_specs/animal-mnist.yaml
-	$(REPSIM) precompute data_specs/animal-mnist.yaml
-	$(REPSIM) eval data_specs/animal-mnist.yaml --encoder pixels --suite knn --suite diagnostics --suite plots
+run: setup  ## the default experiment end to end on the embedded defaults: shard, precompute, train, evaluate
+	$(REPSIM) run $(EXPERIMENT)
 
 test: setup  ## the whole test suite, slow tests included
 	$(PY) -m pytest
@@ -21,9 +20,19 @@ test: setup  ## the whole test suite, slow tests included
 test-fast: setup  ## the tests that take seconds
 	$(PY) -m pytest -m "not slow"
 
-ui: setup  ## MLflow UI on http://127.0.0.1:5000 over the embedded store
-	$(VENV)/bin/mlflow ui --host 127.0.0.1 --port 5000 \
-		--backend-store-uri sqlite:///$(REPSIM_HOME)/mlflow.db
+ui: setup  ## the MLflow UI (http://127.0.0.1:5000) and the Prefect UI (http://127.0.0.1:4200) over the embedded stores
+	@trap 'kill $$mlflow 2>/dev/null' EXIT INT TERM; \
+	$(VENV)/bin/mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri sqlite:///$(REPSIM_HOME)/mlflow.db & mlflow=$$!; \
+	PREFECT_HOME=$(REPSIM_HOME)/prefect $(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200
+
+servers: setup  ## a Prefect and an MLflow server on 127.0.0.1 (SQLite, or PostgreSQL at $REPSIM_DB_URL)
+	@bash scripts/servers.sh start
+
+servers-stop:  ## stop the servers `make servers` started
+	@bash scripts/servers.sh stop
+
+serve: setup  ## serve the deployments of experiments/deployments.yaml (source the env.sh `make servers` wrote first)
+	$(REPSIM) serve experiments/deployments.yaml
 
 clean:  ## remove every artifact, run record and cache under $REPSIM_HOME
 	rm -rf $(REPSIM_HOME)

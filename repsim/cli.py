@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from repsim.errors import RepsimError
 
 EXIT_USER_ERROR = 2
+FORCEABLE = ("shard", "captions", "wordnet", "neighbors", "train", "features", "evaluate", "align")
 
 
 def cmd_shard(args: argparse.Namespace) -> None:
@@ -24,26 +25,33 @@ def cmd_shard(args: argparse.Namespace) -> None:
         raise RepsimError("--out names one directory but several specs were given", "shard one spec at a time")
     from repsim.flows.shard import shard_flow
 
-    _quiet_user_errors()
+    _start_orchestration()
     summaries = shard_flow(specs=list(args.specs), out_dir=args.out)
     print(_table(["spec", "samples", "splits", "errors", "cached", "output"], [
         [s["spec"], sum(s["splits"].values()), " ".join(f"{k}={v}" for k, v in s["splits"].items()),
          s["errors"], "yes" if s["cached"] else "no", s["path"]] for s in summaries]))
 
 
+PRECOMPUTE_STAGES = {  # subcommand: (captions, wordnet, neighbors)
+    "all": (True, True, True), "captions": (True, False, False), "wordnet": (False, True, False),
+    "neighbors": (True, False, True)}
+
+
 def cmd_precompute(args: argparse.Namespace) -> None:
     from repsim.data import load_spec
     from repsim.similarity.stages import spec_classes
 
+    captions, wordnet, neighbors = PRECOMPUTE_STAGES[args.stages]
     spec = load_spec(args.spec)  # validate before starting any orchestration
-    measures = [] if args.no_wordnet else list(dict.fromkeys(args.measures or ["wup"]))
+    measures = list(dict.fromkeys(args.measures or ["wup"])) if wordnet else []
     if measures:
         spec_classes(spec)
     from repsim.flows.precompute import precompute_flow
 
-    _quiet_user_errors()
-    summaries = precompute_flow(spec=args.spec, captions=not args.no_captions, wordnet_measures=measures,
-                                neighbours=not (args.no_captions or args.no_neighbours), k=args.k, kind=args.index)
+    _start_orchestration()
+    summaries = precompute_flow(spec=args.spec, captions=captions, wordnet_measures=measures, neighbors=neighbors,
+                                k=args.k, index=args.index, metric=args.metric, model=args.model,
+                                target_temperature=args.target_temperature)
     print(_table(["stage", "detail", "cached", "output"], [
         [s["stage"], s["detail"], "yes" if s["cached"] else "no", s["path"]] for s in summaries]))
 
@@ -60,7 +68,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     encoder_source(args.encoder)
     from repsim.flows.evaluate import evaluate_flow
 
-    _quiet_user_errors()
+    _start_orchestration()
     outcome = evaluate_flow(spec=args.spec, encoder=args.encoder, suites=list(suites), knn_k=list(knn_k),
                             batch_size=args.batch_size, device=args.device)
     print(_table(["stage", "detail", "cached", "output"], [
@@ -90,18 +98,126 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     config = load_config(args.config, args.overrides)
     load_spec(config.data.spec)  # validate before orchestration
-    if int(os.environ.get("RANK", "0")) > 0:  # under torchrun, rank 0 orchestrates; the others train alongside
+    # Under torchrun, rank 0 orchestrates and the others train alongside; with --direct (how the train
+    # task launches torchrun) every rank trains directly.
+    if args.direct or int(os.environ.get("RANK", "0")) > 0:
         from repsim.methods.stage import train
 
-        train(config, progress=False)
+        train(config, progress=args.direct and int(os.environ.get("RANK", "0")) == 0)
         return
     from repsim.flows.train import train_flow
 
-    _quiet_user_errors()
+    _start_orchestration()
     summary = train_flow(config=args.config, overrides=args.overrides)
     rows = [[name, f"{value:.4g}"] for name, value in sorted(summary["metrics"].items())]
     print(_table(["metric", "value"], rows))
     print(f"{'cached' if summary['cached'] else 'trained'}: {summary['path']}")
+
+
+def cmd_align(args: argparse.Namespace) -> None:
+    from repsim.align.config import load_align_config
+    from repsim.data import load_spec
+
+    config = load_align_config(args.config, args.overrides)
+    load_spec(config.data.spec)  # validate before orchestration
+    from repsim.flows.align import align_flow
+
+    _start_orchestration()
+    summary = align_flow(config=args.config, overrides=args.overrides)
+    rows = [[name, f"{value:.4g}"] for name, value in sorted(summary["metrics"].items())]
+    print(_table(["metric", "value"], rows))
+    print(f"{'cached' if summary['cached'] else 'aligned'}: {summary['path']}")
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    from repsim.experiment import check_experiment, load_experiment
+
+    experiment = load_experiment(args.experiment, args.overrides)
+    check_experiment(experiment)  # validate before orchestration
+    from repsim.flows.experiment import experiment_flow
+
+    _start_orchestration()
+    outcome = experiment_flow(experiment=experiment, force=args.force)
+    print(_table(["stage", "detail", "cached", "output"], [
+        [s["stage"], s["detail"], "yes" if s["cached"] else "no", s["path"]] for s in outcome["stages"]]))
+    evaluate = experiment.section("evaluate")
+    k = evaluate.knn_k[0] if evaluate is not None else None
+    columns = {f"kNN@{k}": f"knn_top1_k{k}", "linear probe": "linear_top1", "zero-shot": "zeroshot_top1"}
+    print()
+    print(_table(["method", *columns], [[label, *(f"{metrics[name]:.4f}" if name in metrics else "-"
+                                                 for name in columns.values())]
+                                        for label, metrics in outcome["results"].items()]))
+    print(f"\n{_where_to_look()}")
+
+
+def _where_to_look() -> str:
+    from repsim.stage import repsim_home
+
+    if os.environ.get("PREFECT_API_URL"):
+        return (f"runs: Prefect UI at {os.environ['PREFECT_API_URL'].removesuffix('/api')}, "
+                f"MLflow UI at {os.environ.get('MLFLOW_TRACKING_URI')}")
+    return (f"runs: `make ui` serves the MLflow UI (http://127.0.0.1:5000) and the Prefect UI "
+            f"(http://127.0.0.1:4200) over {repsim_home()}; outputs: `repsim stages`")
+
+
+def cmd_stages(args: argparse.Namespace) -> None:
+    from repsim.stage import list_outputs
+
+    outputs = [output for output in list_outputs() if not args.stages or output.stage in args.stages]
+    print(_table(["stage", "key", "status", "age", "output"], [
+        [output.stage, output.key, output.status, _age(output.modified), output.path] for output in outputs]))
+
+
+def cmd_clean(args: argparse.Namespace) -> None:
+    from repsim.stage import remove_output, unreferenced_outputs
+
+    doomed = unreferenced_outputs(args.older_than)
+    if not args.yes:
+        for output in doomed:
+            print(f"would remove {output.stage} {output.key} ({output.status}, {_age(output.modified)}): {output.path}")
+        print(f"{len(doomed)} outputs to remove; run again with --yes to remove them")
+        return
+    removed = [output for output in doomed if remove_output(output)]
+    for output in removed:
+        print(f"removed {output.stage} {output.key}: {output.path}")
+    print(f"removed {len(removed)} outputs" + (f"; {len(doomed) - len(removed)} were being written, and stay"
+                                               if len(removed) < len(doomed) else ""))
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from repsim.experiment import check_experiment, load_deployments
+
+    for experiment in load_deployments(args.deployments)[1]:  # validate before orchestration
+        check_experiment(experiment)
+    from repsim.flows.serve import serve_deployments
+
+    _start_orchestration()
+    serve_deployments(args.deployments)
+
+
+DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def duration(text: str) -> float:
+    """Seconds in ``30m``, ``12h``, ``7d``, ``2w`` (units s, m, h, d, w)."""
+    number, unit = text[:-1], text[-1:]
+    try:
+        seconds = float(number) * DURATION_UNITS[unit]
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 30m, 12h, 7d or 2w") from None
+    if seconds < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+    return seconds
+
+
+def _age(timestamp: float) -> str:
+    import time
+
+    seconds = max(0.0, time.time() - timestamp)
+    for unit in ("w", "d", "h", "m"):
+        if seconds >= DURATION_UNITS[unit]:
+            return f"{seconds / DURATION_UNITS[unit]:.0f}{unit}"
+    return f"{seconds:.0f}s"
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -120,7 +236,12 @@ class _NoTracebackForUserErrors(logging.Filter):
         return True
 
 
-def _quiet_user_errors() -> None:
+def _start_orchestration() -> None:
+    """Before a flow starts: stop at once if a configured server does not answer, and keep Prefect's
+    console line for a RepsimError but drop its traceback."""
+    from repsim.tasks.servers import check_servers
+
+    check_servers()
     from prefect.logging.configuration import setup_logging
 
     setup_logging()
@@ -137,18 +258,14 @@ def build_parser() -> argparse.ArgumentParser:
     shard.add_argument("--out", metavar="DIR", help="output directory (default: $REPSIM_HOME/artifacts/shard/<key>)")
     shard.set_defaults(run=cmd_shard)
     precompute = commands.add_parser(
-        "precompute", help="shard a data spec, then embed captions, WordNet similarities, neighbours (cached)")
-    precompute.add_argument("spec", metavar="SPEC", help="data spec YAML file")
-    precompute.add_argument("--measure", dest="measures", action="append", choices=("wup", "path", "lch", "hops"),
-                            help="WordNet measure, repeatable (default: wup)")
-    precompute.add_argument("--no-wordnet", action="store_true", help="skip the WordNet class similarity")
-    precompute.add_argument("--no-captions", action="store_true",
-                            help="skip the caption embeddings (and the neighbours found among them)")
-    precompute.add_argument("--no-neighbours", action="store_true", help="skip the caption neighbour lists")
-    precompute.add_argument("--k", type=int, default=10, help="neighbours per caption (default: 10)")
-    precompute.add_argument("--index", choices=("flat", "ivf", "hnsw"), default="flat",
-                            help="FAISS index: exact flat, or approximate ivf/hnsw with measured recall")
-    precompute.set_defaults(run=cmd_precompute)
+        "precompute", help="shard a data spec, then embed captions, WordNet similarities, neighbors (cached)")
+    stages = precompute.add_subparsers(dest="stages", metavar="STAGES", required=True)
+    for name, what in (("all", "caption embeddings, WordNet similarities and caption neighbors"),
+                       ("captions", "caption embeddings (N x D, float16, manifest order)"),
+                       ("wordnet", "WordNet class similarities (C x C)"),
+                       ("neighbors", "caption embeddings and each caption's k nearest others")):
+        _add_precompute_options(stages.add_parser(name, help=what, description=f"Shard SPEC, then compute {what}."),
+                                name)
     evaluate = commands.add_parser(
         "eval", help="evaluate an encoder on a data spec: kNN, linear probe, diagnostics, plots (cached)")
     evaluate.add_argument("spec", metavar="SPEC", help="data spec YAML file")
@@ -157,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--suite", dest="suites", action="append",
                           choices=("knn", "linear", "map", "diagnostics", "plots"),
                           help="evaluation suite, repeatable (default: knn, linear, diagnostics, plots)")
-    evaluate.add_argument("--k", type=int, action="append", help="kNN neighbours, repeatable (default: 10, 20, 200)")
+    evaluate.add_argument("--k", type=int, action="append", help="kNN neighbors, repeatable (default: 10, 20, 200)")
     evaluate.add_argument("--batch-size", type=int, default=512, help="feature extraction batch size (default: 512)")
     evaluate.add_argument("--device", help="torch device, e.g. cpu or cuda (default: cuda when present)")
     evaluate.set_defaults(run=cmd_eval)
@@ -165,11 +282,59 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", metavar="CONFIG", help="experiment config YAML, e.g. configs/xclr.yaml")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config field, e.g. --set optim.lr=0.1 (repeatable)")
+    train.add_argument("--direct", action="store_true", help=argparse.SUPPRESS)
     train.set_defaults(run=cmd_train)
+    align = commands.add_parser("align", help="align frozen image and text embeddings from few pairs: GeRA, "
+                                "contrastive alone (alpha=0) and ASIF, scored zero-shot and by retrieval (cached)")
+    align.add_argument("config", metavar="CONFIG", help="alignment config YAML, e.g. configs/gera.yaml")
+    align.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config field, e.g. --set geometry.alpha=0 (repeatable)")
+    align.set_defaults(run=cmd_align)
+    run = commands.add_parser("run", help="run an experiment end to end: shard, precompute, train, evaluate, align "
+                              "(every stage cached)")
+    run.add_argument("experiment", metavar="EXPERIMENT", help="experiment YAML, e.g. experiments/default.yaml")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override an experiment field, e.g. --set train.settings.optim.lr=0.01 (repeatable)")
+    run.add_argument("--force", action="append", default=[], metavar="STAGE", choices=FORCEABLE,
+                     help=f"rebuild this stage's outputs even if cached, repeatable ({', '.join(FORCEABLE)})")
+    run.set_defaults(run=cmd_run)
+    stages = commands.add_parser("stages", help="list stage outputs: key, status (complete/incomplete/locked), path")
+    stages.add_argument("stages", nargs="*", metavar="STAGE", help="only these stages (default: all)")
+    stages.set_defaults(run=cmd_stages)
+    clean = commands.add_parser("clean", help="remove old stage outputs that no newer complete output depends on")
+    clean.add_argument("--older-than", required=True, type=duration, metavar="DURATION",
+                       help="only outputs completed (or, if incomplete, last written) longer ago: 30m, 12h, 7d, 2w")
+    clean.add_argument("--yes", action="store_true", help="remove them (default: only list what would go)")
+    clean.set_defaults(run=cmd_clean)
+    serve = commands.add_parser("serve", help="serve deployments of the experiment flow (cron schedules, UI runs)")
+    serve.add_argument("deployments", nargs="?", default="experiments/deployments.yaml", metavar="DEPLOYMENTS",
+                       help="deployments YAML (default: experiments/deployments.yaml)")
+    serve.set_defaults(run=cmd_serve)
     synsets = commands.add_parser("synsets", help="list WordNet noun synsets for class names (to write specs)")
     synsets.add_argument("names", nargs="+", metavar="NAME", help='a class name, e.g. "Ankle boot"')
     synsets.set_defaults(run=cmd_synsets)
     return parser
+
+
+def _add_precompute_options(parser: argparse.ArgumentParser, stages: str) -> None:
+    from repsim.similarity.neighbors import INDEX_KINDS, METRICS
+
+    captions, wordnet, neighbors = PRECOMPUTE_STAGES[stages]
+    parser.add_argument("spec", metavar="SPEC", help="data spec YAML file")
+    parser.set_defaults(run=cmd_precompute, measures=None, k=10, index="flat", metric="cosine", model=None)
+    if captions:
+        parser.add_argument("--model", metavar="NAME|PATH",
+                            help="sentence-transformers model (default: all-MiniLM-L6-v2, offline)")
+    if wordnet:
+        parser.add_argument("--measure", dest="measures", action="append", choices=("wup", "path", "lch", "hops"),
+                            help="WordNet measure, repeatable (default: wup)")
+    if neighbors:
+        parser.add_argument("--k", type=int, default=10, help="neighbors per caption (default: 10)")
+        parser.add_argument("--index", choices=INDEX_KINDS, default="flat",
+                            help="FAISS index: exact flat, or approximate ivf/ivfpq/hnsw with measured recall")
+        parser.add_argument("--metric", choices=METRICS, default="cosine", help="default: cosine")
+    parser.add_argument("--target-temperature", type=float, default=0.1, metavar="TAU_S",
+                        help="X-CLR target temperature of the target histograms logged to MLflow (default: 0.1)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Set up repsim on this machine: .venv (Python 3.11), torch + torchvision, the project with its
 # dev extras, animal-mnist (without its tensorflow requirement) and, where apt is usable, the Debian
-# data packages. Idempotent: returns in seconds when everything is already there.
+# packages (data, and chromium for the browser test). Idempotent: seconds when everything is there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 TORCH_SPEC=${TORCH_SPEC:-"torch==2.14.1 torchvision==0.29.1"}
-DEBIAN_PACKAGES="dataset-fashion-mnist wordnet-base wordnet-sense-index"
+DEBIAN_PACKAGES="dataset-fashion-mnist wordnet-base wordnet-sense-index chromium chromium-driver"
 PIP="$VENV/bin/python -m pip --disable-pip-version-check -q"
 
 say() { printf 'setup: %s\n' "$*"; }

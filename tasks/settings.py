@@ -1,6 +1,7 @@
 """Embedded defaults, so nothing needs a server.
 
-Prefect: its temporary local API with ``PREFECT_HOME=$REPSIM_HOME/prefect`` and analytics off.
+Prefect: its temporary local API with ``PREFECT_HOME=$REPSIM_HOME/prefect``, analytics off, and
+120 s for that API to start (Prefect's 20 s is too short on a loaded machine).
 MLflow: ``sqlite:///$REPSIM_HOME/mlflow.db`` with artifacts in ``$REPSIM_HOME/mlartifacts``.
 Server mode is configuration only: set ``PREFECT_API_URL`` and ``MLFLOW_TRACKING_URI``.
 """
@@ -16,6 +17,7 @@ def embedded_defaults() -> dict[str, str]:
         "PREFECT_HOME": str(home / "prefect"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
         "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",

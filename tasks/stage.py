@@ -10,7 +10,7 @@ from typing import Any
 from prefect.context import TaskRunContext
 from prefect.states import State
 
-from repsim.stage import Stage, read_record
+from repsim.stage import Stage, is_stale, read_record
 from repsim.tasks.tracking import StageRun, Tracker
 
 Plan = Callable[..., tuple[Stage, Path]]
@@ -19,14 +19,16 @@ Plan = Callable[..., tuple[Stage, Path]]
 def stage_cache_key(plan: Plan) -> Callable[[TaskRunContext, dict[str, Any]], str | None]:
     """A Prefect ``cache_key_fn`` for a task whose parameters ``plan`` turns into (stage, out_dir).
 
-    The key is the stage key once the output directory is complete, and None (no cache) before, so a
-    deleted output is rebuilt rather than served stale from Prefect's result store.
+    The key is the stage key once the output directory is complete, and None (no cache) before or
+    while it is being rebuilt (:func:`repsim.stage.rebuilding`), so a deleted or forced output is
+    built again rather than served stale from Prefect's result store.
     """
 
     def key(_: TaskRunContext, parameters: dict[str, Any]) -> str | None:
         stage, out = plan(**parameters)
         record = read_record(out) if out.is_dir() else None
-        return f"{stage.name}-{stage.key}" if record and record.get("key") == stage.key else None
+        fresh = record is not None and record.get("key") == stage.key and not is_stale(record)
+        return f"{stage.name}-{stage.key}" if fresh else None
 
     return key
 
@@ -60,11 +62,15 @@ def describe(record: dict) -> str:
         return f"{metrics['samples']} x {metrics['dim']}, {metrics['unique_captions']} distinct captions"
     if stage == "wordnet":
         return f"{config['measure']}, {metrics['classes']} classes"
-    if stage == "neighbours":
+    if stage == "neighbors":
         recall = f", recall {metrics['recall_tie_aware']:.3f}" if "recall_tie_aware" in metrics else ""
-        return f"{config['kind']} k={config['k']}{recall}"
+        return f"{config['index']} k={config['k']}{recall}"
     if stage == "features":
         return f"{config['split']}: {metrics['samples']} x {metrics['dim']}"
     if stage == "evaluate":
         return ", ".join(config["suites"])
+    if stage == "train":
+        return f"{config['method']['name']}, {metrics['steps']} steps, loss {metrics['loss']:.3f}"
+    if stage == "align":
+        return ", ".join(f"{name} {metrics[name]:.3f}" for name in ("zeroshot_top1", "i2t_r1") if name in metrics)
     return f"{metrics['samples']} samples"

@@ -76,9 +76,14 @@ class StageRun:
         self.log_artifacts([path / "stage.json", *artifacts])
 
     def log_artifacts(self, paths: Iterable[Path]) -> None:
+        """Files up to SMALL_ARTIFACT_BYTES as artifacts; larger ones as a tag holding their path."""
         for path in paths:
-            if path.is_file() and path.stat().st_size <= SMALL_ARTIFACT_BYTES:
+            if not path.is_file():
+                continue
+            if path.stat().st_size <= SMALL_ARTIFACT_BYTES:
                 self.client.log_artifact(self.run_id, str(path))
+            else:
+                self.client.set_tag(self.run_id, f"repsim.file.{path.name}", str(path.resolve()))
 
 
 class Tracker:

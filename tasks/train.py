@@ -1,13 +1,24 @@
-"""The train stage as a Prefect task; its loss, learning rate and kNN curves stream to MLflow."""
+"""The train stage as a Prefect task; its loss, learning rate and kNN curves stream to MLflow.
+
+With a distributed :class:`~repsim.experiment.TorchrunLaunch` the task runs torchrun, whose ranks
+all train directly (``repsim train --direct``); the curves reach MLflow from ``metrics.jsonl`` once
+it finishes.
+"""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import time
+from dataclasses import replace
 from pathlib import Path
 
 from prefect import task
 
-from repsim.methods.config import load_config
+from repsim.experiment import TorchrunLaunch
+from repsim.methods.config import Config, load_config
 from repsim.methods.stage import CHECKPOINT_FILE, METRICS_FILE, train, train_stage_of
+from repsim.methods.train import LogFn, TrainingError
 from repsim.methods.xclr import TARGET_HISTOGRAM_FILE
 from repsim.models.backbones import ENCODER_FILE
 from repsim.stage import Stage, StageOutput
@@ -17,15 +28,18 @@ from repsim.tasks.tracking import Tracker
 ARTIFACTS = (METRICS_FILE, ENCODER_FILE, CHECKPOINT_FILE, TARGET_HISTOGRAM_FILE)  # those that exist
 
 
-def plan_train(config: str, overrides: list[str], parent_run_id: str | None = None) -> tuple[Stage, Path]:
+def plan_train(config: str, overrides: list[str], parent_run_id: str | None = None,
+               launch: TorchrunLaunch | None = None) -> tuple[Stage, Path]:
     """The train stage of a config file with ``--set`` overrides (its shards must exist)."""
     stage = train_stage_of(load_config(config, overrides))
     return stage, stage.default_dir()
 
 
 @task(name="train", cache_key_fn=stage_cache_key(plan_train), persist_result=True)
-def train_task(config: str, overrides: list[str], parent_run_id: str) -> StageOutput:
-    """Train (or find cached) the config, logging to a nested MLflow run under ``parent_run_id``."""
+def train_task(config: str, overrides: list[str], parent_run_id: str,
+               launch: TorchrunLaunch | None = None) -> StageOutput:
+    """Train (or find cached) the config, logging to a nested MLflow run under ``parent_run_id``;
+    with a distributed ``launch``, through torchrun."""
     resolved = load_config(config, overrides)
     stage = train_stage_of(resolved)
     streamed: set[str] = set()
@@ -35,6 +49,24 @@ def train_task(config: str, overrides: list[str], parent_run_id: str) -> StageOu
             streamed.update(metrics)
             run.log_metrics(metrics, step)
 
-        output = train(resolved, log=log)
+        if launch is not None and launch.distributed:
+            output = _train_with_torchrun(resolved, launch.command(config, overrides), log)
+        else:
+            output = train(resolved, log=log)
         run.log_stage_output(output.path, output.cached, [output.path / name for name in ARTIFACTS], streamed)
     return output
+
+
+def _train_with_torchrun(resolved: Config, command: list[str], log: LogFn) -> StageOutput:
+    """Run ``command`` (torchrun), then replay its ``metrics.jsonl`` into ``log``."""
+    started = time.time()
+    exit_code = subprocess.run(command, check=False).returncode
+    if exit_code:
+        raise TrainingError(f"torchrun exited with code {exit_code}", "see the ranks' output above")
+    output = train(resolved, progress=False)  # complete now: returns the output at once
+    trained = output.record["started"] >= started
+    if trained:
+        for line in (output.path / METRICS_FILE).read_text().splitlines():
+            metrics = json.loads(line)
+            log(metrics, metrics.pop("step"))
+    return replace(output, cached=not trained)

@@ -51,3 +51,24 @@ def test_console_script_reports_a_missing_spec_without_traceback(tmp_path):
     done = subprocess.run([str(repsim), "shard", str(tmp_path / "nope.yaml")], capture_output=True, text=True)
     assert done.returncode == 2
     assert done.stderr.strip() == f"error: data spec {tmp_path / 'nope.yaml'} does not exist; check the path"
+
+
+def test_help_lists_the_pipeline_commands(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert all(command in out for command in ("run", "stages", "clean", "serve"))
+
+
+@pytest.mark.parametrize(("experiment", "expected"), [
+    ({"name": "x", "data": "missing.yaml", "stages": [{"kind": "evaluate"}]}, "data spec"),
+    ({"name": "x", "data": "spec.yaml", "stages": [{"kind": "evaluate", "pixels": False}]},
+     "a evaluate section needs a train section before it"),
+])
+def test_experiment_mistake_is_one_line_before_any_orchestration(tmp_path, repsim_home, capsys, experiment, expected):
+    path = tmp_path / "experiment.yaml"
+    path.write_text(yaml.safe_dump(experiment))
+    assert main(["run", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and expected in err
+    assert not (repsim_home / "prefect").exists()

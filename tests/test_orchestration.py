@@ -92,3 +92,20 @@ def test_config_mistake_is_one_line_before_any_orchestration(tmp_path):
     done = repsim(tmp_path / "home", "train", str(config))
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and done.stderr.startswith("error: ")
     assert str(config) in done.stderr and not (tmp_path / "home" / "prefect" / "prefect.db").exists()
+
+
+def test_large_outputs_are_tagged_by_path_small_ones_logged(tmp_path, monkeypatch):
+    import repsim.tasks  # noqa: F401 (embedded defaults)
+    from repsim.tasks import tracking
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setattr(tracking, "SMALL_ARTIFACT_BYTES", 100)
+    small, large = tmp_path / "metrics.jsonl", tmp_path / "checkpoint.pt"
+    small.write_text("{}\n")
+    large.write_bytes(b"x" * 101)
+    tracker = tracking.Tracker()
+    with tracker.flow_run("test", {}) as run:
+        run.log_artifacts([small, large, tmp_path / "absent.png"])
+    logged = tracker.client.get_run(run.run_id)
+    assert [a.path for a in tracker.client.list_artifacts(run.run_id)] == ["metrics.jsonl"]
+    assert logged.data.tags["repsim.file.checkpoint.pt"] == str(large.resolve())

@@ -1,0 +1,311 @@
+"""Experiments: one YAML file that names a data spec and the stages to run on it, in order.
+
+An experiment is a list of stage sections, each with a ``kind``: ``precompute`` (caption
+embeddings, WordNet class similarities, caption neighbors), ``train`` (one or several method
+configs, optionally launched with torchrun), ``evaluate`` (kNN, linear probe, ... of every trained
+encoder) and ``align`` (a GeRA config aligning image and text embeddings, then zero-shot). The data
+spec is always sharded first. A new stage kind is one more section model in :data:`Section` and one
+more step in the experiment flow.
+
+Overrides (``--set``) address a top-level field (``name=...``) or a section by its kind
+(``train.settings.optim.lr=0.01``, ``evaluate.suites=[knn]``); values parse as YAML. Relative paths
+resolve against the experiment file's folder; paths given in overrides against the working
+directory. Every error is one line naming the file (or the overrides), the field and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+
+from repsim.config_errors import describe, read_yaml_mapping
+from repsim.errors import SpecError
+from repsim.similarity.neighbors import INDEX_KINDS
+
+MEASURES = ("wup", "path", "lch", "hops")
+SUITES = ("knn", "linear", "map", "diagnostics", "plots")  # those of repsim.eval that need only image features
+
+
+def _resolve(path: Path, info: ValidationInfo) -> Path:
+    """``path`` made absolute against the folder the validation context names (default: the cwd)."""
+    base = Path((info.context or {}).get("base", Path.cwd()))
+    return Path(os.path.normpath(base / path.expanduser()))
+
+
+ResolvedPath = Annotated[Path, AfterValidator(_resolve)]
+Settings = dict[str, Any]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _Section(_Strict):
+    def needs(self) -> tuple[str, ...]:
+        """The section kinds that must come before this one."""
+        return ()
+
+
+class PrecomputeSection(_Section):
+    """Caption embeddings, WordNet class similarities and caption neighbors of the data spec."""
+
+    kind: Literal["precompute"] = "precompute"
+    captions: bool = True
+    wordnet: list[Literal[MEASURES]] = Field(["wup"], description="WordNet measures, one stage each")
+    neighbors: int = Field(10, ge=0, description="caption neighbors per sample; 0: none")
+    index: Literal[INDEX_KINDS] = "flat"
+
+    @model_validator(mode="after")
+    def _neighbors_need_captions(self) -> PrecomputeSection:
+        if self.neighbors and not self.captions:
+            raise ValueError("neighbors are found among caption embeddings; set captions: true or neighbors: 0")
+        return self
+
+
+class MethodRun(_Strict):
+    """One method config to train, with ``settings`` (a nested mapping, like the config's YAML) over it."""
+
+    config: ResolvedPath
+    name: str | None = Field(None, description="label in tables and MLflow; default: the config file's stem")
+    settings: Settings = {}
+
+    @property
+    def label(self) -> str:
+        return self.name or self.config.stem
+
+
+class TorchrunLaunch(_Strict):
+    """How the train stage starts: in the flow's process, or with torchrun over several processes/nodes.
+
+    With ``nnodes > 1`` every node runs the same torchrun command (see :meth:`command`), meeting at
+    ``rdzv_endpoint``; the flow's node launches its own.
+    """
+
+    nproc_per_node: int = Field(1, ge=1)
+    nnodes: int = Field(1, ge=1)
+    rdzv_endpoint: str | None = Field(None, description="host:port of the c10d rendezvous (nnodes > 1)")
+    rdzv_id: str = "repsim"
+
+    @model_validator(mode="after")
+    def _rendezvous_for_several_nodes(self) -> TorchrunLaunch:
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("several nodes meet at a rendezvous; set rdzv_endpoint: host:port")
+        return self
+
+    @property
+    def distributed(self) -> bool:
+        return self.nproc_per_node > 1 or self.nnodes > 1
+
+    def command(self, config: str | Path, overrides: Sequence[str]) -> list[str]:
+        """The torchrun command that trains ``config`` with ``overrides`` directly on every rank."""
+        if self.nnodes == 1:
+            rendezvous = ["--standalone"]
+        else:
+            rendezvous = [f"--nnodes={self.nnodes}", "--rdzv_backend=c10d",
+                          f"--rdzv_endpoint={self.rdzv_endpoint}", f"--rdzv_id={self.rdzv_id}"]
+        sets = [arg for override in overrides for arg in ("--set", override)]
+        return [sys.executable, "-m", "torch.distributed.run", *rendezvous,
+                f"--nproc_per_node={self.nproc_per_node}",
+                "-m", "repsim.cli", "train", str(config), *sets, "--direct"]
+
+
+class TrainSection(_Section):
+    """Train every method config in ``methods``, each with the shared ``settings`` and then its own."""
+
+    kind: Literal["train"] = "train"
+    methods: list[MethodRun] = Field(min_length=1)
+    settings: Settings = Field({}, description="over every method config, e.g. {optim: {epochs: 2}}")
+    launch: TorchrunLaunch = TorchrunLaunch()
+
+    @model_validator(mode="after")
+    def _distinct_labels(self) -> TrainSection:
+        labels = [run.label for run in self.methods]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"method labels {labels} repeat; give the runs of one config distinct names")
+        return self
+
+    def overrides(self, run: MethodRun, data: Path) -> list[str]:
+        """``--set`` overrides of ``run``'s config: the experiment's data spec, then the shared
+        settings, then the run's own."""
+        return [f"data.spec={data}", *dotted(self.settings), *dotted(run.settings)]
+
+
+class EvaluateSection(_Section):
+    """Evaluate every trained encoder (and the raw pixels, if ``pixels``) on the train/test splits."""
+
+    kind: Literal["evaluate"] = "evaluate"
+    suites: list[Literal[SUITES]] = Field(["knn", "linear"], min_length=1)
+    knn_k: list[Annotated[int, Field(gt=0)]] = Field([20], min_length=1)
+    pixels: bool = Field(True, description="also evaluate raw pixels, the floor a learned encoder must beat")
+    train_split: str = "train"
+    test_split: str = "test"
+
+    def needs(self) -> tuple[str, ...]:
+        return () if self.pixels else ("train",)
+
+
+class AlignSection(_Section):
+    """Align every trained image encoder with caption embeddings (a GeRA config), then classify zero-shot."""
+
+    kind: Literal["align"] = "align"
+    config: ResolvedPath = Field(description="alignment config YAML, e.g. configs/gera.yaml")
+    settings: Settings = {}
+
+    def overrides(self, encoder: Path, data: Path) -> list[str]:
+        """``--set`` overrides of the alignment config: the experiment's data spec, ``encoder``'s
+        image embeddings (a train stage directory), then the section's settings."""
+        return [f"data.spec={data}", "image.type=encoder", f"image.path={encoder}", *dotted(self.settings)]
+
+    def needs(self) -> tuple[str, ...]:
+        return ("train",)
+
+
+Section = Annotated[PrecomputeSection | TrainSection | EvaluateSection | AlignSection, Field(discriminator="kind")]
+
+
+class Experiment(_Strict):
+    """A data spec and the stage sections to run on it, in order (the data is always sharded first)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    data: ResolvedPath = Field(description="data spec YAML")
+    stages: list[Section] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _order(self) -> Experiment:
+        kinds = [section.kind for section in self.stages]
+        for position, section in enumerate(self.stages):
+            if section.kind in kinds[:position]:
+                raise ValueError(f"stage kind {section.kind!r} appears twice; merge the two sections")
+            missing = [need for need in section.needs() if need not in kinds[:position]]
+            if missing:
+                raise ValueError(f"a {section.kind} section needs a {missing[0]} section before it")
+        return self
+
+    def section(self, kind: str) -> Section | None:
+        return next((section for section in self.stages if section.kind == kind), None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+def load_experiment(path: str | Path, overrides: Sequence[str] = ()) -> Experiment:
+    """Read the experiment at ``path`` and apply ``overrides``; SpecError in one line naming the
+    file (or the overrides), the field and the fix."""
+    path = Path(path)
+    raw = read_yaml_mapping(path, "experiment", "experiments/default.yaml")
+    experiment = _validate(raw, str(path), path.parent.resolve())
+    return with_overrides(experiment, overrides, origin=str(path))
+
+
+def with_overrides(experiment: Experiment, overrides: Sequence[str], origin: str = "experiment") -> Experiment:
+    """``experiment`` with each ``key=value`` override applied in order (paths against the cwd)."""
+    if not overrides:
+        return experiment
+    values = experiment.model_dump(mode="json")
+    for override in overrides:
+        values = _apply(values, override)
+    return _validate(values, f"{origin} with --set {' '.join(overrides)}", Path.cwd())
+
+
+def _validate(values: dict[str, Any], origin: str, base: Path) -> Experiment:
+    try:
+        return Experiment.model_validate(values, context={"base": base})
+    except ValidationError as err:
+        raise SpecError(*describe(err, origin, Experiment)) from None
+
+
+def _apply(values: dict[str, Any], override: str) -> dict[str, Any]:
+    """``values`` with one ``key=value`` override set; the first key is a field or a section kind."""
+    name = f"override {override!r}"
+    dotted_key, separator, text = override.partition("=")
+    keys = dotted_key.strip().split(".")
+    if not separator or not all(keys):
+        raise SpecError(f"{name} is not of the form key=value", "write it like train.settings.optim.lr=0.01")
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        raise SpecError(f"{name}: the value is not valid YAML", "quote it or fix its syntax") from None
+    head, *rest = keys
+    if head in Experiment.model_fields and head != "stages":
+        return _set(values, keys, value)
+    kinds = [section["kind"] for section in values["stages"]]
+    if head not in kinds:
+        raise SpecError(f"{name}: the experiment has no field or section {head!r}",
+                        f"start the key with one of {', '.join(['name', 'data', *kinds])}")
+    if not rest:
+        raise SpecError(f"{name} replaces a whole section", f"set one of its fields, e.g. {head}.<field>=...")
+    stages = list(values["stages"])
+    stages[kinds.index(head)] = _set(stages[kinds.index(head)], rest, value)
+    return {**values, "stages": stages}
+
+
+def _set(tree: dict[str, Any], keys: Sequence[str], value: Any) -> dict[str, Any]:
+    head, *rest = keys
+    child = tree.get(head)
+    return {**tree, head: _set(child if isinstance(child, dict) else {}, rest, value) if rest else value}
+
+
+def dotted(settings: Settings, prefix: str = "") -> list[str]:
+    """A nested settings mapping as ``key=value`` overrides: ``{"optim": {"lr": 0.1}}`` -> ``["optim.lr=0.1"]``."""
+    flat: list[str] = []
+    for key, value in settings.items():
+        if isinstance(value, dict) and value:
+            flat += dotted(value, f"{prefix}{key}.")
+        else:
+            flat.append(f"{prefix}{key}={yaml.safe_dump(value, default_flow_style=True, width=1 << 16).strip()}"
+                        .removesuffix("\n..."))
+    return flat
+
+
+def check_experiment(experiment: Experiment) -> None:
+    """Load the data spec and every method config (with their overrides): SpecError before any work."""
+    from repsim.data import load_spec
+    from repsim.methods.config import load_config
+
+    load_spec(experiment.data)
+    train = experiment.section("train")
+    for run in train.methods if train is not None else ():
+        load_config(run.config, train.overrides(run, experiment.data))
+
+
+# ---------------------------------------------------------------------------------------------
+# Deployments (``repsim serve``)
+
+class DeploymentSpec(_Strict):
+    """A deployment of the experiment flow: an experiment file with overrides, and an optional cron schedule."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    experiment: ResolvedPath
+    overrides: list[str] = []
+    cron: str | None = Field(None, description='e.g. "0 2 * * *": every night at 02:00')
+    timezone: str = "UTC"
+    description: str | None = None
+    tags: list[str] = []
+
+
+class Deployments(_Strict):
+    deployments: list[DeploymentSpec] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _distinct_names(self) -> Deployments:
+        names = [deployment.name for deployment in self.deployments]
+        if len(set(names)) != len(names):
+            raise ValueError(f"deployment names {names} repeat; give each a distinct name")
+        return self
+
+
+def load_deployments(path: str | Path) -> tuple[list[DeploymentSpec], list[Experiment]]:
+    """The deployments at ``path`` and, for each, its experiment with its overrides (validated)."""
+    path = Path(path)
+    raw = read_yaml_mapping(path, "deployments file", "experiments/deployments.yaml")
+    try:
+        specs = Deployments.model_validate(raw, context={"base": path.parent.resolve()}).deployments
+    except ValidationError as err:
+        raise SpecError(*describe(err, str(path), Deployments)) from None
+    return specs, [load_experiment(spec.experiment, spec.overrides) for spec in specs]

@@ -1,0 +1,43 @@
+"""Server mode's health check: with ``PREFECT_API_URL`` or an HTTP ``MLFLOW_TRACKING_URI`` set, both
+servers must answer within seconds, or the command stops with one line saying which is unreachable,
+instead of hanging in the clients' retries."""
+
+from __future__ import annotations
+
+import os
+import urllib.error
+import urllib.request
+
+from repsim.errors import RepsimError
+
+HEALTH_TIMEOUT_S = 3.0
+
+
+class ServerUnreachable(RepsimError):
+    """A server that the environment names does not answer its health check."""
+
+
+def health_urls() -> dict[str, str]:
+    """The health endpoint of each configured server: ``{"PREFECT_API_URL": url, ...}`` (embedded
+    stores have none)."""
+    urls = {}
+    prefect = os.environ.get("PREFECT_API_URL")
+    if prefect:
+        urls["PREFECT_API_URL"] = f"{prefect.rstrip('/')}/health"
+    mlflow = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if mlflow.startswith(("http://", "https://")):
+        urls["MLFLOW_TRACKING_URI"] = f"{mlflow.rstrip('/')}/health"
+    return urls
+
+
+def check_servers(timeout: float = HEALTH_TIMEOUT_S) -> None:
+    """ServerUnreachable unless every configured server answers its health check within ``timeout``."""
+    for variable, url in health_urls().items():
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as response:
+                response.read()
+        except (urllib.error.URLError, OSError, ValueError) as err:
+            reason = getattr(err, "reason", err)
+            raise ServerUnreachable(
+                f"{variable}={os.environ[variable]} does not answer at {url} ({reason})",
+                f"start the server (make servers), or unset {variable} to use the embedded default") from None

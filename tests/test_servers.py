@@ -1,0 +1,181 @@
+"""Server mode against real servers on loopback: `make servers`' script starts Prefect and MLflow,
+`repsim serve` serves a deployment, a run triggered through the Prefect API with parameter
+overrides (what the UI's "Run" does) is tracked in MLflow, a second run is all cache hits, and
+headless Chromium renders both UIs' pages of the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from e2e import REPO, isolated_env, tiny_experiment
+from prefect.client.schemas.objects import FlowRun
+
+pytestmark = [pytest.mark.slow, pytest.mark.orchestration]
+
+DEPLOYMENT = "experiment/tiny"
+OVERRIDE = "train.settings.optim.lr=0.002"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """``export NAME=value`` lines as a mapping."""
+    return dict(line.removeprefix("export ").split("=", 1) for line in path.read_text().splitlines())
+
+
+@pytest.fixture
+def servers(tmp_path) -> Iterator[dict[str, str]]:
+    """Both servers started by scripts/servers.sh on free ports; the environment that points at them."""
+    home = tmp_path / "servers-home"
+    env = isolated_env(home) | {"PREFECT_PORT": str(free_port()), "MLFLOW_PORT": str(free_port())}
+    script = [str(REPO / "scripts" / "servers.sh")]
+    started = subprocess.run([*script, "start"], env=env, capture_output=True, text=True, timeout=300)
+    try:
+        assert started.returncode == 0, started.stdout + started.stderr
+        pids = [int((home / "servers" / f"{name}.pid").read_text()) for name in ("prefect", "mlflow")]
+        yield env | read_env_file(home / "servers" / "env.sh")
+    finally:
+        stopped = subprocess.run([*script, "stop"], env=env, capture_output=True, text=True, timeout=120)
+    assert stopped.returncode == 0, stopped.stderr
+    assert not any(Path(f"/proc/{pid}").exists() for pid in pids), "a server outlived servers-stop"
+
+
+@pytest.fixture
+def served(servers, tmp_path, make_image_folder, write_spec) -> Iterator[dict[str, str]]:
+    """`repsim serve` of a deployment of a tiny experiment (with a nightly cron schedule)."""
+    folder = tmp_path
+    experiment = tiny_experiment(folder, make_image_folder, write_spec)
+    deployments = folder / "deployments.yaml"
+    deployments.write_text(yaml.safe_dump({"deployments": [
+        {"name": "tiny", "experiment": str(experiment), "cron": "0 3 * * *", "description": "tiny"}]}))
+    env = servers | {"REPSIM_HOME": str(folder / "worker-home")}
+    with open(folder / "serve.log", "w") as log:
+        serve = subprocess.Popen([sys.executable, "-m", "repsim.cli", "serve", str(deployments)], env=env,
+                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.time() + 180
+            while not deployment_id(servers):
+                assert serve.poll() is None and time.time() < deadline, (folder / "serve.log").read_text()
+                time.sleep(2)
+            yield servers
+        finally:
+            os.killpg(serve.pid, signal.SIGINT)
+            try:
+                serve.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(serve.pid, signal.SIGKILL)
+                serve.wait()
+
+
+def api(base: str, path: str, body: dict | None = None) -> dict | list:
+    """JSON from a GET (or, with ``body``, a POST) to a server's REST API."""
+    request = urllib.request.Request(f"{base}{path}", data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def deployment_id(servers: dict[str, str]) -> str | None:
+    try:
+        return api(servers["PREFECT_API_URL"], f"/deployments/name/{DEPLOYMENT}")["id"]
+    except urllib.error.HTTPError:
+        return None
+
+
+def trigger(servers: dict[str, str]) -> FlowRun:
+    """Run the deployment with an override through the Prefect client, and wait for it."""
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: servers["PREFECT_API_URL"]}):
+        return run_deployment(DEPLOYMENT, parameters={"overrides": [OVERRIDE]}, timeout=600, poll_interval=2)
+
+
+def mlflow_runs(servers: dict[str, str], flow_run_id: str) -> tuple[dict, list[dict]]:
+    """The parent MLflow run of a Prefect flow run and its nested stage runs, through the REST API."""
+    base = f"{servers['MLFLOW_TRACKING_URI']}/api/2.0/mlflow"
+    experiment = api(base, "/experiments/get-by-name?experiment_name=repsim")["experiment"]["experiment_id"]
+    runs = api(base, "/runs/search", {"experiment_ids": [experiment], "max_results": 100,
+                                      "filter": f"tags.`prefect.flow_run_id` = '{flow_run_id}'"})["runs"]
+    runs = [run | {"tags": {tag["key"]: tag["value"] for tag in run["data"].get("tags", [])}} for run in runs]
+    [parent] = [run for run in runs if run["tags"].get("repsim.flow") == "experiment"]
+    return parent, [run for run in runs if run["tags"].get("mlflow.parentRunId") == parent["info"]["run_id"]]
+
+
+def test_triggered_runs_are_tracked_and_then_cached(served, tmp_path):
+    first = trigger(served)
+    assert first.state.is_completed(), first.state
+    parent, stages = mlflow_runs(served, str(first.id))
+    params = {param["key"]: param["value"] for param in parent["data"]["params"]}
+    assert OVERRIDE in params["overrides"] and parent["info"]["status"] == "FINISHED"
+    assert sorted(run["tags"]["repsim.stage"] for run in stages) == sorted(
+        ["shard", "wordnet", "train", "features", "features", "evaluate", "features", "features", "evaluate"])
+    assert {run["tags"]["repsim.cached"] for run in stages} == {"false"}
+    [train] = [run for run in stages if run["tags"]["repsim.stage"] == "train"]
+    train_params = {param["key"]: param["value"] for param in train["data"]["params"]}
+    assert train_params["config.optim.lr"] == "0.002"
+    assert {metric["key"] for metric in train["data"]["metrics"]} >= {"loss", "lr", "steps"}
+    base = f"{served['MLFLOW_TRACKING_URI']}/api/2.0/mlflow"
+    artifacts = api(base, f"/artifacts/list?run_id={train['info']['run_id']}")["files"]
+    assert {"encoder.pt", "metrics.jsonl", "stage.json"} <= {entry["path"] for entry in artifacts}
+    metrics = {metric["key"] for metric in parent["data"]["metrics"]}
+    assert {"supcon.knn_top1_k3", "pixels.knn_top1_k3"} <= metrics
+
+    second = trigger(served)
+    assert second.state.is_completed(), second.state
+    _, again = mlflow_runs(served, str(second.id))
+    assert len(again) == len(stages) and {run["tags"]["repsim.cached"] for run in again} == {"true"}
+
+    deployment = api(served["PREFECT_API_URL"], f"/deployments/name/{DEPLOYMENT}")
+    assert [schedule["schedule"]["cron"] for schedule in deployment["schedules"]] == ["0 3 * * *"]
+    screenshots(served, first, parent, tmp_path / "screenshots")
+
+
+def screenshots(servers: dict[str, str], flow_run: FlowRun, parent: dict, default_folder: Path) -> None:
+    """Headless Chromium opens the Prefect UI's page of the flow run and the MLflow UI's page of its
+    parent run, waits until each shows the run (its name; the MLflow run's id), and saves a screenshot
+    of each."""
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if chromium is None or driver is None:
+        pytest.skip("the browser check needs Debian's chromium and chromium-driver (scripts/setup.sh installs them)")
+    webdriver = pytest.importorskip("selenium.webdriver", reason="the browser check needs selenium (dev extras)")
+    folder = Path(os.environ.get("REPSIM_TEST_ARTIFACTS") or default_folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):
+        options.add_argument(argument)
+    browser = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver))
+    prefect_ui = servers["PREFECT_API_URL"].removesuffix("/api")
+    run = parent["info"]
+    mlflow_page = f"{servers['MLFLOW_TRACKING_URI']}/#/experiments/{run['experiment_id']}/runs/{run['run_id']}"
+    pages = {"prefect-flow-run.png": (f"{prefect_ui}/runs/flow-run/{flow_run.id}", flow_run.name),
+             "mlflow-run.png": (mlflow_page, run["run_id"])}
+    try:
+        for name, (url, expected) in pages.items():
+            browser.get(url)
+            deadline = time.time() + 120
+            while expected not in browser.find_element("tag name", "body").text and time.time() < deadline:
+                time.sleep(1)
+            browser.save_screenshot(str(folder / name))
+            assert expected in browser.find_element("tag name", "body").text, f"{url} does not show {expected!r}"
+    finally:
+        browser.quit()
+    print(f"screenshots of the Prefect and MLflow run pages: {folder}")
