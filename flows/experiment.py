@@ -90,7 +90,8 @@ def evaluate_step(run: ExperimentRun, section: EvaluateSection) -> None:
         train, test = (run.track(features_task(str(run.shards.path), encoder, split, return_state=True))
                        for split in (section.train_split, section.test_split))
         evaluated = run.track(evaluate_task(str(train.path), str(test.path), list(section.suites),
-                                            list(section.knn_k), return_state=True), ("*.png", RESULTS_FILE))
+                                            list(section.knn_k), linear_options=section.linear.model_dump(exclude_defaults=True),
+                                            return_state=True), ("*.png", RESULTS_FILE))
         run.add_results(label, {name: value for suite in read_results(evaluated)["suites"].values()
                                 for name, value in suite.items()})
 

@@ -26,6 +26,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from repsim.config_errors import describe, read_yaml_mapping
 from repsim.errors import SpecError
+from repsim.eval.linear import DEFAULT_WEIGHT_DECAYS
 from repsim.similarity.neighbors import INDEX_KINDS
 
 MEASURES = ("wup", "path", "lch", "hops")
@@ -136,12 +137,21 @@ class TrainSection(_Section):
         return [f"data.spec={data}", *dotted(self.settings), *dotted(run.settings)]
 
 
+class LinearProbeOptions(_Strict):
+    """The linear probe's search (:func:`repsim.eval.linear.linear_probe`): one fit per weight decay,
+    the best on a held-out tenth of the train split kept, each fit at most ``max_iter`` L-BFGS steps."""
+
+    weight_decays: list[Annotated[float, Field(ge=0)]] = Field(list(DEFAULT_WEIGHT_DECAYS), min_length=1)
+    max_iter: int = Field(1000, gt=0)
+
+
 class EvaluateSection(_Section):
     """Evaluate every trained encoder (and the raw pixels, if ``pixels``) on the train/test splits."""
 
     kind: Literal["evaluate"] = "evaluate"
     suites: list[Literal[SUITES]] = Field(["knn", "linear"], min_length=1)
     knn_k: list[Annotated[int, Field(gt=0)]] = Field([20], min_length=1)
+    linear: LinearProbeOptions = LinearProbeOptions()
     pixels: bool = Field(True, description="also evaluate raw pixels, the floor a learned encoder must beat")
     train_split: str = "train"
     test_split: str = "test"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from prefect import task
 
@@ -25,9 +26,10 @@ def plan_features(shards_path: str, encoder: str = PIXELS, split: str = "test", 
 def plan_evaluate(train_path: str, test_path: str, suites: Sequence[str] = DEFAULT_SUITES,
                   knn_k: Sequence[int] = KNN_K, text_encoder: TextEncoder | None = None,
                   captions_path: str | None = None, device: str | None = None,
-                  out_dir: str | None = None) -> tuple[Stage, Path]:
+                  linear_options: dict[str, Any] | None = None, out_dir: str | None = None) -> tuple[Stage, Path]:
     """The evaluate stage of two features outputs and the directory it writes to."""
-    stage = evaluate_stage_of(train_path, test_path, suites, knn_k, text_encoder=text_encoder, captions=captions_path)
+    stage = evaluate_stage_of(train_path, test_path, suites, knn_k, linear_options, text_encoder=text_encoder,
+                              captions=captions_path)
     return stage, stage.output_dir(out_dir)
 
 
@@ -42,7 +44,8 @@ def features_task(shards_path: str, encoder: str = PIXELS, split: str = "test", 
 def evaluate_task(train_path: str, test_path: str, suites: Sequence[str] = DEFAULT_SUITES,
                   knn_k: Sequence[int] = KNN_K, text_encoder: TextEncoder | None = None,
                   captions_path: str | None = None, device: str | None = None,
-                  out_dir: str | None = None) -> StageOutput:
-    """The evaluation suites (kNN, linear probe, diagnostics, plots, ...) on train/test features."""
-    return evaluate_features(train_path, test_path, suites, knn_k, text_encoder=text_encoder, captions=captions_path,
-                             device=device, out_dir=out_dir)
+                  linear_options: dict[str, Any] | None = None, out_dir: str | None = None) -> StageOutput:
+    """The evaluation suites (kNN, linear probe, diagnostics, plots, ...) on train/test features;
+    ``linear_options`` go to the linear probe."""
+    return evaluate_features(train_path, test_path, suites, knn_k, linear_options=linear_options,
+                             text_encoder=text_encoder, captions=captions_path, device=device, out_dir=out_dir)

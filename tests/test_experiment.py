@@ -35,6 +35,8 @@ def test_shipped_experiment_and_deployments_load():
     experiment = load_experiment(REPO / "experiments" / "default.yaml")
     assert [section.kind for section in experiment.stages] == ["precompute", "train", "evaluate", "align"]
     assert experiment.data == REPO / "data_specs" / "animal-mnist.yaml"
+    assert experiment.section("evaluate").linear.model_dump() == {"weight_decays": [1e-5, 1e-4, 1e-3],
+                                                                    "max_iter": 200}
     specs, experiments = load_deployments(REPO / "experiments" / "deployments.yaml")
     nightly = next(spec for spec in specs if spec.cron)
     assert experiments[specs.index(nightly)].section("train").settings["optim"]["epochs"] == 5
@@ -57,6 +59,7 @@ def test_nested_settings_become_config_overrides():
 
 
 @pytest.mark.parametrize(("stages", "overrides", "expected"), [
+    ([{"kind": "evaluate", "linear": {"weight_decays": []}}], [], "weight_decays"),
     ([{**TRAIN, "epochs": 2}], [], "unknown field 'stages.epochs'"),
     ([{"kind": "finetune"}], [], "field 'stages.kind' is 'finetune', which is not known"),
     ([{"kind": "evaluate", "pixels": False}, TRAIN], [], "a evaluate section needs a train section before it"),
