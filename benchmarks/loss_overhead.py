@@ -15,7 +15,6 @@ import argparse
 import os
 import platform
 import shlex
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from _report import median_seconds, synchronise
 from repsim.losses import NTXentLoss, XCLRLoss
 from repsim.models.backbones import resnet
 
@@ -31,34 +31,12 @@ LARGE_BATCH = 4096  # CPU repeats are capped above this size
 LARGE_BATCH_CPU_REPEATS = 5
 
 
-def synchronise(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def loss_step(loss: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...]) -> Callable[[], None]:
     """Forward + backward of ``loss`` on fresh leaf copies of the projections in ``inputs``."""
     def step() -> None:
         z1, z2 = (z.detach().requires_grad_() for z in inputs[:2])
         loss(z1, z2, *inputs[2:]).backward()
     return step
-
-
-def median_seconds(steps: dict[str, Callable[[], None]], device: torch.device, warmup: int,
-                   repeats: int) -> dict[str, float]:
-    """Median wall-clock seconds of each step, the steps alternated so that load drifts hit all alike."""
-    for step in steps.values():
-        for _ in range(warmup):
-            step()
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(repeats):
-        for name, step in steps.items():
-            synchronise(device)
-            started = time.perf_counter()
-            step()
-            synchronise(device)
-            times[name].append(time.perf_counter() - started)
-    return {name: statistics.median(spent) for name, spent in times.items()}
 
 
 def loss_times(batch: int, dim: int, device: torch.device, warmup: int, repeats: int) -> dict[str, float]:

@@ -22,16 +22,14 @@ import argparse
 import os
 import platform
 import shlex
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from _report import markdown
+from _report import markdown, median_seconds
 from repsim.data.masking import BlockMasking
 from repsim.losses import DINOLoss, MaskedSOPLoss, SOPLoss
 from repsim.losses.sop import nearest_supports
@@ -43,28 +41,6 @@ from repsim.similarity.neighbors import build_index
 
 RESULTS = Path(__file__).parent / "results" / "sop_cost.md"
 HEAD = ModelConfig(projection_hidden_dim=2048, projection_dim=256, projection_layers=3)
-
-
-def synchronise(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_seconds(steps: dict[str, Callable[[], object]], device: torch.device, warmup: int,
-                   repeats: int) -> dict[str, float]:
-    """Median wall-clock seconds of each step, the steps alternated so that load drifts hit all alike."""
-    for step in steps.values():
-        for _ in range(warmup):
-            step()
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(repeats):
-        for name, step in steps.items():
-            synchronise(device)
-            started = time.perf_counter()
-            step()
-            synchronise(device)
-            times[name].append(time.perf_counter() - started)
-    return {name: statistics.median(spent) for name, spent in times.items()}
 
 
 def methods(args: argparse.Namespace) -> dict[str, SelfDistillation]:

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 from prefect import flow
 
-from repsim.data.sharding import MANIFEST
+from repsim.flows.one_stage import shard_then_stage
 from repsim.methods.config import load_config
-from repsim.tasks.shard import shard_task
-from repsim.tasks.stage import log_stage
-from repsim.tasks.tracking import Tracker
 from repsim.tasks.train import ARTIFACTS, train_task
 
 
@@ -20,15 +17,4 @@ def train_flow(config: str, overrides: list[str] | None = None) -> dict:
     """
     overrides = list(overrides or [])
     resolved = load_config(config, overrides)
-    tracker = Tracker()
-    with tracker.flow_run("train", {"config": config, "overrides": overrides,
-                                    "resolved": resolved.model_dump(mode="json")}) as parent:
-        shards = shard_task(str(resolved.data.spec), return_state=True)
-        log_stage(tracker, parent, shards.result().path, shards, [shards.result().path / MANIFEST])
-        state = train_task(config, overrides, parent.run_id, return_state=True)
-        output = state.result()
-        if state.name == "Cached":  # the task did not run, so it logged nothing
-            log_stage(tracker, parent, output.path, state, [output.path / name for name in ARTIFACTS])
-        parent.log_metrics(output.metrics)
-    return {"key": output.key, "path": str(output.path), "cached": output.cached or state.name == "Cached",
-            "metrics": output.metrics}
+    return shard_then_stage("train", config, overrides, resolved, resolved.data.spec, train_task, ARTIFACTS)

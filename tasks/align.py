@@ -5,14 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from prefect import task
-from repsim.tasks.stage import stage_cache_key
-from repsim.tasks.tracking import Tracker
 
 from repsim.align.config import load_align_config
 from repsim.align.stage import LOSS_PLOT_FILE, RESULTS_FILE, align, align_stage_of
 from repsim.align.train import ALIGNMENT_FILE
 from repsim.methods.stage import METRICS_FILE
 from repsim.stage import Stage, StageOutput
+from repsim.tasks.stage import run_streamed, stage_cache_key
 
 ARTIFACTS = (RESULTS_FILE, LOSS_PLOT_FILE, METRICS_FILE, ALIGNMENT_FILE)
 
@@ -27,14 +26,4 @@ def plan_align(config: str, overrides: list[str], parent_run_id: str | None = No
 def align_task(config: str, overrides: list[str], parent_run_id: str) -> StageOutput:
     """Align (or find cached) the config, logging to a nested MLflow run under ``parent_run_id``."""
     resolved = load_align_config(config, overrides)
-    stage = align_stage_of(resolved)
-    streamed: set[str] = set()
-    with Tracker().stage_run(parent_run_id, stage.name, stage.key, stage.default_dir()) as run:
-
-        def log(metrics: dict[str, float], step: int) -> None:
-            streamed.update(metrics)
-            run.log_metrics(metrics, step)
-
-        output = align(resolved, log=log)
-        run.log_stage_output(output.path, output.cached, [output.path / name for name in ARTIFACTS], streamed)
-    return output
+    return run_streamed(parent_run_id, align_stage_of(resolved), lambda log: align(resolved, log=log), ARTIFACTS)

@@ -10,7 +10,7 @@ from typing import Any
 from prefect.context import TaskRunContext
 from prefect.states import State
 
-from repsim.stage import Stage, is_stale, read_record
+from repsim.stage import Stage, StageOutput, is_stale, read_record
 from repsim.tasks.tracking import StageRun, Tracker
 
 Plan = Callable[..., tuple[Stage, Path]]
@@ -74,3 +74,21 @@ def describe(record: dict) -> str:
     if stage == "align":
         return ", ".join(f"{name} {metrics[name]:.3f}" for name in ("zeroshot_top1", "i2t_r1") if name in metrics)
     return f"{metrics['samples']} samples"
+
+
+def run_streamed(parent_run_id: str, stage: Stage, produce: Callable[[Callable[[dict[str, float], int], None]],
+                                                                      StageOutput],
+                 artifacts: Sequence[str]) -> StageOutput:
+    """``produce(log)`` inside a nested run for ``stage`` under ``parent_run_id``: the curves it
+    passes to ``log(metrics, step)`` stream to MLflow; then the output is logged with the files
+    ``artifacts`` of its directory (those that exist)."""
+    streamed: set[str] = set()
+    with Tracker().stage_run(parent_run_id, stage.name, stage.key, stage.default_dir()) as run:
+
+        def log(metrics: dict[str, float], step: int) -> None:
+            streamed.update(metrics)
+            run.log_metrics(metrics, step)
+
+        output = produce(log)
+        run.log_stage_output(output.path, output.cached, [output.path / name for name in artifacts], streamed)
+    return output

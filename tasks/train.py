@@ -22,8 +22,7 @@ from repsim.methods.train import LogFn, TrainingError
 from repsim.methods.xclr import TARGET_HISTOGRAM_FILE
 from repsim.models.backbones import ENCODER_FILE
 from repsim.stage import Stage, StageOutput
-from repsim.tasks.stage import stage_cache_key
-from repsim.tasks.tracking import Tracker
+from repsim.tasks.stage import run_streamed, stage_cache_key
 
 ARTIFACTS = (METRICS_FILE, ENCODER_FILE, CHECKPOINT_FILE, TARGET_HISTOGRAM_FILE)  # those that exist
 
@@ -41,20 +40,13 @@ def train_task(config: str, overrides: list[str], parent_run_id: str,
     """Train (or find cached) the config, logging to a nested MLflow run under ``parent_run_id``;
     with a distributed ``launch``, through torchrun."""
     resolved = load_config(config, overrides)
-    stage = train_stage_of(resolved)
-    streamed: set[str] = set()
-    with Tracker().stage_run(parent_run_id, stage.name, stage.key, stage.default_dir()) as run:
 
-        def log(metrics: dict[str, float], step: int) -> None:
-            streamed.update(metrics)
-            run.log_metrics(metrics, step)
-
+    def produce(log: LogFn) -> StageOutput:
         if launch is not None and launch.distributed:
-            output = _train_with_torchrun(resolved, launch.command(config, overrides), log)
-        else:
-            output = train(resolved, log=log)
-        run.log_stage_output(output.path, output.cached, [output.path / name for name in ARTIFACTS], streamed)
-    return output
+            return _train_with_torchrun(resolved, launch.command(config, overrides), log)
+        return train(resolved, log=log)
+
+    return run_streamed(parent_run_id, train_stage_of(resolved), produce, ARTIFACTS)
 
 
 def _train_with_torchrun(resolved: Config, command: list[str], log: LogFn) -> StageOutput:

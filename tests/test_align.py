@@ -10,9 +10,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from animals import CLASSES, animal_shards
 import torch
-import yaml
-from PIL import Image
 
 from repsim.align.config import AlignConfig, load_align_config
 from repsim.align.pairing import NEIGHBOUR_FILES, Pairing, draw_pairing, neighbour_lists
@@ -20,15 +19,11 @@ from repsim.align.stage import LOSS_PLOT_FILE, RESULTS_FILE, align, align_stage_
 from repsim.align.tables import class_captions, embedding_tables, hold_out, load_tables
 from repsim.align.train import PairedBatches, load_alignment
 from repsim.cli import main
-from repsim.data.sharding import ShardResult, shard
-from repsim.data.sources import animal_mnist_root, load_numpy_pickle
+from repsim.data.sharding import ShardResult
 from repsim.data.spec import load_spec
 from repsim.errors import DataError, EvalError, SpecError
 
 REPO = Path(__file__).resolve().parents[1]
-CLASSES = {"bear": "bear.n.01", "cat": "cat.n.01", "dog": "dog.n.01", "horse": "horse.n.01"}
-ANIMAL_LABELS = {"bear": 0, "cat": 2, "dog": 4, "horse": 7}
-PER_CLASS = 40
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -42,20 +37,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def animals(tmp_path_factory) -> tuple[Path, ShardResult]:
-    """(data spec, shards) of the first 40 Animal-MNIST images of four classes."""
-    root = tmp_path_factory.mktemp("animals")
-    images = load_numpy_pickle(animal_mnist_root() / "animal_data_version_3.gz")
-    labels = load_numpy_pickle(animal_mnist_root() / "animal_label_version_3.gz")
-    for name, label in ANIMAL_LABELS.items():
-        (root / "images" / name).mkdir(parents=True)
-        for i, row in enumerate(np.flatnonzero(labels == label)[:PER_CLASS]):
-            Image.fromarray(images[row]).save(root / "images" / name / f"{i:03d}.png")
-    spec = root / "animals.yaml"
-    spec.write_text(yaml.safe_dump({
-        "name": "animals", "source": {"type": "image_folder", "root": "images"}, "classes": CLASSES,
-        "captions": {"templates": ["a photo of a {name}.", "a silhouette of a {name}."]},
-        "split": {"type": "random", "fractions": {"train": 0.8, "test": 0.2}}, "shard_size": 64}))
-    return spec, shard(spec, out_dir=root / "shards", progress=False)
+    return animal_shards(tmp_path_factory.mktemp("animals"), shard_size=64)
 
 
 def tiny_config(spec: Path, **sections: dict) -> AlignConfig:

@@ -14,14 +14,13 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
+from animals import CLASSES, animal_shards
 import torch
 import torch.multiprocessing as mp
 import yaml
-from PIL import Image
 
 from repsim.data.loader import make_loader
-from repsim.data.sharding import ShardResult, shard
-from repsim.data.sources import animal_mnist_root, load_numpy_pickle
+from repsim.data.sharding import ShardResult
 from repsim.data.spec import load_spec
 from repsim.errors import SpecError
 from repsim.losses import XCLRLoss
@@ -34,9 +33,6 @@ from repsim.stage import repsim_home
 from repsim.similarity.stages import EMBEDDINGS_FILE
 
 REPO = Path(__file__).resolve().parents[1]
-CLASSES = {"bear": "bear.n.01", "cat": "cat.n.01", "dog": "dog.n.01", "horse": "horse.n.01"}
-ANIMAL_LABELS = {"bear": 0, "cat": 2, "dog": 4, "horse": 7}  # their labels in Animal-MNIST
-PER_CLASS = 40
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -46,20 +42,7 @@ class Crash(Exception):
 
 @pytest.fixture(scope="module")
 def animals(tmp_path_factory) -> tuple[Path, ShardResult]:
-    """(data spec, shards) of the first 40 Animal-MNIST images of four classes, as an image folder."""
-    root = tmp_path_factory.mktemp("animals")
-    images = load_numpy_pickle(animal_mnist_root() / "animal_data_version_3.gz")
-    labels = load_numpy_pickle(animal_mnist_root() / "animal_label_version_3.gz")
-    for name, label in ANIMAL_LABELS.items():
-        (root / "images" / name).mkdir(parents=True)
-        for i, row in enumerate(np.flatnonzero(labels == label)[:PER_CLASS]):
-            Image.fromarray(images[row]).save(root / "images" / name / f"{i:03d}.png")
-    spec = root / "animals.yaml"
-    spec.write_text(yaml.safe_dump({
-        "name": "animals", "source": {"type": "image_folder", "root": "images"}, "classes": CLASSES,
-        "captions": {"templates": ["a photo of a {name}.", "a silhouette of a {name}."]},
-        "split": {"type": "random", "fractions": {"train": 0.8, "test": 0.2}}, "shard_size": 32}))
-    return spec, shard(spec, out_dir=root / "shards", progress=False)
+    return animal_shards(tmp_path_factory.mktemp("animals"), shard_size=32)
 
 
 def tiny_config(spec: Path, method: dict | None = None, **sections: dict) -> Config:

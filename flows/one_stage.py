@@ -1,0 +1,36 @@
+"""What the train and align flows share: shard a config's data, then run its one stage task."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from prefect import Task
+from pydantic import BaseModel
+
+from repsim.data.sharding import MANIFEST
+from repsim.tasks.shard import shard_task
+from repsim.tasks.stage import log_stage
+from repsim.tasks.tracking import Tracker
+
+
+def shard_then_stage(flow_name: str, config: str, overrides: list[str], resolved: BaseModel, spec: Path,
+                     stage_task: Task, artifacts: Sequence[str]) -> dict:
+    """A parent MLflow run ``flow_name`` (params: the config file, its overrides and the ``resolved``
+    config), the shards of ``spec``, then ``stage_task(config, overrides, parent_run_id)``, which logs
+    its own nested run unless Prefect serves it from cache (then it is logged here).
+
+    Returns the stage's key, path, whether it was cached, and its metrics.
+    """
+    tracker = Tracker()
+    with tracker.flow_run(flow_name, {"config": config, "overrides": overrides,
+                                      "resolved": resolved.model_dump(mode="json")}) as parent:
+        shards = shard_task(str(spec), return_state=True)
+        log_stage(tracker, parent, shards.result().path, shards, [shards.result().path / MANIFEST])
+        state = stage_task(config, overrides, parent.run_id, return_state=True)
+        output = state.result()
+        if state.name == "Cached":  # the task did not run, so it logged nothing
+            log_stage(tracker, parent, output.path, state, [output.path / name for name in artifacts])
+        parent.log_metrics(output.metrics)
+    return {"key": output.key, "path": str(output.path), "cached": output.cached or state.name == "Cached",
+            "metrics": output.metrics}
