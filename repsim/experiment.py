@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
-from repsim.config_errors import describe, read_yaml_mapping
+from repsim.config_errors import describe, parse_override, read_yaml_mapping
 from repsim.errors import SpecError
 from repsim.eval.linear import DEFAULT_WEIGHT_DECAYS
 from repsim.similarity.neighbors import INDEX_KINDS
@@ -233,14 +233,7 @@ def _validate(values: dict[str, Any], origin: str, base: Path) -> Experiment:
 def _apply(values: dict[str, Any], override: str) -> dict[str, Any]:
     """``values`` with one ``key=value`` override set; the first key is a field or a section kind."""
     name = f"override {override!r}"
-    dotted_key, separator, text = override.partition("=")
-    keys = dotted_key.strip().split(".")
-    if not separator or not all(keys):
-        raise SpecError(f"{name} is not of the form key=value", "write it like train.settings.optim.lr=0.01")
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
-        raise SpecError(f"{name}: the value is not valid YAML", "quote it or fix its syntax") from None
+    keys, value = parse_override(override, "train.settings.optim.lr=0.01")
     head, *rest = keys
     if head in Experiment.model_fields and head != "stages":
         return _set(values, keys, value)

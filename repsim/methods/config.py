@@ -16,10 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from repsim.config_errors import describe, model_at, read_yaml_mapping
+from repsim.config_errors import describe, model_at, parse_override, read_yaml_mapping
 from repsim.data.augment import PRESETS
 from repsim.errors import SpecError
 from repsim.models.backbones import RESNETS
@@ -249,18 +248,10 @@ def _read_layer(path: Path) -> _Layer:
 
 
 def _override_layer(override: str) -> _Layer:
-    name = f"override {override!r}"
-    dotted, separator, text = override.partition("=")
-    keys = dotted.strip().split(".")
-    if not separator or not all(keys):
-        raise SpecError(f"{name} is not of the form key=value", "write it like optim.lr=0.01")
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
-        raise SpecError(f"{name}: the value is not valid YAML", "quote it or fix its syntax") from None
+    keys, value = parse_override(override, "optim.lr=0.01")
     for key in reversed(keys):
         value = {key: value}
-    return _Layer(name, _resolve_paths(value, Path.cwd()))
+    return _Layer(f"override {override!r}", _resolve_paths(value, Path.cwd()))
 
 
 def _resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
