@@ -1,6 +1,6 @@
 """What GeRA's regulariser and ASIF's FAISS backend cost, as ratios measured side by side in one run.
 
-1. Alignment training time per epoch against the neighbours sampled per paired point n (M paired
+1. Alignment training time per epoch against the neighbors sampled per paired point n (M paired
    points of random 512-d image and 384-d text tables, L = max n nearest lists), relative to n = 1.
 2. ASIF relative representations of Q queries over M anchors: exact torch scoring vs the FAISS
    top-k search, per M.
@@ -32,14 +32,14 @@ IMAGE_DIM, TEXT_DIM = 512, 384
 
 
 def seconds_per_epoch(samples: int, pairs: int, available: int, epochs: int) -> float:
-    """Mean wall time of one training epoch of GeRA with ``samples`` neighbours per paired point."""
+    """Mean wall time of one training epoch of GeRA with ``samples`` neighbors per paired point."""
     rng = np.random.default_rng(0)
     image, text = rng.standard_normal((4 * pairs, IMAGE_DIM), np.float32), rng.standard_normal((4 * pairs, TEXT_DIM), np.float32)
-    neighbours = rng.integers(pairs, 4 * pairs, (pairs, available))
+    neighbors = rng.integers(pairs, 4 * pairs, (pairs, available))
     config = AlignConfig.model_validate({
-        "data": {"spec": "unused.yaml"}, "image": {"type": "pixels"}, "neighbours": {"count": available},
+        "data": {"spec": "unused.yaml"}, "image": {"type": "pixels"}, "neighbors": {"count": available},
         "geometry": {"samples": samples}, "optim": {"epochs": epochs, "batch_size": 256, "precision": "fp32"}})
-    batches = PairedBatches(image, text, np.arange(pairs), neighbours, neighbours, config.geometry, 256)
+    batches = PairedBatches(image, text, np.arange(pairs), neighbors, neighbors, config.geometry, 256)
     trainer = Trainer(AlignmentMethod(IMAGE_DIM, TEXT_DIM, config), config.optim, batches, device="cpu", progress=False)
     started = time.perf_counter()
     trainer.fit()
@@ -72,7 +72,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     per_epoch = {n: seconds_per_epoch(n, args.pairs, max(args.samples), args.epochs) for n in args.samples}
     base = per_epoch[min(per_epoch)]
-    training = markdown(["neighbours n", "s / epoch", f"ratio to n={min(per_epoch)}"],
+    training = markdown(["neighbors n", "s / epoch", f"ratio to n={min(per_epoch)}"],
                         [[str(n), f"{s:.3f}", f"{s / base:.2f}"] for n, s in per_epoch.items()])
     asif = {m: asif_seconds(m, args.queries, min(args.k, m)) for m in args.anchors}
     queries = markdown(["anchors M", "exact s", "FAISS s", "exact / FAISS"],

@@ -6,7 +6,7 @@ given train stage (``--encoder``); text embeddings from all-MiniLM-L6-v2 over ca
 WordNet lemmas, glosses and hypernyms. For each number of pairs M and seed, GeRA
 (``configs/gera.yaml``) and contrastive alignment alone (``configs/align_contrastive.yaml``) are
 trained as align stages, and ASIF is scored on the same pairs; zero-shot top-1 on the test split is
-reported as mean ± std over seeds. The α and neighbours-sampled-n ablations, which chose the
+reported as mean ± std over seeds. The α and neighbors-sampled-n ablations, which chose the
 defaults of ``configs/gera.yaml``, are scored on a validation split held out of the train split
 (``data.holdout``), never on the test split. Writes a PNG and ``benchmarks/REPORT_GERA.md``.
 
@@ -125,12 +125,12 @@ def report(command: str, args: argparse.Namespace, scores: dict, alphas: dict, s
               f"train fraction {args.train_fraction}, test fraction {args.test_fraction}; alignment "
               f"{args.epochs} epochs. Zero-shot top-1 (%), mean ± std over seeds {', '.join(map(str, args.seeds))}; "
               f"chance is 10%. Wall clock {minutes:.1f} min."), "",
-             (f"GeRA runs `configs/gera.yaml`: α = {args.alpha:g}, n = {args.n} neighbours sampled per paired "
+             (f"GeRA runs `configs/gera.yaml`: α = {args.alpha:g}, n = {args.n} neighbors sampled per paired "
               f"point, chosen on the validation ablations below."), "",
              "## Test split", "", method_table(scores, "method"), "",
              f"![zero-shot accuracy against M]({png.name})", ""]
     for title, table in ((f"α ablation (GeRA, validation: {args.holdout:g} of the train split held out)", alphas),
-                         (f"neighbours sampled n ablation (GeRA, validation, α = {args.alpha:g})", samples)):
+                         (f"neighbors sampled n ablation (GeRA, validation, α = {args.alpha:g})", samples)):
         if table:
             lines += [f"## {title}", "", method_table(table, "value"), ""]
     return "\n".join(lines)
@@ -157,7 +157,7 @@ def main() -> None:
     started = time.time()
     spec = subset_spec(SPEC, args.train_fraction, args.test_fraction)
     shard(spec, progress=False)
-    common = [f"data.spec={spec}", image_source(args, spec), f"optim.epochs={args.epochs}", "neighbours.count=200"]
+    common = [f"data.spec={spec}", image_source(args, spec), f"optim.epochs={args.epochs}", "neighbors.count=200"]
     validation = [*common, f"data.holdout={args.holdout}"]
     alphas = ablation(validation, "geometry.alpha", args.alphas, args.ablation_pairs, args.seeds)
     samples = ablation(validation, "geometry.samples", args.samples, args.ablation_pairs, args.seeds)

@@ -60,5 +60,5 @@ def tiny_experiment(folder: Path, make_image_folder, write_spec, align: bool = F
         data=str(spec))
 
 
-TINY_ALIGN = {"pairing": {"pairs": 4}, "neighbours": {"count": 3}, "geometry": {"samples": 2},
+TINY_ALIGN = {"pairing": {"pairs": 4}, "neighbors": {"count": 3}, "geometry": {"samples": 2},
               "optim": {"epochs": 2, "batch_size": 4, "warmup_epochs": 0}, "asif": {"k": 4}}

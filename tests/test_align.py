@@ -1,5 +1,5 @@
 """The align stage on a small Animal-MNIST subset (4 classes × 40 silhouettes, 128 train / 32 test):
-embedding tables, captions, pairing, neighbours, training, scores, caching, config errors and the CLI."""
+embedding tables, captions, pairing, neighbors, training, scores, caching, config errors and the CLI."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from animals import CLASSES, animal_shards
 import torch
 
 from repsim.align.config import AlignConfig, load_align_config
-from repsim.align.pairing import NEIGHBOUR_FILES, Pairing, draw_pairing, neighbour_lists
+from repsim.align.pairing import NEIGHBOUR_FILES, Pairing, draw_pairing, neighbor_lists
 from repsim.align.stage import LOSS_PLOT_FILE, RESULTS_FILE, align, align_stage_of
 from repsim.align.tables import class_captions, embedding_tables, hold_out, load_tables
 from repsim.align.train import PairedBatches, load_alignment
@@ -42,7 +42,7 @@ def animals(tmp_path_factory) -> tuple[Path, ShardResult]:
 
 def tiny_config(spec: Path, **sections: dict) -> AlignConfig:
     values = {"data": {"spec": str(spec)}, "image": {"type": "pixels"},
-              "pairing": {"pairs": 32, "seed": 1}, "neighbours": {"count": 20},
+              "pairing": {"pairs": 32, "seed": 1}, "neighbors": {"count": 20},
               "geometry": {"alpha": 1.0, "samples": 4}, "model": {"dim": 32},
               "optim": {"batch_size": 16, "epochs": 3, "warmup_epochs": 1, "lr": 0.003, "precision": "fp32"},
               "asif": {"k": 16}}
@@ -52,7 +52,7 @@ def tiny_config(spec: Path, **sections: dict) -> AlignConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# Pairing and neighbours
+# Pairing and neighbors
 
 def test_pairing_is_seeded_and_disjoint():
     first, again, other = draw_pairing(100, 10, seed=3), draw_pairing(100, 10, seed=3), draw_pairing(100, 10, seed=4)
@@ -79,21 +79,21 @@ def test_pairing_round_trips_through_its_files(tmp_path):
         np.testing.assert_array_equal(getattr(loaded, name), getattr(pairing, name))
 
 
-def test_neighbours_come_from_the_pool_nearest_first():
+def test_neighbors_come_from_the_pool_nearest_first():
     points = np.random.default_rng(0).standard_normal((60, 5)).astype(np.float32)
     paired, pool = np.arange(5), np.arange(20, 60)
-    ids = neighbour_lists(points, paired, pool, 7)
+    ids = neighbor_lists(points, paired, pool, 7)
     unit = points / np.linalg.norm(points, axis=1, keepdims=True)
     expected = pool[np.argsort(-(unit[paired] @ unit[pool].T), axis=1)[:, :7]]
     np.testing.assert_array_equal(ids, expected)
 
 
-def test_batches_hold_each_paired_point_first_with_its_sampled_neighbours():
+def test_batches_hold_each_paired_point_first_with_its_sampled_neighbors():
     image, text = np.arange(30.0)[:, None].repeat(3, 1), np.arange(30.0)[:, None].repeat(2, 1) + 100
     paired = np.array([0, 1, 2, 3, 4])
-    neighbours = np.arange(5, 30).reshape(5, 5)
+    neighbors = np.arange(5, 30).reshape(5, 5)
     config = tiny_config(Path("spec.yaml"), geometry={"samples": 3})
-    batches = PairedBatches(image, text, paired, neighbours, neighbours, config.geometry, batch_size=2, seed=0)
+    batches = PairedBatches(image, text, paired, neighbors, neighbors, config.geometry, batch_size=2, seed=0)
     epoch = list(batches)
     assert len(batches) == len(epoch) == 3 and [len(batch["x"]) for batch in epoch] == [2, 2, 1]
     x = torch.cat([batch["x"] for batch in epoch])
@@ -102,7 +102,7 @@ def test_batches_hold_each_paired_point_first_with_its_sampled_neighbours():
     assert sorted(x[:, 0, 0].long().tolist()) == paired.tolist()
     torch.testing.assert_close(y[:, 0, 0] - 100, x[:, 0, 0])  # the pair is the same row in both tables
     for hood in x[:, :, 0].long():
-        assert set(hood[1:].tolist()) <= set(neighbours[hood[0]].tolist())
+        assert set(hood[1:].tolist()) <= set(neighbors[hood[0]].tolist())
     batches.set_epoch(0)
     torch.testing.assert_close(next(iter(batches))["x"], epoch[0]["x"])  # an epoch replays identically
 
@@ -202,8 +202,8 @@ def test_holdout_scores_a_seeded_part_of_the_train_split_instead_of_the_test_spl
 
 @pytest.mark.parametrize("sections, error, message", [
     ({"pairing": {"pairs": 500}}, SpecError, "pairing.pairs is 500 but the training split holds 128 samples"),
-    ({"pairing": {"pairs": 100}, "neighbours": {"count": 50}}, SpecError,
-     r"neighbours.count \(L = 50\) exceeds the 28 unpaired points"),
+    ({"pairing": {"pairs": 100}, "neighbors": {"count": 50}}, SpecError,
+     r"neighbors.count \(L = 50\) exceeds the 28 unpaired points"),
 ])
 def test_impossible_sizes_fail_in_one_line(animals, sections, error, message):
     spec, shards = animals
@@ -241,7 +241,7 @@ def test_user_parquet_table_is_read_by_manifest_key(animals, tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["geometry.samples=300"], r"geometry.samples \(n = 300\) exceeds neighbours.count \(L = 200\)"),
+    (["geometry.samples=300"], r"geometry.samples \(n = 300\) exceeds neighbors.count \(L = 200\)"),
     (["geometry.kernel=knn"], "kernel knn passes no gradient"),
     (["geometry.strategy=farthest"], "geometry.strategy"),
     (["pairing.pair=3"], "unknown field 'pairing.pair'; did you mean 'pairs'?"),

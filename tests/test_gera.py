@@ -1,4 +1,4 @@
-"""The GeRA loss: kernels, the geometric term's invariances, gradients, and neighbour sampling."""
+"""The GeRA loss: kernels, the geometric term's invariances, gradients, and neighbor sampling."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from repsim.align.train import sample_neighbours
+from repsim.align.train import sample_neighbors
 from repsim.losses import ClipLoss, GeometricLoss, GeRALoss
-from repsim.losses.gera import KERNEL_FLOOR, neighbourhood_kernel
+from repsim.losses.gera import KERNEL_FLOOR, neighborhood_kernel
 from repsim.models import AlignmentNetwork
 
-B, M_POINTS, DIM = 6, 9, 12  # 6 neighbourhoods of a paired point and 8 neighbours, 12-d
+B, M_POINTS, DIM = 6, 9, 12  # 6 neighborhoods of a paired point and 8 neighbors, 12-d
 
 
 @pytest.fixture
@@ -27,24 +27,24 @@ def rotation(dim: int, seed: int = 1) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", ["heat", "cosine", "knn"])
 def test_every_kernel_row_is_a_distribution(hoods, kind):
-    kernel = neighbourhood_kernel(hoods, kind, sigma=0.5, knn_k=3)
+    kernel = neighborhood_kernel(hoods, kind, sigma=0.5, knn_k=3)
     assert kernel.shape == (B, M_POINTS, M_POINTS)
     assert (kernel > 0).all()  # strictly positive, so the KL between rows is finite
     torch.testing.assert_close(kernel.sum(dim=-1), torch.ones(B, M_POINTS))
 
 
-def test_heat_kernel_uses_the_mean_squared_distance_of_the_neighbourhood():
+def test_heat_kernel_uses_the_mean_squared_distance_of_the_neighborhood():
     points = torch.tensor([[[0.0, 0.0], [1.0, 0.0], [0.0, 2.0]]])
     squared = torch.tensor([[0.0, 1.0, 4.0], [1.0, 0.0, 5.0], [4.0, 5.0, 0.0]])
     epsilon = 2.0 * squared.sum() / 6  # sigma · mean over the 6 ordered pairs of distinct points
     expected = torch.exp(-squared / epsilon)
-    torch.testing.assert_close(neighbourhood_kernel(points, "heat", sigma=2.0)[0],
+    torch.testing.assert_close(neighborhood_kernel(points, "heat", sigma=2.0)[0],
                                expected / expected.sum(dim=1, keepdim=True))
 
 
 def test_binary_knn_kernel_marks_the_k_nearest_including_self():
     points = torch.tensor([[[0.0], [1.0], [3.0], [10.0]]])
-    kernel = neighbourhood_kernel(points, "knn", knn_k=2)[0]
+    kernel = neighborhood_kernel(points, "knn", knn_k=2)[0]
     expected = torch.tensor([[1, 1, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]) / 2
     torch.testing.assert_close(kernel, expected.float())
 
@@ -68,23 +68,23 @@ def test_geometric_term_is_positive_for_a_map_that_is_no_isometry(hoods, kind):
 
 def test_geometric_term_is_the_mean_kl_divergence_between_kernel_rows(hoods):
     aligned = torch.randn(B, M_POINTS, 4, generator=torch.Generator().manual_seed(3))
-    p, q = neighbourhood_kernel(hoods, "heat", sigma=0.5), neighbourhood_kernel(aligned, "heat", sigma=0.5)
+    p, q = neighborhood_kernel(hoods, "heat", sigma=0.5), neighborhood_kernel(aligned, "heat", sigma=0.5)
     kl = torch.stack([torch.distributions.kl_divergence(torch.distributions.Categorical(probs=p[b, i]),
                                                         torch.distributions.Categorical(probs=q[b, i]))
                       for b in range(B) for i in range(M_POINTS)])
     torch.testing.assert_close(GeometricLoss("heat", sigma=0.5)(hoods, aligned), kl.mean())
 
 
-def test_knn_geometric_term_counts_the_neighbours_lost():
+def test_knn_geometric_term_counts_the_neighbors_lost():
     line = torch.tensor([[[0.0], [1.0], [3.0], [10.0]]])
-    swapped = torch.tensor([[[0.0], [1.0], [10.0], [3.0]]])  # rows 2 and 3 each lose one of 2 neighbours
+    swapped = torch.tensor([[[0.0], [1.0], [10.0], [3.0]]])  # rows 2 and 3 each lose one of 2 neighbors
     loss = GeometricLoss("knn", knn_k=2)
     one_lost = loss(line, swapped).item()
     assert loss(line, line).item() == pytest.approx(0.0, abs=1e-6)
     assert one_lost == pytest.approx(2 / 4 * -math.log(KERNEL_FLOOR) / 2, rel=0.05)
 
 
-def test_geometric_term_does_not_shrink_with_the_neighbourhood_size():
+def test_geometric_term_does_not_shrink_with_the_neighborhood_size():
     generator = torch.Generator().manual_seed(5)
     stretch = torch.diag(torch.logspace(-1, 1, DIM)) @ rotation(DIM)
     terms = [GeometricLoss()(points, points @ stretch.T).item()
@@ -126,25 +126,25 @@ def test_geometric_gradient_matches_finite_differences(kind):
 
 
 # ---------------------------------------------------------------------------------------------
-# Neighbour sampling
+# Neighbor sampling
 
 @pytest.mark.parametrize("strategy", ["nearest", "uniform", "rank"])
-def test_sampled_neighbours_are_valid_and_distinct(strategy):
-    ranks = sample_neighbours(200, 30, 10, strategy, torch.Generator().manual_seed(0))
+def test_sampled_neighbors_are_valid_and_distinct(strategy):
+    ranks = sample_neighbors(200, 30, 10, strategy, torch.Generator().manual_seed(0))
     assert ranks.shape == (200, 10) and ranks.dtype == torch.int64
     assert ranks.min() >= 0 and ranks.max() < 30
     assert all(len(set(row.tolist())) == 10 for row in ranks)
 
 
 def test_nearest_takes_the_first_n():
-    ranks = sample_neighbours(3, 30, 4, "nearest", torch.Generator())
+    ranks = sample_neighbors(3, 30, 4, "nearest", torch.Generator())
     assert ranks.tolist() == [[0, 1, 2, 3]] * 3
 
 
-def test_rank_biased_sampling_prefers_near_neighbours_and_uniform_does_not():
+def test_rank_biased_sampling_prefers_near_neighbors_and_uniform_does_not():
     generator = torch.Generator().manual_seed(0)
-    biased = sample_neighbours(4000, 40, 1, "rank", generator, rank_exponent=1.0).flatten()
-    uniform = sample_neighbours(4000, 40, 1, "uniform", generator).flatten()
+    biased = sample_neighbors(4000, 40, 1, "rank", generator, rank_exponent=1.0).flatten()
+    uniform = sample_neighbors(4000, 40, 1, "uniform", generator).flatten()
     weights = 1 / torch.arange(1, 41, dtype=torch.float64)
     expected_first = (weights[0] / weights.sum()).item()  # P(rank 0) for one draw
     assert (biased == 0).double().mean().item() == pytest.approx(expected_first, abs=0.03)
@@ -154,4 +154,4 @@ def test_rank_biased_sampling_prefers_near_neighbours_and_uniform_does_not():
 
 def test_sampling_more_than_available_is_refused():
     with pytest.raises(ValueError, match="cannot sample 5 of 4"):
-        sample_neighbours(2, 4, 5, "uniform", torch.Generator())
+        sample_neighbors(2, 4, 5, "uniform", torch.Generator())

@@ -88,7 +88,7 @@ class PairingConfig(_Strict):
     seed: int = 0
 
 
-class NeighbourConfig(_Strict):
+class NeighborConfig(_Strict):
     """L nearest unpaired points of each paired point in its own modality, by cosine, with FAISS."""
 
     count: int = Field(100, ge=1, description="L")
@@ -97,7 +97,7 @@ class NeighbourConfig(_Strict):
 
 class GeometryConfig(_Strict):
     """The geometric regulariser (see :mod:`repsim.losses.gera`): weight ``alpha``; ``samples`` (n)
-    neighbours drawn per paired point and step by ``strategy`` (``rank``: probability ∝
+    neighbors drawn per paired point and step by ``strategy`` (``rank``: probability ∝
     (rank + 1)^-rank_exponent, without replacement); the ``kernel`` with its ``sigma`` (heat) or
     ``knn_k`` (binary kNN, which passes no gradient and so needs alpha 0)."""
 
@@ -114,7 +114,7 @@ class GeometryConfig(_Strict):
         if self.kernel == "knn" and self.alpha > 0:
             raise ValueError("kernel knn passes no gradient; use heat or cosine, or alpha 0 (to monitor it)")
         if self.kernel == "knn" and self.knn_k > self.samples + 1:
-            raise ValueError(f"knn_k {self.knn_k} exceeds the neighbourhood size samples + 1 = {self.samples + 1}")
+            raise ValueError(f"knn_k {self.knn_k} exceeds the neighborhood size samples + 1 = {self.samples + 1}")
         return self
 
 
@@ -156,7 +156,7 @@ class AlignConfig(_Strict):
     image: ImageSource
     text: AlignText = AlignText()
     pairing: PairingConfig = PairingConfig()
-    neighbours: NeighbourConfig = NeighbourConfig()
+    neighbors: NeighborConfig = NeighborConfig()
     geometry: GeometryConfig = GeometryConfig()
     model: AlignModel = AlignModel()
     loss: AlignLoss = AlignLoss()
@@ -165,10 +165,10 @@ class AlignConfig(_Strict):
     evaluation: AlignEval = AlignEval()
 
     @model_validator(mode="after")
-    def _samples_within_neighbours(self) -> AlignConfig:
-        if self.geometry.samples > self.neighbours.count:
-            raise ValueError(f"geometry.samples (n = {self.geometry.samples}) exceeds neighbours.count "
-                             f"(L = {self.neighbours.count}); lower n or raise L")
+    def _samples_within_neighbors(self) -> AlignConfig:
+        if self.geometry.samples > self.neighbors.count:
+            raise ValueError(f"geometry.samples (n = {self.geometry.samples}) exceeds neighbors.count "
+                             f"(L = {self.neighbors.count}); lower n or raise L")
         return self
 
 

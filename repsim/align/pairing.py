@@ -1,4 +1,4 @@
-"""Which training samples are paired, which are unpaired in each modality, and the neighbours of
+"""Which training samples are paired, which are unpaired in each modality, and the neighbors of
 each paired point among the unpaired points of its own modality.
 
 Of N training samples, M are drawn as pairs; of the N - M others each modality draws its own
@@ -18,7 +18,7 @@ from repsim.similarity.neighbors import knn
 
 PAIRED_FILE = "paired.npy"
 UNPAIRED_FILES = {"image": "unpaired_image.npy", "text": "unpaired_text.npy"}
-NEIGHBOUR_FILES = {"image": "neighbours_image.npy", "text": "neighbours_text.npy"}
+NEIGHBOUR_FILES = {"image": "neighbors_image.npy", "text": "neighbors_text.npy"}
 
 
 @dataclass(frozen=True)
@@ -58,12 +58,12 @@ def draw_pairing(count: int, pairs: int, unpaired: int | None = None, seed: int 
     return Pairing(paired.astype(np.int64), image_pool.astype(np.int64), text_pool.astype(np.int64))
 
 
-def neighbour_lists(embeddings: np.ndarray, paired: np.ndarray, pool: np.ndarray, count: int,
+def neighbor_lists(embeddings: np.ndarray, paired: np.ndarray, pool: np.ndarray, count: int,
                     index: str = "flat") -> np.ndarray:
     """(M, L) int64 table rows: the ``count`` (L) nearest ``pool`` rows of each paired row, by cosine,
     nearest first."""
     if count > len(pool):
-        raise SpecError(f"neighbours.count (L = {count}) exceeds the {len(pool)} unpaired points",
+        raise SpecError(f"neighbors.count (L = {count}) exceeds the {len(pool)} unpaired points",
                         f"choose L from 1 to {len(pool)}, or pair fewer points")
     ids, _ = knn(embeddings, count, queries=embeddings[paired], index=index, metric="cosine",
                  exclude_self=False, subset=pool)

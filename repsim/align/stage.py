@@ -6,7 +6,7 @@ splits (:mod:`repsim.align.tables`). Output (``$REPSIM_HOME/artifacts/align/<key
 besides ``stage.json``:
 
 - ``paired.npy`` (M,), ``unpaired_image.npy``, ``unpaired_text.npy``: train table rows (the seeded
-  pairing, :mod:`repsim.align.pairing`), and ``neighbours_image.npy``, ``neighbours_text.npy`` (M, L):
+  pairing, :mod:`repsim.align.pairing`), and ``neighbors_image.npy``, ``neighbors_text.npy`` (M, L):
   the L nearest unpaired rows of each paired row in its own modality;
 - ``alignment.pt``: f and g (:func:`repsim.align.train.load_alignment`);
 - ``metrics.jsonl``: per step ``loss``, ``contrastive``, ``geo_a``, ``geo_b``, ``lr``;
@@ -35,7 +35,7 @@ from matplotlib.figure import Figure
 
 from repsim.align.config import AlignConfig
 from repsim.align.evaluate import SharedSpace, networks_space, score_space
-from repsim.align.pairing import NEIGHBOUR_FILES, draw_pairing, neighbour_lists
+from repsim.align.pairing import NEIGHBOUR_FILES, draw_pairing, neighbor_lists
 from repsim.align.tables import (
     EmbeddingTables,
     embedding_tables,
@@ -99,7 +99,7 @@ def align(config: AlignConfig, out_dir: str | Path | None = None, log: LogFn | N
     """Align ``config`` into its stage directory, or return the cached output at once.
 
     Shards the data spec and builds the train and test embedding tables (all cached) unless
-    ``shards`` is given, then pairs, finds neighbours, trains f and g on ``device`` (default: the GPU
+    ``shards`` is given, then pairs, finds neighbors, trains f and g on ``device`` (default: the GPU
     when present) and scores them and ASIF on the test split. ``log(metrics, step)`` receives the
     per-step curves. With ``data.holdout`` > 0 the held-out part of the train split is scored instead
     of the test split.
@@ -132,13 +132,13 @@ class _AlignRun:
         config, train = self.config, self.train
         pairing = draw_pairing(len(train.indices), config.pairing.pairs, config.pairing.unpaired, config.pairing.seed)
         pairing.save(out)
-        neighbours = {modality: neighbour_lists(table, pairing.paired, pool, config.neighbours.count,
-                                                config.neighbours.index)
+        neighbors = {modality: neighbor_lists(table, pairing.paired, pool, config.neighbors.count,
+                                                config.neighbors.index)
                       for modality, table, pool in (("image", train.image, pairing.unpaired_image),
                                                     ("text", train.text, pairing.unpaired_text))}
-        for modality, ids in neighbours.items():
+        for modality, ids in neighbors.items():
             np.save(out / NEIGHBOUR_FILES[modality], ids)
-        method, steps_per_epoch = self._train(pairing.paired, neighbours)
+        method, steps_per_epoch = self._train(pairing.paired, neighbors)
         shutil.copyfile(self.scratch / METRICS_FILE, out / METRICS_FILE)
         save_alignment(method, out / ALIGNMENT_FILE)
         loss_plot(out / METRICS_FILE, out / LOSS_PLOT_FILE)
@@ -152,11 +152,11 @@ class _AlignRun:
         return {**summarise(out / METRICS_FILE, steps_per_epoch), **_flat(results["suites"]),
                 **_flat(results["baselines"]["asif"]["suites"], "asif_")}
 
-    def _train(self, paired: np.ndarray, neighbours: dict[str, np.ndarray]) -> tuple[AlignmentMethod, int]:
+    def _train(self, paired: np.ndarray, neighbors: dict[str, np.ndarray]) -> tuple[AlignmentMethod, int]:
         config, train = self.config, self.train
         seed_everything(config.optim.seed)
         method = AlignmentMethod(train.image.shape[1], train.text.shape[1], config)
-        batches = PairedBatches(train.image, train.text, paired, neighbours["image"], neighbours["text"],
+        batches = PairedBatches(train.image, train.text, paired, neighbors["image"], neighbors["text"],
                                 config.geometry, config.optim.batch_size, config.optim.seed)
         trainer = Trainer(method, config.optim, batches, checkpoint_path=self.scratch / CHECKPOINT_FILE,
                           log=_tee(JsonlMetrics(self.scratch / METRICS_FILE), self.log), device=self.device,

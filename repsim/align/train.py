@@ -5,9 +5,9 @@ batches that replays an epoch identically for the same seed) fits an in-memory d
 lines (:class:`PairedBatches`), so alignment gets AdamW, the warm-up cosine schedule, seeding,
 progress, checkpoints with exact resume and logging from the same code as the image methods.
 
-A batch holds B paired points with n sampled neighbours each, per modality: ``x`` (B, n + 1, D_a)
-and ``y`` (B, n + 1, D_b), the paired point first. Neighbours are sampled from each paired point's
-L precomputed nearest unpaired points (:func:`sample_neighbours`), afresh every step.
+A batch holds B paired points with n sampled neighbors each, per modality: ``x`` (B, n + 1, D_a)
+and ``y`` (B, n + 1, D_b), the paired point first. Neighbors are sampled from each paired point's
+L precomputed nearest unpaired points (:func:`sample_neighbors`), afresh every step.
 """
 
 from __future__ import annotations
@@ -28,15 +28,15 @@ from repsim.models.alignment import AlignmentNetwork
 ALIGNMENT_FILE = "alignment.pt"
 
 
-def sample_neighbours(rows: int, available: int, samples: int, strategy: str, generator: torch.Generator,
+def sample_neighbors(rows: int, available: int, samples: int, strategy: str, generator: torch.Generator,
                       rank_exponent: float = 1.0) -> torch.Tensor:
-    """(rows, samples) distinct ranks in [0, available) per row: which of L nearest-first neighbours to use.
+    """(rows, samples) distinct ranks in [0, available) per row: which of L nearest-first neighbors to use.
 
     ``nearest``: ranks 0..n-1. ``uniform``: n ranks uniformly without replacement. ``rank``: n ranks
     without replacement, each draw ∝ (rank + 1)^-rank_exponent among those left (Gumbel top-k).
     """
     if not 1 <= samples <= available:
-        raise ValueError(f"cannot sample {samples} of {available} neighbours")
+        raise ValueError(f"cannot sample {samples} of {available} neighbors")
     if strategy == "nearest":
         return torch.arange(samples).expand(rows, samples)
     keys = torch.rand(rows, available, generator=generator)
@@ -44,23 +44,23 @@ def sample_neighbours(rows: int, available: int, samples: int, strategy: str, ge
         gumbel = -torch.log(-torch.log(keys.clamp(min=1e-20)))
         keys = gumbel - rank_exponent * torch.log1p(torch.arange(available, dtype=torch.float32))
     elif strategy != "uniform":
-        raise ValueError(f"unknown neighbour sampling strategy {strategy!r}")
+        raise ValueError(f"unknown neighbor sampling strategy {strategy!r}")
     return keys.topk(samples, dim=1).indices
 
 
 class PairedBatches:
     """Each epoch the M paired points in a seeded random order, as ceil(M / batch_size) batches of
-    near-equal size (``batch_size`` is capped at M), each ``{"x", "y"}`` neighbourhoods (module docstring).
+    near-equal size (``batch_size`` is capped at M), each ``{"x", "y"}`` neighborhoods (module docstring).
 
-    image (N, D_a) and text (N, D_b): the training tables; paired (M,) their paired rows; neighbours
+    image (N, D_a) and text (N, D_b): the training tables; paired (M,) their paired rows; neighbors
     of each modality (M, L): table rows of the L nearest unpaired points of each paired point.
     """
 
-    def __init__(self, image: np.ndarray, text: np.ndarray, paired: np.ndarray, image_neighbours: np.ndarray,
-                 text_neighbours: np.ndarray, geometry: GeometryConfig, batch_size: int, seed: int = 0):
+    def __init__(self, image: np.ndarray, text: np.ndarray, paired: np.ndarray, image_neighbors: np.ndarray,
+                 text_neighbors: np.ndarray, geometry: GeometryConfig, batch_size: int, seed: int = 0):
         self.image, self.text = torch.as_tensor(image, dtype=torch.float32), torch.as_tensor(text, dtype=torch.float32)
         self.paired = torch.as_tensor(paired, dtype=torch.int64)
-        self.neighbours = (torch.as_tensor(image_neighbours), torch.as_tensor(text_neighbours))
+        self.neighbors = (torch.as_tensor(image_neighbors), torch.as_tensor(text_neighbors))
         self.geometry, self.seed, self.epoch = geometry, seed, 0
         self.batch_size = min(batch_size, len(self.paired))
 
@@ -74,16 +74,16 @@ class PairedBatches:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         self.epoch += 1
         for batch in torch.randperm(len(self.paired), generator=generator).tensor_split(len(self)):
-            yield {"x": self._neighbourhoods(self.image, self.neighbours[0], batch, generator),
-                   "y": self._neighbourhoods(self.text, self.neighbours[1], batch, generator)}
+            yield {"x": self._neighborhoods(self.image, self.neighbors[0], batch, generator),
+                   "y": self._neighborhoods(self.text, self.neighbors[1], batch, generator)}
 
-    def _neighbourhoods(self, table: torch.Tensor, neighbours: torch.Tensor, batch: torch.Tensor,
+    def _neighborhoods(self, table: torch.Tensor, neighbors: torch.Tensor, batch: torch.Tensor,
                         generator: torch.Generator) -> torch.Tensor:
-        """(B, n + 1, D): each paired point of ``batch`` followed by n of its sampled neighbours."""
+        """(B, n + 1, D): each paired point of ``batch`` followed by n of its sampled neighbors."""
         geometry = self.geometry
-        ranks = sample_neighbours(len(batch), neighbours.shape[1], geometry.samples, geometry.strategy, generator,
+        ranks = sample_neighbors(len(batch), neighbors.shape[1], geometry.samples, geometry.strategy, generator,
                                   geometry.rank_exponent)
-        rows = torch.cat([self.paired[batch, None], neighbours[batch].gather(1, ranks)], dim=1)
+        rows = torch.cat([self.paired[batch, None], neighbors[batch].gather(1, ranks)], dim=1)
         return table[rows]
 
 

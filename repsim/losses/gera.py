@@ -2,32 +2,32 @@
 
 Alignment networks f, g map paired embeddings x (modality A) and y (modality B) into a shared space.
 The loss is CLIP's symmetric InfoNCE on the paired points plus ``alpha · (geo_A + geo_B)``, where a
-geometric term compares, for each paired point, a kernel over the point and n of its neighbours among
+geometric term compares, for each paired point, a kernel over the point and n of its neighbors among
 the unpaired points of its own modality, before and after alignment.
 
-Kernels over a neighbourhood of m = n + 1 points (the paired point first), each entry floored at
+Kernels over a neighborhood of m = n + 1 points (the paired point first), each entry floored at
 ``KERNEL_FLOOR`` (every kernel's largest entry, a point with itself, is 1) and each row normalised to
-sum to 1, so every row is a strictly positive distribution over the neighbourhood:
+sum to 1, so every row is a strictly positive distribution over the neighborhood:
 
 - ``heat``: ``exp(-‖a - b‖² / ε)`` with ε = σ · the mean *squared* Euclidean distance between the
-  m(m - 1) ordered pairs of distinct points of that neighbourhood. Because ε scales with the
-  neighbourhood, the kernel is invariant to rotations, translations and uniform scaling.
+  m(m - 1) ordered pairs of distinct points of that neighborhood. Because ε scales with the
+  neighborhood, the kernel is invariant to rotations, translations and uniform scaling.
 - ``cosine``: ``(1 + cos(a, b)) / 2``, in [0, 1]; invariant to rotations and uniform scaling.
-- ``knn``: 1 where b is among the ``knn_k`` nearest points of a in the neighbourhood (a itself
+- ``knn``: 1 where b is among the ``knn_k`` nearest points of a in the neighborhood (a itself
   included), else 0 (the floor). It is piecewise constant, so it passes no gradient: a measure of
-  how well neighbourhoods are kept, not a training signal.
+  how well neighborhoods are kept, not a training signal.
 
 The geometric term of one modality is ``KL(P_row ‖ Q_row)`` between each row P of the input-space
 kernel and the same row Q of the aligned-space kernel, averaged over rows and paired points — the
-divergence SNE and t-SNE minimise for exactly such row-normalised neighbourhood kernels. It is
+divergence SNE and t-SNE minimise for exactly such row-normalised neighborhood kernels. It is
 measured in nats, like InfoNCE (the cross-entropy of each paired point's softmax row against its
-partner), so α weighs the two terms in the same units whatever the neighbourhood size m or the
+partner), so α weighs the two terms in the same units whatever the neighborhood size m or the
 embedding scale. The term itself stays small (about 0.002 nats for a random linear map, which nearly
 preserves distances, and 0.02 after contrastive training alone), so the useful α is large; the
 shipped one was chosen on held-out data (``configs/gera.yaml``). A squared distance between rows,
 the obvious alternative, shrinks like 1/m as the entries do, and rescaling it by m or by its value
-at initialisation would only tie α to m or to the initial map. For ``knn`` each lost neighbour
-costs about ``-log(KERNEL_FLOOR) / k`` nats, so the term counts neighbours lost.
+at initialisation would only tie α to m or to the initial map. For ``knn`` each lost neighbor
+costs about ``-log(KERNEL_FLOOR) / k`` nats, so the term counts neighbors lost.
 """
 
 from __future__ import annotations
@@ -47,13 +47,13 @@ EPSILON_FLOOR = 1e-12
 KERNEL_FLOOR = 1e-12
 
 
-def neighbourhood_kernel(points: torch.Tensor, kind: Kernel = "heat", sigma: float = 1.0,
+def neighborhood_kernel(points: torch.Tensor, kind: Kernel = "heat", sigma: float = 1.0,
                          knn_k: int = 5) -> torch.Tensor:
-    """Row-normalised kernels over neighbourhoods: points (B, m, D) -> (B, m, m), every row a strictly
+    """Row-normalised kernels over neighborhoods: points (B, m, D) -> (B, m, m), every row a strictly
     positive distribution (entries floored at ``KERNEL_FLOOR`` before normalising).
 
     See the module docstring for the kernels; ``sigma`` scales the heat kernel's ε, ``knn_k`` is the
-    binary kernel's neighbour count (self included, at most m).
+    binary kernel's neighbor count (self included, at most m).
     """
     if points.ndim != 3 or points.shape[1] < 2:
         raise ValueError(f"points must be (B, m, D) with m >= 2, not {tuple(points.shape)}")
@@ -80,17 +80,17 @@ def _heat(points: torch.Tensor, sigma: float) -> torch.Tensor:
 
 def _binary_knn(points: torch.Tensor, k: int) -> torch.Tensor:
     if not 1 <= k <= points.shape[1]:
-        raise ValueError(f"knn_k must be from 1 to the neighbourhood size {points.shape[1]}, not {k}")
+        raise ValueError(f"knn_k must be from 1 to the neighborhood size {points.shape[1]}, not {k}")
     nearest = torch.cdist(points, points).topk(k, dim=-1, largest=False).indices
     return torch.zeros(points.shape[:2] + points.shape[1:2], dtype=points.dtype, device=points.device).scatter_(
         -1, nearest, 1.0)
 
 
 class GeometricLoss(nn.Module):
-    """How much alignment distorts neighbourhoods: mean over paired points and rows of
+    """How much alignment distorts neighborhoods: mean over paired points and rows of
     ``KL(K(inputs)_row ‖ K(aligned)_row)``, in nats.
 
-    Shapes: inputs (B, m, D_in) and aligned (B, m, D_out), the same m points per neighbourhood in the
+    Shapes: inputs (B, m, D_in) and aligned (B, m, D_out), the same m points per neighborhood in the
     same order (the paired point first). Returns a scalar.
     """
 
@@ -105,19 +105,19 @@ class GeometricLoss(nn.Module):
     def forward(self, inputs: torch.Tensor, aligned: torch.Tensor) -> torch.Tensor:
         if inputs.shape[:2] != aligned.shape[:2]:
             raise ValueError(f"inputs {tuple(inputs.shape)} and aligned {tuple(aligned.shape)} "
-                             "must hold the same (B, m) neighbourhoods")
+                             "must hold the same (B, m) neighborhoods")
         with torch.no_grad():
-            target = neighbourhood_kernel(inputs, self.kernel, self.sigma, self.knn_k)
-        predicted = neighbourhood_kernel(aligned, self.kernel, self.sigma, self.knn_k)
+            target = neighborhood_kernel(inputs, self.kernel, self.sigma, self.knn_k)
+        predicted = neighborhood_kernel(aligned, self.kernel, self.sigma, self.knn_k)
         return (target * (target.log() - predicted.log())).sum(dim=-1).mean()
 
 
 class GeRALoss(nn.Module):
     """Symmetric InfoNCE on the paired points + ``alpha · (geo_A + geo_B)``.
 
-    Shapes: x (B, m, D_a) and y (B, m, D_b) frozen neighbourhoods, fx (B, m, d) and gy (B, m, d) their
-    aligned images; row 0 of each neighbourhood is the paired point (x[:, 0] pairs with y[:, 0]), the
-    other rows its sampled unpaired neighbours in its own modality. With m = 1 only InfoNCE is left.
+    Shapes: x (B, m, D_a) and y (B, m, D_b) frozen neighborhoods, fx (B, m, d) and gy (B, m, d) their
+    aligned images; row 0 of each neighborhood is the paired point (x[:, 0] pairs with y[:, 0]), the
+    other rows its sampled unpaired neighbors in its own modality. With m = 1 only InfoNCE is left.
     Returns ``{"loss", "contrastive", "geo_a", "geo_b"}`` scalars; with ``alpha == 0`` the geometric
     terms are still reported (when m > 1) but carry no gradient.
     """

@@ -168,7 +168,7 @@ class SOPConfig(_SelfDistillationConfig):
     """SOP: distributions over self-organizing prototypes drawn from memories of teacher outputs.
 
     Each step ``num_anchors`` anchors (at most the filled entries) with ``support_size`` nearest
-    neighbours each; ``one_hot`` labels instead of the soft ones; ``fixed_anchors``: draw the anchors
+    neighbors each; ``one_hot`` labels instead of the soft ones; ``fixed_anchors``: draw the anchors
     once, when the memory is full, and keep them (an ablation). ``cls_weight`` λ1 and ``mim_weight``
     λ2 (0: no masking, no MIM) weight the [CLS] and the masked-patch losses; ``mask_ratio`` is the
     range of each masked view's ratio and ``mask_share`` the share of global views masked.
