@@ -15,7 +15,8 @@ the data spec's own split, the small-images stem and a GPU-sized schedule.
         --test-fraction 0.02 --epochs 1 --batch-size 64 --seeds 1 --target-temperatures 0.2 \\
         --report /tmp/REPORT.md                                    # a smoke test
 
-Stages live under ``$REPSIM_HOME``: an interrupted run resumes, a repeated one only rewrites the report.
+Stages live under ``$REPSIM_HOME``: an interrupted run resumes, a repeated one only rewrites the report
+(above its ``## Analysis`` heading, which holds the hand-written reading of the numbers).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ METHODS = {  # name in the report: (config file, overrides)
     "CLIP": ("clip.yaml", ()),
 }
 SWEPT = "X-CLR (WordNet)"
+ANALYSIS = "## Analysis"  # a rerun rewrites the report above this heading and keeps what follows
 
 
 @dataclass(frozen=True)
@@ -173,8 +175,14 @@ def main() -> None:
     text = report(command, args.dataset, schedule, shards, seeds, pixels, results, sweep,
                   (time.perf_counter() - started) / 60)
     args.report.parent.mkdir(parents=True, exist_ok=True)
-    args.report.write_text(text)
+    args.report.write_text(text + kept_analysis(args.report))
     print(text)
+
+
+def kept_analysis(report: Path) -> str:
+    """The hand-written part of an existing report, from its ANALYSIS heading on ("" if none)."""
+    existing = report.read_text() if report.is_file() else ""
+    return existing[existing.index(ANALYSIS):] if ANALYSIS in existing else ""
 
 
 if __name__ == "__main__":
