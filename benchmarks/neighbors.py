@@ -37,7 +37,7 @@ from repsim.data.spec import load_spec
 from repsim.similarity.captions import embed_captions, load_text_model
 import faiss
 
-from repsim.similarity.neighbors import IVFPQ_RERANK, build_index, default_nlist, recall_at_k, rerank
+from repsim.similarity.neighbors import IVFPQ_RERANK, build_index, default_nlist, recall_at_k, rerank_exactly
 from _report import markdown
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,7 +80,7 @@ def search_rows(x: np.ndarray, queries: np.ndarray, chunk: int) -> list[list[str
         results[kind] = (ids, build, search, len(faiss.serialize_index(index)) / len(x))
         if kind == "ivfpq":
             def search_and_rerank() -> np.ndarray:
-                return rerank(x, queries, index.search(queries, K * IVFPQ_RERANK)[1], "ip", K)[0]
+                return rerank_exactly(x, queries, index.search(queries, K * IVFPQ_RERANK)[1], "ip", K)[0]
             ids, search = timed(search_and_rerank)
             results[f"ivfpq + exact re-rank of {IVFPQ_RERANK}k"] = (ids, build, search, results[kind][3])
     ids, search = timed(torch_top_k, x, queries, chunk)

@@ -65,6 +65,18 @@ def test_subset_restricts_the_candidates_and_ids_index_the_base():
     assert own.shape == (120, 4) and np.isin(own, subset).all() and not np.any(own == subset[:, None])
 
 
+@pytest.mark.parametrize("metric", ["cosine", "l2"])
+def test_ivfpq_candidates_are_re_ranked_by_exact_scores(metric):
+    x, queries = points(5000, dim=32), points(40, dim=32, seed=1)
+    ids, scores = knn(x, 5, queries=queries, index="ivfpq", metric=metric, nlist=16, nprobe=16,
+                      rerank=100)
+    reference = brute_force(x, queries, metric)
+    sign = 1 if metric == "l2" else -1
+    np.testing.assert_allclose(sign * scores, np.take_along_axis(reference, ids, axis=1), rtol=1e-4, atol=1e-4)
+    exact, _ = knn(x, 5, queries=queries, metric=metric)
+    assert recall_at_k(ids, exact) >= 0.9
+
+
 def test_subset_must_be_distinct_rows_of_the_base():
     for subset, message in [(np.array([1, 1, 2]), "lists some rows twice"), (np.array([0, 50]), "outside 0..49"),
                             (np.array([0.5, 1.0]), "1-d array of row numbers")]:

@@ -236,7 +236,7 @@ def knn(base: np.ndarray, k: int, queries: np.ndarray | None = None, index: str 
         if rows is not None:
             found_ids = np.where(found_ids >= 0, rows[np.maximum(found_ids, 0)], -1)
         if factor > 1:
-            found_ids, found_scores = rerank(base, chunk, found_ids, metric, wanted)
+            found_ids, found_scores = rerank_exactly(base, chunk, found_ids, metric, wanted)
         if skip_self:
             own = np.arange(start, start + len(chunk)) if rows is None else rows[start:start + len(chunk)]
             found_ids, found_scores = drop_self(found_ids, found_scores, own)
@@ -246,7 +246,7 @@ def knn(base: np.ndarray, k: int, queries: np.ndarray | None = None, index: str 
     return ids, scores
 
 
-def rerank(base: np.ndarray, queries: np.ndarray, candidates: np.ndarray, metric: str,
+def rerank_exactly(base: np.ndarray, queries: np.ndarray, candidates: np.ndarray, metric: str,
             k: int) -> tuple[np.ndarray, np.ndarray]:
     """The k best of each query's (Q, K) candidate ids into ``base`` (-1: none) by exact score:
     (Q, k) ids and float32 scores. ``queries`` (Q, D) float32, already normalised for cosine."""
