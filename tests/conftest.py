@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from PIL import Image
 
@@ -54,3 +55,12 @@ def write_spec(tmp_path):
         path.write_text(yaml.safe_dump(spec, sort_keys=False))
         return path
     return write
+
+
+@pytest.fixture
+def one_torch_thread():
+    """torch on one thread for the test (small matrices run faster without thread start-up)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

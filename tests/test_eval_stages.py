@@ -31,12 +31,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FAST_SUITES = ("knn", "diagnostics")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def pets_spec_of(make_image_folder, write_spec, per_class: int = 8, fractions=None, mode: str = "L"):
