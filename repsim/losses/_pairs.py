@@ -65,6 +65,8 @@ def view_pairs(z1: torch.Tensor, z2: torch.Tensor, temperature: float, gather: b
     batch, global_batch = z1.shape[0], all1.shape[0]
     local_ids = torch.arange(batch, device=z1.device) + offset
     row_ids = torch.cat([local_ids, local_ids + global_batch])
-    logits = torch.cat([z1, z2]) @ torch.cat([all1, all2]).T / temperature
-    logits = logits.scatter(1, row_ids[:, None], torch.finfo(logits.dtype).min)
+    # The temperature scales the (2B, D) rows rather than the (2B, 2B') product, and the own column
+    # is masked in place: the product is a fresh tensor that autograd does not keep.
+    logits = (torch.cat([z1, z2]) / temperature) @ torch.cat([all1, all2]).T
+    logits.scatter_(1, row_ids[:, None], torch.finfo(logits.dtype).min)
     return ViewPairs(logits, row_ids, global_batch)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from repsim.losses._pairs import at_least_float32, view_pairs
@@ -23,6 +22,46 @@ def target_mass(similarity: torch.Tensor, target_temperature: float) -> torch.Te
     return weights / (2 * weights.sum(dim=1, keepdim=True) - weights.diagonal()[:, None])
 
 
+class _SoftViewCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of softmax(logits) against the view-pair target built from ``mass``,
+    without materialising that (2B, 2B') target.
+
+    Row r (view a of local sample i) targets ``mass[i, j]`` on both views of every sample j, except
+    its own column ``row_ids[r]``, which gets 0. The loss of row r is ``-Σ_c target[r, c] log p[r, c]``
+    and its gradient ``p[r] - target[r]`` (each target row sums to 1): both are formed from the two
+    column halves (the two views) of the log-probabilities, in place.
+
+    Shapes: logits (2B, 2B') with the own column at a large negative value; mass (B, B') rows of the
+    local samples; row_ids (2B,). ``mass`` is a target: no gradient flows to it.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, mass: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
+        rows, columns = logits.shape
+        batch, global_batch = rows // 2, columns // 2
+        mass = mass.to(logits.dtype)
+        log_probs = torch.log_softmax(logits, dim=1)
+        own, positive = row_ids % global_batch, (row_ids + global_batch) % columns
+        # Both views of sample j share the target mass[i, j]; the own column adds nothing, so the
+        # folded entry of sample i is its other view alone.
+        folded = log_probs.view(rows, 2, global_batch).sum(dim=1)                          # (2B, B')
+        folded.scatter_(1, own[:, None], log_probs.gather(1, positive[:, None]))
+        expected = (folded.view(2, batch, global_batch) * mass).sum(dim=2)                 # (2, B)
+        ctx.save_for_backward(log_probs, mass, row_ids)
+        return -expected.mean()
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        log_probs, mass, row_ids = ctx.saved_tensors
+        rows, columns = log_probs.shape
+        batch, global_batch = rows // 2, columns // 2
+        grad = log_probs.exp()
+        grad.view(2, batch, 2, global_batch).sub_(mass[None, :, None, :])
+        own_mass = mass.gather(1, (row_ids[:batch] % global_batch)[:, None]).repeat(2, 1)
+        grad.scatter_add_(1, row_ids[:, None], own_mass)                                  # own target is 0
+        return grad.mul_(grad_output / rows), None, None
+
+
 class XCLRLoss(nn.Module):
     """Cross-entropy between ``softmax(s / target_temperature)`` and ``softmax(z z^T / temperature)``.
 
@@ -31,7 +70,7 @@ class XCLRLoss(nn.Module):
     target_temperature -> 0 this is SimCLR's NT-Xent; with s = same-label it is SupCon.
 
     The target is built from the (B, B) :func:`target_mass`, so only one exponential per sample pair
-    is taken, not one per view pair.
+    is taken, not one per view pair, and the (2B, 2B') target is never materialised.
 
     Args:
         temperature: of the predicted distribution.
@@ -54,6 +93,6 @@ class XCLRLoss(nn.Module):
         size = pairs.global_batch
         if similarity.shape != (size, size):
             raise ValueError(f"similarity must be ({size}, {size}) for this batch; got {tuple(similarity.shape)}")
-        mass = target_mass(similarity, self.target_temperature)[pairs.row_ids % size]    # (2B, B')
-        target = mass.repeat(1, 2).scatter_(1, pairs.row_ids[:, None], 0.0)               # (2B, 2B')
-        return F.cross_entropy(pairs.logits, target)
+        local_rows = pairs.row_ids[: len(pairs.row_ids) // 2]
+        mass = target_mass(similarity.detach(), self.target_temperature)[local_rows]    # (B, B')
+        return _SoftViewCrossEntropy.apply(pairs.logits, mass, pairs.row_ids)
