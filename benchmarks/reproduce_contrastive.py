@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from _report import write_report
 
 from repsim.data.sharding import ShardResult, shard
 from repsim.data.spec import load_spec
@@ -54,7 +55,6 @@ METHODS = {  # name in the report: (config file, overrides)
     "CLIP": ("clip.yaml", ()),
 }
 SWEPT = "X-CLR (WordNet)"
-ANALYSIS = "## Analysis"  # a rerun rewrites the report above this heading and keeps what follows
 
 
 @dataclass(frozen=True)
@@ -174,15 +174,8 @@ def main() -> None:
     command = shlex.join(["python", "benchmarks/reproduce_contrastive.py", *sys.argv[1:]])
     text = report(command, args.dataset, schedule, shards, seeds, pixels, results, sweep,
                   (time.perf_counter() - started) / 60)
-    args.report.parent.mkdir(parents=True, exist_ok=True)
-    args.report.write_text(text + kept_analysis(args.report))
+    write_report(args.report, text)
     print(text)
-
-
-def kept_analysis(report: Path) -> str:
-    """The hand-written part of an existing report, from its ANALYSIS heading on ("" if none)."""
-    existing = report.read_text() if report.is_file() else ""
-    return existing[existing.index(ANALYSIS):] if ANALYSIS in existing else ""
 
 
 if __name__ == "__main__":

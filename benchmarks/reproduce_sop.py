@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from _report import write_report
 
 from repsim.data.sharding import ShardResult, shard
 from repsim.methods.config import load_config
@@ -159,8 +160,7 @@ def main() -> None:
                for variant in VARIANTS}
     command = shlex.join(["python", "benchmarks/reproduce_sop.py", *sys.argv[1:]])
     text = report(command, args.dataset, schedule, shards, seeds, results, (time.perf_counter() - started) / 60)
-    args.report.parent.mkdir(parents=True, exist_ok=True)
-    args.report.write_text(text)
+    write_report(args.report, text)
     print(text)
 
 
