@@ -1,7 +1,7 @@
 """Reproduce the SOP comparison: SOP, SOP without MIM (λ2 = 0), SOP with fixed anchors and the
-DINO-style baseline.
+DINO- and iBOT-style baselines.
 
-Every variant is trained from ``configs/sop.yaml`` or ``configs/dino.yaml`` with the same ViT,
+Every variant is trained from ``configs/sop.yaml``, ``configs/dino.yaml`` or ``configs/ibot.yaml`` with the same ViT,
 views, epochs and batch size (``--set``-style overrides), over ``--seeds`` seeds, as cached train
 stages; each encoder is scored by the evaluate stage (weighted cosine kNN and a linear probe on
 frozen features of the train split, tested on the test split), and the collapse diagnostics of the
@@ -11,7 +11,7 @@ section goes to ``benchmarks/REPORT_SOP.md``.
 
 CPU default: a seeded, stratified 1.5 % / 1.5 % train / test subset of the dataset (through a
 derived data spec; about 1050 / 1050 Fashion-MNIST images), a 4-block ViT-Tiny, memories of 4096
-and 1024 anchors (configs/sop.yaml), 3 epochs of batch 128: 12 runs of 24 steps, about 30 minutes
+and 1024 anchors (configs/sop.yaml), 3 epochs of batch 128: 15 runs of 24 steps, about 40 minutes
 on 2 idle cores by the step times of ``benchmarks/sop_cost.py``. ``--full``: the data spec's own
 split, a 12-block ViT-Tiny, the paper's memories (65536 / 8192) and 4096 anchors, 100 epochs of
 batch 512 (a GPU run).
@@ -49,6 +49,7 @@ VARIANTS = {  # name in the report: (config file, overrides)
     "SOP without MIM (λ2 = 0)": ("sop.yaml", ("method.mim_weight=0",)),
     "SOP, fixed anchors": ("sop.yaml", ("method.fixed_anchors=true",)),
     "DINO-style (learned prototypes)": ("dino.yaml", ()),
+    "iBOT-style (learned prototypes, masked patches)": ("ibot.yaml", ()),
 }
 DIAGNOSTICS = ("effective_rank", "embedding_std", "assignment_entropy")
 ENTROPIES = ("sop_entropy", "prototype_entropy")
@@ -108,7 +109,7 @@ def report(command: str, dataset: str, schedule: Schedule, shards: ShardResult, 
         "# SOP compared", "",
         f"Command: `{command}`", "",
         (f"Data: {dataset}, {shards.splits.get('train', 0)} train / {shards.splits.get('test', 0)} test images. "
-         f"Every variant: configs/sop.yaml or configs/dino.yaml with ViT-Tiny ({schedule.depth} blocks, patch 4), "
+         f"Every variant: configs/sop.yaml, dino.yaml or ibot.yaml with ViT-Tiny ({schedule.depth} blocks, patch 4), "
          f"multi-crop views, {schedule.epochs} epochs, batch {schedule.batch_size}; seeds "
          f"{', '.join(map(str, seeds))}. Scores: top-1 accuracy (%) on the test split of a weighted cosine kNN "
          "and of a linear probe on frozen features of the train split (the student's [CLS] feature); mean ± "

@@ -1,9 +1,9 @@
-"""What SOP costs: its training step against the DINO-style baseline's, the share of drawing SOPs
-(anchors and their kNN over the memory) in that step, and torch against FAISS for that kNN.
+"""What SOP costs: its training step against the DINO- and iBOT-style baselines', the share of
+drawing SOPs (anchors and their kNN over the memory) in that step, and torch against FAISS for that kNN.
 
-1. Step time (forward + backward + AdamW step + EMA update) of SOP and of DINO at the same batch
+1. Step time (forward + backward + AdamW step + EMA update) of SOP, DINO and iBOT at the same batch
    size, ViT-Tiny on random 28 px multi-crop views (2 global, ``--local-crops`` local), SOP with full
-   memories; the two alternated, median of ``--repeats`` after ``--warmup``; the ratio SOP / DINO.
+   memories; the three alternated, median of ``--repeats`` after ``--warmup``; ratios to DINO.
 2. The time of drawing the [CLS] and patch SOPs (both memories) alone, as a share of SOP's step.
 3. The k = 8 nearest supports of ``--knn-anchors`` anchors among ``--knn-memory`` unit embeddings
    (D = 256; the paper's K = 4096 and N_C = 65536 by default): one matrix product and ``topk`` on
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from _report import markdown, median_seconds
 from repsim.data.masking import BlockMasking
-from repsim.losses import DINOLoss, MaskedSOPLoss, SOPLoss
+from repsim.losses import DINOLoss, IBOTPatchLoss, MaskedSOPLoss, SOPLoss
 from repsim.losses.sop import nearest_supports
 from repsim.methods.config import ModelConfig
 from repsim.methods.dino import Dino, Prototypes
@@ -44,17 +44,19 @@ HEAD = ModelConfig(projection_hidden_dim=2048, projection_dim=256, projection_la
 
 
 def methods(args: argparse.Namespace) -> dict[str, SelfDistillation]:
-    """SOP (memories filled with random unit embeddings) and DINO on the same ViT-Tiny."""
+    """SOP (memories filled with random unit embeddings), DINO and iBOT on the same ViT-Tiny."""
     torch.manual_seed(0)
-    encoders = [vit("tiny", image_size=28, patch_size=4, depth=args.depth, in_channels=1) for _ in range(2)]
+    encoders = [vit("tiny", image_size=28, patch_size=4, depth=args.depth, in_channels=1) for _ in range(3)]
     banks = [SOPBank(size, HEAD.projection_dim, args.anchors, 8) for size in (args.cls_memory, args.patch_memory)]
     for bank in banks:
         bank.memory.enqueue(F.normalize(torch.randn(bank.memory.size, HEAD.projection_dim), dim=1))
     sop = SOP(encoders[0], projection_head(192, HEAD), *banks, cls_loss=SOPLoss(), mim_loss=MaskedSOPLoss(),
               masking=BlockMasking())
-    dino = Dino(encoders[1], projection_head(192, HEAD), Prototypes(HEAD.projection_dim, args.prototypes),
-                DINOLoss(args.prototypes))
-    return {"SOP": sop, "DINO": dino}
+    dino, ibot = (Dino(encoder, projection_head(192, HEAD), Prototypes(HEAD.projection_dim, args.prototypes),
+                       DINOLoss(args.prototypes), **patch_options)
+                  for encoder, patch_options in ((encoders[1], {}), (encoders[2], {
+                      "patch_loss": IBOTPatchLoss(args.prototypes), "masking": BlockMasking()})))
+    return {"SOP": sop, "DINO": dino, "iBOT": ibot}
 
 
 def training_step(method: SelfDistillation, batch: dict, device: torch.device) -> Callable[[], None]:
@@ -97,10 +99,11 @@ def report(command: str, args: argparse.Namespace, device: torch.device, steps: 
          f"torch threads, {platform.processor() or platform.machine()}. ViT-Tiny, {args.depth} blocks, 28 px "
          f"(patch 4), batch {args.batch_size}, 2 global + {args.local_crops} local views; head 2048-2048-256. "
          f"SOP: K = {args.anchors} anchors, k = 8, memories {args.cls_memory} ([CLS]) and {args.patch_memory} "
-         f"(patches), full; DINO: {args.prototypes} prototypes. Median of {args.repeats} alternated repeats. The "
+         f"(patches), full; DINO and iBOT: {args.prototypes} prototypes; SOP and iBOT mask half the global views. Median of {args.repeats} alternated repeats. The "
          "machine may be shared, so absolute times vary between runs; the ratios are the measure."), "",
         markdown(["step", "ms", "ratio"], [
             ["DINO training step", f"{steps['DINO'] * 1e3:,.1f}", "1.00"],
+            ["iBOT training step", f"{steps['iBOT'] * 1e3:,.1f}", f"{steps['iBOT'] / steps['DINO']:.2f}"],
             ["SOP training step", f"{steps['SOP'] * 1e3:,.1f}", f"{steps['SOP'] / steps['DINO']:.2f}"],
             ["drawing both SOP sets (anchors + kNN)", f"{draw * 1e3:,.1f}",
              f"{100 * draw / steps['SOP']:.1f} % of SOP's step"],

@@ -1,5 +1,5 @@
-"""The DINO-style baseline: its loss (centring, sharpening, multi-crop pairs), the prototypes and
-training through the train stage."""
+"""The DINO- and iBOT-style baselines: their losses (centring, sharpening, multi-crop pairs, masked
+patches), the prototypes and training through the train stage."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from repsim.data.sharding import shard
+from repsim.data.masking import BlockMasking
 from repsim.losses.dino import DINOLoss, cross_view_cross_entropy
+from repsim.losses.ibot import IBOTPatchLoss
 from repsim.methods.config import ModelConfig, load_config
 from repsim.methods.dino import Dino, Prototypes
 from repsim.methods.sop import projection_head
@@ -78,13 +80,61 @@ def test_gradients_reach_the_student_and_its_prototypes_only():
     assert method.head[1].weight.grad.abs().sum() > 0
 
 
-def test_dino_trains_through_the_train_stage(make_image_folder, write_spec, tmp_path):
+def test_the_patch_loss_is_the_cross_entropy_of_centred_sharpened_teachers_per_masked_patch():
+    generator = torch.Generator().manual_seed(1)
+    student, teacher = torch.randn(6, 10, generator=generator), torch.randn(6, 10, generator=generator)
+    loss = IBOTPatchLoss(10, student_temperature=0.1, teacher_temperature=0.07, center_momentum=0.5)
+    loss.center.fill_(0.2)
+    target = torch.softmax((teacher - 0.2) / 0.07, dim=1)
+    expected = -(target * torch.log_softmax(student / 0.1, dim=1)).sum(dim=1).mean()
+    torch.testing.assert_close(loss(student, teacher), expected)
+    torch.testing.assert_close(loss.center, 0.5 * 0.2 + 0.5 * teacher.mean(dim=0))
+
+
+def test_no_masked_patch_gives_a_zero_patch_loss_and_keeps_the_centre():
+    loss = IBOTPatchLoss(4)
+    loss.center.fill_(0.3)
+    student = torch.zeros(0, 4, requires_grad=True)
+    value = loss(student, torch.zeros(0, 4))
+    assert value.item() == 0 and value.requires_grad
+    torch.testing.assert_close(loss.center, torch.full((4,), 0.3))
+    with pytest.raises(ValueError, match=r"must both be \(N, K\)"):
+        loss(torch.zeros(3, 4), torch.zeros(3, 5))
+
+
+def ibot(share: float) -> Dino:
+    torch.manual_seed(0)
+    encoder = vit("tiny", image_size=16, patch_size=4, depth=1, in_channels=1)
+    head = projection_head(encoder.feature_dim, ModelConfig(projection_hidden_dim=32, projection_dim=16))
+    return Dino(encoder, head, Prototypes(16, 12), DINOLoss(12), patch_loss=IBOTPatchLoss(12), patch_weight=0.5,
+                masking=BlockMasking((0.3, 0.5), share=share))
+
+
+def test_ibot_adds_the_weighted_patch_loss_and_trains_the_mask_token():
+    batch = {"views": [torch.randn(4, 1, 16, 16), torch.randn(4, 1, 16, 16), torch.randn(4, 1, 8, 8)]}
+    method = ibot(share=1.0)
+    outputs = method.training_step(batch)
+    outputs["loss"].backward()
+    assert outputs["patch_loss"] > 0
+    torch.testing.assert_close(outputs["loss"], outputs["cls_loss"] + 0.5 * outputs["patch_loss"])
+    assert method.encoder.mask_token.grad.abs().sum() > 0
+    unmasked = ibot(share=0.0)
+    outputs = unmasked.training_step(batch)
+    outputs["loss"].backward()
+    assert outputs["patch_loss"] == 0 and unmasked.encoder.mask_token.grad.abs().sum() == 0
+    with pytest.raises(ValueError, match="patch loss needs masking"):
+        Dino(method.encoder, projection_head(method.encoder.feature_dim, ModelConfig(projection_dim=16)),
+             Prototypes(16, 12), DINOLoss(12), patch_loss=IBOTPatchLoss(12))
+
+
+@pytest.mark.parametrize("config_file", ["dino.yaml", "ibot.yaml"])
+def test_dino_and_ibot_train_through_the_train_stage(config_file, make_image_folder, write_spec, tmp_path):
     folder = make_image_folder({"cat": 20, "dog": 20}, size=16)
     spec = write_spec({"name": "tiny", "source": {"type": "image_folder", "root": str(folder)},
                        "classes": {"cat": "cat.n.01", "dog": "dog.n.01"},
                        "split": {"type": "random", "fractions": {"train": 0.8, "test": 0.2}}, "shard_size": 4})
     shards = shard(spec, out_dir=tmp_path / "shards", progress=False)
-    config = load_config(REPO / "configs" / "dino.yaml", [
+    config = load_config(REPO / "configs" / config_file, [
         f"data.spec={spec}", "data.image_size=16", "model.depth=1", "model.projection_hidden_dim=32",
         "model.projection_dim=16", "optim.batch_size=16", "optim.epochs=2", "optim.num_workers=0", "monitor.k=3",
         "method.num_prototypes=32", "data.preset_options={local_crops: 2}"])
@@ -93,3 +143,4 @@ def test_dino_trains_through_the_train_stage(make_image_folder, write_spec, tmp_
     last_epoch = [record for record in records if "epoch" in record][-1]
     assert {"knn_top1_k3", "effective_rank", "embedding_std", "prototype_entropy"} <= set(last_epoch)
     assert output.metrics["steps"] == 4
+    assert any("patch_loss" in record for record in records) == (config_file == "ibot.yaml")

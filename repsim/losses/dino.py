@@ -60,9 +60,11 @@ class DINOLoss(nn.Module):
 
     @torch.no_grad()
     def update_center(self, teacher: torch.Tensor) -> None:
-        """c ← m·c + (1 − m)·(mean of the teacher logits (N, K) over every rank)."""
+        """c ← m·c + (1 − m)·(mean of the teacher logits (N, K) over every rank); no change when no rank
+        has any (N may be 0 on some ranks: every rank still joins the reduction)."""
         total, count = at_least_float32(teacher).sum(dim=0), torch.tensor(float(len(teacher)), device=teacher.device)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(total)
             dist.all_reduce(count)
-        self.center.mul_(self.center_momentum).add_(total / count, alpha=1 - self.center_momentum)
+        weight = (count > 0) * (1 - self.center_momentum)  # a tensor: no host sync
+        self.center.lerp_(total / count.clamp(min=1), weight.to(self.center.dtype))

@@ -164,14 +164,23 @@ class _SelfDistillationConfig(_Strict):
     teacher_momentum: float = Field(0.996, ge=0, le=1)
 
 
-class SOPConfig(_SelfDistillationConfig):
+class _MaskedPatchesConfig(_Strict):
+    """Block masking of the student's global views for a masked-patch loss: ``mask_ratio`` is the
+    range of each masked view's ratio, ``mask_share`` the share of global views masked; the teacher's
+    patch distributions are sharpened with ``patch_teacher_temperature``."""
+
+    patch_teacher_temperature: float = Field(0.07, gt=0)
+    mask_ratio: tuple[float, float] = (0.1, 0.5)
+    mask_share: float = Field(0.5, ge=0, le=1)
+
+
+class SOPConfig(_SelfDistillationConfig, _MaskedPatchesConfig):
     """SOP: distributions over self-organizing prototypes drawn from memories of teacher outputs.
 
     Each step ``num_anchors`` anchors (at most the filled entries) with ``support_size`` nearest
     neighbors each; ``one_hot`` labels instead of the soft ones; ``fixed_anchors``: draw the anchors
     once, when the memory is full, and keep them (an ablation). ``cls_weight`` λ1 and ``mim_weight``
-    λ2 (0: no masking, no MIM) weight the [CLS] and the masked-patch losses; ``mask_ratio`` is the
-    range of each masked view's ratio and ``mask_share`` the share of global views masked.
+    λ2 (0: no masking, no MIM) weight the [CLS] and the masked-patch losses.
     ``patches_per_view`` teacher patch tokens of each global view enter the patch memory per step.
     """
 
@@ -184,11 +193,8 @@ class SOPConfig(_SelfDistillationConfig):
     cls_memory: int = Field(65536, gt=1)
     patch_memory: int = Field(8192, gt=1)
     patches_per_view: int = Field(1, gt=0)
-    patch_teacher_temperature: float = Field(0.07, gt=0)
     cls_weight: float = Field(1.0, ge=0)
     mim_weight: float = Field(1.0, ge=0)
-    mask_ratio: tuple[float, float] = (0.1, 0.5)
-    mask_share: float = Field(0.5, ge=0, le=1)
 
 
 class DinoConfig(_SelfDistillationConfig):
@@ -200,7 +206,16 @@ class DinoConfig(_SelfDistillationConfig):
     center_momentum: float = Field(0.9, ge=0, lt=1)
 
 
-MethodConfig = Annotated[XCLRConfig | SimCLRConfig | SupConConfig | ClipConfig | SOPConfig | DinoConfig,
+class IBOTConfig(DinoConfig, _MaskedPatchesConfig):
+    """The iBOT-style baseline: DINO plus a masked-patch loss of weight ``patch_weight`` over the same
+    prototypes, its teacher centred apart from the [CLS] one."""
+
+    name: Literal["ibot"]  # type: ignore[assignment]
+    patch_weight: float = Field(1.0, gt=0)
+
+
+MethodConfig = Annotated[XCLRConfig | SimCLRConfig | SupConConfig | ClipConfig | SOPConfig | DinoConfig
+                         | IBOTConfig,
                          Field(discriminator="name")]
 
 

@@ -3,8 +3,9 @@
 The same ViT, multi-crop views, projection head and EMA teacher as :mod:`repsim.methods.sop`
 (:class:`~repsim.methods.sop.SelfDistillation`); the unit projection goes through a weight-normalised
 layer of K prototypes, and :class:`~repsim.losses.dino.DINOLoss` matches the student's prototype
-distributions to the centred, sharpened teacher's of the other views. No masking (no iBOT loss).
-A FIFO memory of the teacher's projections serves the collapse diagnostics only.
+distributions to the centred, sharpened teacher's of the other views. A FIFO memory of the
+teacher's projections serves the collapse diagnostics only. With a patch loss and masking, the same
+class is the iBOT-style baseline of :mod:`repsim.methods.ibot`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from repsim.data.masking import BlockMasking
 from repsim.losses.dino import DINOLoss
+from repsim.losses.ibot import IBOTPatchLoss
 from repsim.losses.sop import mean_assignment_entropy
 from repsim.methods.config import Config
 from repsim.methods.sop import Memory, SelfDistillation, projection_head, vit_backbone
@@ -40,14 +43,23 @@ class Prototypes(nn.Module):
 class Dino(SelfDistillation):
     """DINO on a ViT. ``head`` ends with the unit projection; ``prototypes`` (and the teacher's EMA
     copy) map it to K logits. ``training_step`` returns ``loss`` and ``prototype_entropy`` (the
-    normalised entropy of the teacher's mean prototype distribution)."""
+    normalised entropy of the teacher's mean prototype distribution).
+
+    With ``patch_loss`` (iBOT), ``masking`` block-masks the student's global views and the loss adds
+    ``patch_weight`` × the patch loss of the masked patches through the same head and prototypes;
+    ``training_step`` then also returns ``cls_loss`` and ``patch_loss``.
+    """
 
     entropy_metric = "prototype_entropy"
 
     def __init__(self, encoder: MaskableViT, head: nn.Module, prototypes: Prototypes, loss: DINOLoss,
-                 momentum: float = 0.996, memory_size: int = DIAGNOSTIC_MEMORY):
-        super().__init__(encoder, nn.Sequential(head, prototypes), momentum, masking=None)
-        self.loss = loss
+                 momentum: float = 0.996, memory_size: int = DIAGNOSTIC_MEMORY, *,
+                 patch_loss: IBOTPatchLoss | None = None, patch_weight: float = 1.0,
+                 masking: BlockMasking | None = None):
+        if (patch_loss is None) != (masking is None):
+            raise ValueError("a patch loss needs masking, and masking needs a patch loss")
+        super().__init__(encoder, nn.Sequential(head, prototypes), momentum, masking=masking)
+        self.loss, self.patch_loss, self.patch_weight = loss, patch_loss, patch_weight
         self.memory = Memory(memory_size, prototypes.weight.shape[1])
 
     @property
@@ -56,21 +68,28 @@ class Dino(SelfDistillation):
 
     def training_step(self, batch: Batch) -> dict[str, torch.Tensor]:
         globals_ = self.global_views(batch)
+        mask = self.draw_mask(globals_)
         projection, prototypes = self.teacher_head
-        teacher = projection(self.teacher_tokens(globals_)[0])
+        teacher_cls, teacher_patches = self.teacher_tokens(globals_)
+        teacher = projection(teacher_cls)
         teacher_logits = prototypes(teacher)
-        student_cls, _ = self.student_tokens(batch, globals_, None)
+        student_cls, student_patches = self.student_tokens(batch, globals_, mask)
         entropy = mean_assignment_entropy(self.loss.teacher_probabilities(teacher_logits))
-        loss = self.loss([self.head(view) for view in student_cls], list(teacher_logits.chunk(2)))
+        cls_loss = self.loss([self.head(view) for view in student_cls], list(teacher_logits.chunk(2)))
         self.record_entropy(entropy)
         self.memory.enqueue(teacher)
-        return {"loss": loss, "prototype_entropy": entropy}
+        if self.patch_loss is None:
+            return {"loss": cls_loss, "prototype_entropy": entropy}
+        patch_loss = self.patch_loss(self.head(student_patches[mask]), self.teacher_head(teacher_patches[mask]))
+        return {"loss": cls_loss + self.patch_weight * patch_loss, "cls_loss": cls_loss, "patch_loss": patch_loss,
+                "prototype_entropy": entropy}
 
 
-def build(config: Config, data: TrainingData) -> Dino:
+def build(config: Config, data: TrainingData, **patch_options: object) -> Dino:
+    """DINO from ``config``; ``patch_options`` (patch_loss, patch_weight, masking) make it iBOT."""
     method = config.method
     encoder = vit_backbone(config, data)
     return Dino(encoder, projection_head(encoder.feature_dim, config.model),
                 Prototypes(config.model.projection_dim, method.num_prototypes),
                 DINOLoss(method.num_prototypes, method.student_temperature, method.teacher_temperature,
-                         method.center_momentum), momentum=method.teacher_momentum)
+                         method.center_momentum), momentum=method.teacher_momentum, **patch_options)

@@ -1,0 +1,31 @@
+"""iBOT's masked-patch loss (Zhou et al., 2022) over learnable prototypes.
+
+At every masked patch of a student's global view, the cross-entropy between the teacher's centred,
+sharpened prototype distribution of that patch (the teacher saw the view unmasked) and the student's
+``softmax(s / τ_s)``; the mean over the masked patches, as SOP's MIM loss takes it. Centring and
+sharpening are :class:`~repsim.losses.dino.DINOLoss`'s, with a centre of the patch logits' own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from repsim.losses._pairs import at_least_float32
+from repsim.losses.dino import DINOLoss
+
+
+class IBOTPatchLoss(DINOLoss):
+    """``forward(student, teacher)``: (N, K) prototype logits of the same N masked patches, the
+    student's from the masked views and the teacher's from the unmasked ones. 0 when N = 0. The centre
+    moves after each call made in training mode."""
+
+    def forward(self, student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if student.shape != teacher.shape or student.ndim != 2:
+            raise ValueError(f"student {tuple(student.shape)} and teacher {tuple(teacher.shape)} logits "
+                             "must both be (N, K)")
+        target = self.teacher_probabilities(teacher.detach())
+        log_probs = torch.log_softmax(at_least_float32(student) / self.student_temperature, dim=1)
+        loss = -(target * log_probs).sum(dim=1).mean() if len(student) else student.sum() * 0.0
+        if self.training:
+            self.update_center(teacher.detach())
+        return loss
