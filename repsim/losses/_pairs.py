@@ -38,6 +38,7 @@ class ViewPairs:
     logits: torch.Tensor   # (2B, 2B') = z_r . z_c / temperature, self excluded
     row_ids: torch.Tensor  # (2B,) long
     global_batch: int      # B'
+    offset: int            # this rank's first sample in the global batch
 
     @property
     def self_mask(self) -> torch.Tensor:
@@ -69,4 +70,4 @@ def view_pairs(z1: torch.Tensor, z2: torch.Tensor, temperature: float, gather: b
     # is masked in place: the product is a fresh tensor that autograd does not keep.
     logits = (torch.cat([z1, z2]) / temperature) @ torch.cat([all1, all2]).T
     logits.scatter_(1, row_ids[:, None], torch.finfo(logits.dtype).min)
-    return ViewPairs(logits, row_ids, global_batch)
+    return ViewPairs(logits, row_ids, global_batch, offset)

@@ -8,18 +8,20 @@ from torch import nn
 from repsim.losses._pairs import at_least_float32, view_pairs
 
 
-def target_mass(similarity: torch.Tensor, target_temperature: float) -> torch.Tensor:
-    """X-CLR's target distribution per view: (B, B), entry [i, j] the target probability that a view
+def target_mass(similarity: torch.Tensor, target_temperature: float, offset: int = 0) -> torch.Tensor:
+    """X-CLR's target distribution per view: (R, B'), entry [i, j] the target probability that a view
     of sample i puts on each view of sample j (on i's other view for j = i).
 
-    A view's target row runs over the 2B - 1 other views: ``softmax(s / target_temperature)`` with
-    s[i, i] = 1. Both views of j share s[i, j], so the row's normaliser is
-    ``2 Σ_j exp(s_ij / τ_s) - exp(1 / τ_s)`` and rows of the full (2B, 2B) target are [P_i, P_i]
-    with the view's own entry set to 0.
+    ``similarity`` holds the rows (R, B') of samples offset, ..., offset + R - 1 against all B'
+    samples (R = B' and offset 0 for the whole batch). A view's target row runs over the 2B' - 1
+    other views: ``softmax(s / target_temperature)`` with s[i, i] = 1. Both views of j share s[i, j],
+    so with q the softmax over the B' samples the row is ``q / (2 - q[i, i])``, and rows of the full
+    (2R, 2B') target are [P_i, P_i] with the view's own entry set to 0.
     """
-    scaled = (at_least_float32(similarity) / target_temperature).fill_diagonal_(1.0 / target_temperature)
-    weights = (scaled - scaled.max(dim=1, keepdim=True).values).exp()
-    return weights / (2 * weights.sum(dim=1, keepdim=True) - weights.diagonal()[:, None])
+    scaled = at_least_float32(similarity) / target_temperature
+    own = torch.arange(len(scaled), device=scaled.device)[:, None] + offset
+    probabilities = torch.softmax(scaled.scatter_(1, own, 1.0 / target_temperature), dim=1)
+    return probabilities / (2 - probabilities.gather(1, own))
 
 
 class _SoftViewCrossEntropy(torch.autograd.Function):
@@ -46,7 +48,7 @@ class _SoftViewCrossEntropy(torch.autograd.Function):
         # folded entry of sample i is its other view alone.
         folded = log_probs.view(rows, 2, global_batch).sum(dim=1)                          # (2B, B')
         folded.scatter_(1, own[:, None], log_probs.gather(1, positive[:, None]))
-        expected = (folded.view(2, batch, global_batch) * mass).sum(dim=2)                 # (2, B)
+        expected = folded.view(2, batch, global_batch).mul_(mass).sum(dim=2)               # (2, B)
         ctx.save_for_backward(log_probs, mass, row_ids)
         return -expected.mean()
 
@@ -93,6 +95,6 @@ class XCLRLoss(nn.Module):
         size = pairs.global_batch
         if similarity.shape != (size, size):
             raise ValueError(f"similarity must be ({size}, {size}) for this batch; got {tuple(similarity.shape)}")
-        local_rows = pairs.row_ids[: len(pairs.row_ids) // 2]
-        mass = target_mass(similarity.detach(), self.target_temperature)[local_rows]    # (B, B')
+        rows = similarity.detach().narrow(0, pairs.offset, len(z1))                          # (B, B')
+        mass = target_mass(rows, self.target_temperature, pairs.offset)
         return _SoftViewCrossEntropy.apply(pairs.logits, mass, pairs.row_ids)
