@@ -19,6 +19,7 @@ The table goes to ``benchmarks/results/sop_cost.md``.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import shlex
@@ -37,7 +38,6 @@ from repsim.methods.config import ModelConfig
 from repsim.methods.dino import Dino, Prototypes
 from repsim.methods.sop import SOP, SOPBank, SelfDistillation, projection_head
 from repsim.models import vit
-from repsim.similarity.neighbors import build_index
 
 RESULTS = Path(__file__).parent / "results" / "sop_cost.md"
 HEAD = ModelConfig(projection_hidden_dim=2048, projection_dim=256, projection_layers=3)
@@ -75,18 +75,13 @@ def random_views(batch: int, local_crops: int, device: torch.device) -> dict:
                      [torch.randn(batch, 1, 12, 12, device=device) for _ in range(local_crops)]}
 
 
-def faiss_supports(anchors: torch.Tensor, memory: torch.Tensor, k: int) -> None:
-    index = build_index(memory.cpu().numpy(), "flat", "ip", use_gpu=False)
-    index.search(anchors.cpu().numpy(), k + 1)
-
-
 def knn_times(args: argparse.Namespace, device: torch.device) -> dict[str, float]:
     generator = torch.Generator(device=device).manual_seed(0)
     memory = F.normalize(torch.randn(args.knn_memory, 256, device=device, generator=generator), dim=1)
     ids = torch.arange(args.knn_memory, device=device)
     rows = torch.randperm(args.knn_memory, device=device, generator=generator)[:args.knn_anchors]
-    steps = {"torch": lambda: nearest_supports(memory[rows], ids[rows], memory, ids, 8),
-             "faiss": lambda: faiss_supports(memory[rows], memory, 8)}
+    steps = {backend: functools.partial(nearest_supports, memory[rows], ids[rows], memory, ids, 8, backend=backend)
+             for backend in ("torch", "faiss")}
     return median_seconds(steps, device, 1, args.repeats)
 
 

@@ -73,14 +73,28 @@ def test_support_weights_are_the_cosine_scores_of_the_nearest_other_entries():
     torch.testing.assert_close(sops.spread, (1 - sops.own) / 5)
 
 
-def test_an_anchor_is_never_its_own_support_even_with_duplicates_elsewhere():
+@pytest.mark.parametrize("backend", ["torch", "faiss"])
+def test_an_anchor_is_never_its_own_support_even_with_duplicates_elsewhere(backend):
     memory = clustered(20)
     memory[7] = memory[3]  # an exact duplicate stays a legitimate support
     ids = torch.arange(20)
-    scores, rows = nearest_supports(memory[[3, 7]], ids[[3, 7]], memory, ids, 5)
+    scores, rows = nearest_supports(memory[[3, 7]], ids[[3, 7]], memory, ids, 5, backend=backend)
     assert 3 not in rows[0] and 7 not in rows[1]
     assert rows[0, 0] == 7 and rows[1, 0] == 3
     torch.testing.assert_close(scores[:, 0], torch.ones(2))
+
+
+def test_faiss_and_torch_find_the_same_supports():
+    memory = clustered(300, seed=2)
+    ids = torch.arange(1000, 1300)
+    anchors, anchor_ids = memory[::7].clone(), ids[::7].clone()
+    anchors[0], anchor_ids[0] = clustered(1, seed=3)[0], -5  # a kept anchor no longer in memory
+    by_torch = nearest_supports(anchors, anchor_ids, memory, ids, 8, backend="torch")
+    by_faiss = nearest_supports(anchors, anchor_ids, memory, ids, 8, backend="faiss")
+    torch.testing.assert_close(by_faiss[0], by_torch[0])
+    assert torch.equal(by_faiss[1], by_torch[1])
+    with pytest.raises(ValueError, match="unknown nearest-support backend"):
+        nearest_supports(anchors, anchor_ids, memory, ids, 8, backend="annoy")
 
 
 def test_sop_distributions_sum_to_one_and_equal_softmax_times_y():
