@@ -14,7 +14,7 @@ memories (seed 0), and their diagnostics reported per epoch. The report goes to
 
 CPU default: a seeded, stratified 1.5 % / 1.5 % train / test subset of the dataset (through a
 derived data spec; about 1050 / 1050 Fashion-MNIST images), a 4-block ViT-Tiny, memories of 4096
-and 1024 anchors (configs/sop.yaml), 3 epochs of batch 128: 15 runs of 24 steps and two of 48, about 55 minutes
+and 1024 anchors (configs/sop.yaml), 3 epochs of batch 128: 15 runs of 27 steps and two of 54, about 55 minutes
 on 2 idle cores by the step times of ``benchmarks/sop_cost.py``. ``--full``: the data spec's own
 split, a 12-block ViT-Tiny, the paper's memories (65536 / 8192) and 4096 anchors, 100 epochs of
 batch 512 (a GPU run).
