@@ -120,7 +120,12 @@ def method_table(scores: dict[str, dict[int, list[float]]], label: str) -> str:
 
 def report(command: str, args: argparse.Namespace, scores: dict, ablations: dict[str, dict], png: Path,
            minutes: float) -> str:
-    image = "raw pixels" if args.image == "pixels" else f"SimCLR encoder `{args.encoder}`"
+    encoder = Path(args.encoder or "").resolve()
+    image = ("raw pixels" if args.image == "pixels" else
+             f"SimCLR encoder `{encoder.relative_to(REPO) if encoder.is_relative_to(REPO) else encoder}`")
+    chosen = (f"chosen on the validation ablations below (seeds {', '.join(map(str, args.ablation_seeds))})"
+              if any(ablations.values()) else "the defaults, chosen on Fashion-MNIST's validation ablations "
+              "(benchmarks/REPORT_GERA.md); this run has none")
     lines = ["# GeRA: few-pairs alignment of frozen image and text embeddings", "",
              f"Command: `{command}`", "",
              (f"Image side: {image}; text side: all-MiniLM-L6-v2 over varied captions. {args.dataset} subset: "
@@ -128,8 +133,7 @@ def report(command: str, args: argparse.Namespace, scores: dict, ablations: dict
               f"{args.epochs} epochs. Zero-shot top-1 (%), mean ± std over seeds {', '.join(map(str, args.seeds))}; "
               f"chance is 10%. Wall clock {minutes:.1f} min."), "",
              (f"GeRA runs `configs/gera.yaml`: α = {args.alpha:g}, n = {args.n} neighbors sampled per paired "
-              f"point from its L = {args.neighbor_count} nearest unpaired points, chosen on the validation "
-              f"ablations below (seeds {', '.join(map(str, args.ablation_seeds))})."), "",
+              f"point from its L = {args.neighbor_count} nearest unpaired points: {chosen}."), "",
              "## Test split", "", method_table(scores, "method"), "",
              f"![zero-shot accuracy against M]({png.name})", ""]
     for title, table in ablations.items():
