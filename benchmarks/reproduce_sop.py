@@ -14,7 +14,7 @@ memories (seed 0), and their diagnostics reported per epoch. The report goes to
 
 CPU default: a seeded, stratified 1.5 % / 1.5 % train / test subset of the dataset (through a
 derived data spec; about 1050 / 1050 Fashion-MNIST images), a 4-block ViT-Tiny, memories of 4096
-and 1024 anchors (configs/sop.yaml), 3 epochs of batch 128: 15 runs of 27 steps and two of 54, about 55 minutes
+and 1024 anchors (configs/sop.yaml), 3 epochs of batch 128: 15 runs of 21 steps and two of 42, about 55 minutes
 on 2 idle cores by the step times of ``benchmarks/sop_cost.py``. ``--full``: the data spec's own
 split, a 12-block ViT-Tiny, the paper's memories (65536 / 8192) and 4096 anchors, 100 epochs of
 batch 512 (a GPU run).
@@ -105,26 +105,27 @@ def train_and_score(variant: str, schedule: Schedule, spec: Path, seed: int, sha
 
 
 def collapse_runs(args: argparse.Namespace, schedule: Schedule, spec: Path, shards: ShardResult,
-                  device: torch.device) -> dict[str, tuple[Score, list[dict[str, float]]]]:
+                  device: torch.device) -> tuple[dict[str, tuple[Score, list[dict[str, float]]]], int]:
     """SOP and SOP with fixed anchors (seed 0) over ``--collapse-epochs`` with memories of
     ``--collapse-memory`` entries, which fill within a few steps: the final scores and every epoch's
-    diagnostics."""
+    diagnostics, and the number of training steps of each run."""
     longer = Schedule(schedule.depth, args.collapse_epochs, schedule.batch_size, full=False)
     small = [f"method.cls_memory={args.collapse_memory}", f"method.patch_memory={args.collapse_memory}",
              f"method.num_anchors={args.collapse_memory // 4}"]
-    runs = {}
+    runs, steps = {}, 0
     for variant, overrides in COLLAPSE.items():
         config = load_config(REPO / "configs" / "sop.yaml", [*longer.overrides(spec, 0, "sop.yaml"), *small, *overrides])
         output = train(config, shards=shards, device=device, progress=False)
         runs[variant] = (score(shards, output.path, device), epoch_diagnostics(output.path))
+        steps = output.metrics["steps"]
         print(f"{variant}, {args.collapse_epochs} epochs: {runs[variant]}", flush=True)
-    return runs
+    return runs, int(steps)
 
 
-def collapse_section(args: argparse.Namespace, schedule: Schedule, shards: ShardResult,
-                     runs: dict[str, tuple[Score, list[dict[str, float]]]]) -> list[str]:
+def collapse_section(args: argparse.Namespace, schedule: Schedule,
+                     collapse: tuple[dict[str, tuple[Score, list[dict[str, float]]]], int]) -> list[str]:
+    runs, steps = collapse
     steps_to_fill = -(-args.collapse_memory // (2 * schedule.batch_size))
-    steps_per_epoch = -(-shards.splits.get("train", 0) // schedule.batch_size)
     header = ["epoch", *[f"{variant}: {name}" for variant in runs for name in ("effective rank", "entropy")]]
     epochs = range(min(len(diagnostics) for _, diagnostics in runs.values()))
     rows = [[str(epoch + 1), *[f"{diagnostics[epoch][name]:.{digits}f}" for _, diagnostics in runs.values()
@@ -134,7 +135,7 @@ def collapse_section(args: argparse.Namespace, schedule: Schedule, shards: Shard
                        for variant, (final, _) in runs.items())
     return [
         "## Fixed anchors over a longer schedule", "",
-        (f"SOP and SOP with fixed anchors, seed 0, {args.collapse_epochs} epochs of {steps_per_epoch} steps, "
+        (f"SOP and SOP with fixed anchors, seed 0, {args.collapse_epochs} epochs ({steps} steps), "
          f"memories of {args.collapse_memory} entries (full after {steps_to_fill} step{'s' * (steps_to_fill > 1)}, "
          "when the fixed anchors "
          f"are drawn) and {args.collapse_memory // 4} anchors; the diagnostics of every epoch. Final top-1 (%): "
@@ -207,7 +208,7 @@ def main() -> None:
     seeds = list(range(args.seeds))
     results = {variant: [train_and_score(variant, schedule, spec, seed, shards, device) for seed in seeds]
                for variant in VARIANTS}
-    collapse = (collapse_section(args, schedule, shards, collapse_runs(args, schedule, spec, shards, device))
+    collapse = (collapse_section(args, schedule, collapse_runs(args, schedule, spec, shards, device))
                 if args.collapse_epochs > 0 else [])
     command = shlex.join(["python", "benchmarks/reproduce_sop.py", *sys.argv[1:]])
     text = report(command, args.dataset, schedule, shards, seeds, results, collapse,
