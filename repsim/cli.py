@@ -108,10 +108,14 @@ def cmd_train(args: argparse.Namespace) -> None:
     from repsim.flows.train import train_flow
 
     _start_orchestration()
-    summary = train_flow(config=args.config, overrides=args.overrides)
+    _print_stage_summary(train_flow(config=args.config, overrides=args.overrides), "trained")
+
+
+def _print_stage_summary(summary: dict, done: str) -> None:
+    """A flow's metrics as a table, then whether its stage was ``done`` or found cached, and where."""
     rows = [[name, f"{value:.4g}"] for name, value in sorted(summary["metrics"].items())]
     print(_table(["metric", "value"], rows))
-    print(f"{'cached' if summary['cached'] else 'trained'}: {summary['path']}")
+    print(f"{'cached' if summary['cached'] else done}: {summary['path']}")
 
 
 def cmd_align(args: argparse.Namespace) -> None:
@@ -123,10 +127,7 @@ def cmd_align(args: argparse.Namespace) -> None:
     from repsim.flows.align import align_flow
 
     _start_orchestration()
-    summary = align_flow(config=args.config, overrides=args.overrides)
-    rows = [[name, f"{value:.4g}"] for name, value in sorted(summary["metrics"].items())]
-    print(_table(["metric", "value"], rows))
-    print(f"{'cached' if summary['cached'] else 'aligned'}: {summary['path']}")
+    _print_stage_summary(align_flow(config=args.config, overrides=args.overrides), "aligned")
 
 
 def cmd_run(args: argparse.Namespace) -> None:
