@@ -41,7 +41,7 @@ from repsim.similarity.stages import text_model_identity
 from repsim.similarity.wordnet import lookup
 from repsim.stage import Stage, StageOutput, read_record, run_stage
 
-STAGE_VERSION = "1"
+STAGE_VERSION = "2"  # 2: the hypernym caption uses the first hypernym by name
 IMAGE_FILE = "image.npy"
 TEXT_FILE = "text.npy"
 ROWS_FILE = "rows.parquet"
@@ -192,13 +192,14 @@ def class_captions(name: str, synset: str, templates: tuple[str, ...], lemmas: b
                    hypernym: bool = True) -> list[str]:
     """The distinct captions of one class: each template with the class name and, if asked, each
     lemma of its synset; then each template with the name followed by the synset's gloss and by
-    "a kind of <first hypernym lemma>"."""
+    "a kind of <first hypernym lemma>", hypernyms ordered by name (NLTK's order varies between runs)."""
     entry = lookup(synset)
     names = [name] + ([lemma.replace("_", " ") for lemma in entry.lemma_names()] if lemmas else [])
     names = list(dict.fromkeys(names))
     captions = [template.format(name=label) for template in templates for label in names]
     suffixes = ([entry.definition()] if gloss else []) + (
-        [f"a kind of {parent.lemma_names()[0].replace('_', ' ')}" for parent in entry.hypernyms()[:1]] if hypernym else [])
+        [f"a kind of {parent.lemma_names()[0].replace('_', ' ')}"
+         for parent in sorted(entry.hypernyms(), key=lambda parent: parent.name())[:1]] if hypernym else [])
     captions += [f"{template.format(name=name).rstrip('.')}, {suffix}." for template in templates for suffix in suffixes]
     return list(dict.fromkeys(captions))
 
