@@ -49,10 +49,13 @@ class DINOLoss(nn.Module):
         """softmax((t − c) / τ_t) of teacher logits (B, K)."""
         return torch.softmax((at_least_float32(teacher) - self.center) / self.teacher_temperature, dim=1)
 
+    def student_log_probabilities(self, student: torch.Tensor) -> torch.Tensor:
+        """log softmax(s / τ_s) of student logits (B, K)."""
+        return torch.log_softmax(at_least_float32(student) / self.student_temperature, dim=1)
+
     def forward(self, student: Sequence[torch.Tensor], teacher: Sequence[torch.Tensor]) -> torch.Tensor:
         targets = [self.teacher_probabilities(logits.detach()) for logits in teacher]
-        log_probs = [torch.log_softmax(at_least_float32(logits) / self.student_temperature, dim=1)
-                     for logits in student]
+        log_probs = [self.student_log_probabilities(logits) for logits in student]
         loss = cross_view_cross_entropy(targets, log_probs)
         if self.training:
             self.update_center(torch.cat(teacher).detach())

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from repsim.losses._pairs import at_least_float32
 from repsim.losses.dino import DINOLoss
 
 
@@ -24,8 +23,8 @@ class IBOTPatchLoss(DINOLoss):
             raise ValueError(f"student {tuple(student.shape)} and teacher {tuple(teacher.shape)} logits "
                              "must both be (N, K)")
         target = self.teacher_probabilities(teacher.detach())
-        log_probs = torch.log_softmax(at_least_float32(student) / self.student_temperature, dim=1)
-        loss = -(target * log_probs).sum(dim=1).mean() if len(student) else student.sum() * 0.0
+        loss = (-(target * self.student_log_probabilities(student)).sum(dim=1).mean() if len(student)
+                else student.sum() * 0.0)
         if self.training:
             self.update_center(teacher.detach())
         return loss
