@@ -13,55 +13,61 @@ def target_mass(similarity: torch.Tensor, target_temperature: float, offset: int
     of sample i puts on each view of sample j (on i's other view for j = i).
 
     ``similarity`` holds the rows (R, B') of samples offset, ..., offset + R - 1 against all B'
-    samples (R = B' and offset 0 for the whole batch). A view's target row runs over the 2B' - 1
-    other views: ``softmax(s / target_temperature)`` with s[i, i] = 1. Both views of j share s[i, j],
-    so with q the softmax over the B' samples the row is ``q / (2 - q[i, i])``, and rows of the full
-    (2R, 2B') target are [P_i, P_i] with the view's own entry set to 0.
+    samples (R = B' and offset 0 for the whole batch), so sample i's own entry lies on the diagonal
+    at ``offset``. A view's target row runs over the 2B' - 1 other views: ``softmax(s / target_temperature)``
+    with s[i, i] = 1. Both views of j share s[i, j], so with q the softmax over the B' samples the
+    row is ``q / (2 - q[i, i])``, and rows of the full (2R, 2B') target are [P_i, P_i] with the
+    view's own entry set to 0.
     """
     scaled = at_least_float32(similarity) / target_temperature
-    own = torch.arange(len(scaled), device=scaled.device)[:, None] + offset
-    probabilities = torch.softmax(scaled.scatter_(1, own, 1.0 / target_temperature), dim=1)
-    return probabilities / (2 - probabilities.gather(1, own))
+    scaled.diagonal(offset).fill_(1.0 / target_temperature)
+    probabilities = torch.softmax(scaled, dim=1)
+    return probabilities / (2 - probabilities.diagonal(offset))[:, None]
 
 
 class _SoftViewCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of softmax(logits) against the view-pair target built from ``mass``,
     without materialising that (2B, 2B') target.
 
-    Row r (view a of local sample i) targets ``mass[i, j]`` on both views of every sample j, except
-    its own column ``row_ids[r]``, which gets 0. The loss of row r is ``-Σ_c target[r, c] log p[r, c]``
-    and its gradient ``p[r] - target[r]`` (each target row sums to 1): both are formed from the two
-    column halves (the two views) of the log-probabilities, in place.
+    Row (a, i), view a of local sample i, targets ``mass[i, j]`` on both views of every sample j,
+    except its own column (a, offset + i), which gets 0. Seen as blocks (view of row, view of
+    column) of (B, B'), a row's own column lies on the diagonal at ``offset`` of the block (a, a)
+    and its other view's on that of the block (a, 1 - a). The loss of a row is
+    ``-Σ_c target[r, c] log p[r, c]`` and its gradient ``p[r] - target[r]`` (each target row sums
+    to 1): both are formed from these blocks of the log-probabilities, in place.
 
     Shapes: logits (2B, 2B') with the own column at a large negative value; mass (B, B') rows of the
-    local samples; row_ids (2B,). ``mass`` is a target: no gradient flows to it.
+    local samples; offset, this rank's first sample in the global batch. ``mass`` is a target: no
+    gradient flows to it.
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, mass: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
-        rows, columns = logits.shape
-        batch, global_batch = rows // 2, columns // 2
+    def forward(ctx, logits: torch.Tensor, mass: torch.Tensor, offset: int) -> torch.Tensor:
+        batch, global_batch = mass.shape
         mass = mass.to(logits.dtype)
         log_probs = torch.log_softmax(logits, dim=1)
-        own, positive = row_ids % global_batch, (row_ids + global_batch) % columns
+        blocks = log_probs.view(2, batch, 2, global_batch)
         # Both views of sample j share the target mass[i, j]; the own column adds nothing, so the
         # folded entry of sample i is its other view alone.
-        folded = log_probs.view(rows, 2, global_batch).sum(dim=1)                          # (2B, B')
-        folded.scatter_(1, own[:, None], log_probs.gather(1, positive[:, None]))
-        expected = folded.view(2, batch, global_batch).mul_(mass).sum(dim=2)               # (2, B)
-        ctx.save_for_backward(log_probs, mass, row_ids)
+        folded = blocks.sum(dim=2)                                                         # (2, B, B')
+        for view in (0, 1):
+            folded[view].diagonal(offset).copy_(blocks[view, :, 1 - view].diagonal(offset))
+        expected = folded.mul_(mass).sum(dim=2)                                            # (2, B)
+        ctx.save_for_backward(log_probs, mass)
+        ctx.offset = offset
         return -expected.mean()
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        log_probs, mass, row_ids = ctx.saved_tensors
-        rows, columns = log_probs.shape
-        batch, global_batch = rows // 2, columns // 2
+        log_probs, mass = ctx.saved_tensors
+        batch, global_batch = mass.shape
         grad = log_probs.exp()
-        grad.view(2, batch, 2, global_batch).sub_(mass[None, :, None, :])
-        own_mass = mass.gather(1, (row_ids[:batch] % global_batch)[:, None]).repeat(2, 1)
-        grad.scatter_add_(1, row_ids[:, None], own_mass)                                  # own target is 0
-        return grad.mul_(grad_output / rows), None, None
+        blocks = grad.view(2, batch, 2, global_batch)
+        blocks.sub_(mass[None, :, None, :])
+        own_mass = mass.diagonal(ctx.offset)
+        for view in (0, 1):                                                               # own target is 0
+            blocks[view, :, view].diagonal(ctx.offset).add_(own_mass)
+        return grad.mul_(grad_output / (2 * batch)), None, None
 
 
 class XCLRLoss(nn.Module):
@@ -97,4 +103,4 @@ class XCLRLoss(nn.Module):
             raise ValueError(f"similarity must be ({size}, {size}) for this batch; got {tuple(similarity.shape)}")
         rows = similarity.detach().narrow(0, pairs.offset, len(z1))                          # (B, B')
         mass = target_mass(rows, self.target_temperature, pairs.offset)
-        return _SoftViewCrossEntropy.apply(pairs.logits, mass, pairs.row_ids)
+        return _SoftViewCrossEntropy.apply(pairs.logits, mass, pairs.offset)
