@@ -39,6 +39,7 @@ from repsim.data.spec import load_spec
 from repsim.eval.stages import evaluate, read_results
 from repsim.methods.config import load_config
 from repsim.methods.stage import train
+from repsim.similarity.wordnet import class_similarity
 from repsim.stage import repsim_home
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,6 +100,16 @@ def score(shards: ShardResult, encoder: str | Path, device: torch.device) -> Sco
     return Score(suites["knn"][f"knn_top1_k{KNN_K}"], suites["linear"]["linear_top1"])
 
 
+def other_class_share(spec: Path, target_temperature: float) -> str:
+    """The share (%) of a sample's X-CLR (WordNet, wup) target that lies on other classes when every
+    class has as many samples in the batch, ``1 - softmax(s / τ_s)[c, c]`` over the (C, C) class
+    similarity s: its mean and range over the classes."""
+    synsets = list((load_spec(spec).classes or {}).values())
+    similarity = torch.from_numpy(class_similarity(synsets, "wup"))
+    share = 100 * (1 - torch.softmax(similarity / target_temperature, dim=1).diagonal())
+    return f"{share.mean():.0f} ({share.min():.0f}–{share.max():.0f})"
+
+
 def train_and_score(method: str, schedule: Schedule, spec: Path, seed: int, shards: ShardResult,
                     device: torch.device, extra: Sequence[str] = ()) -> Score:
     config_file, overrides = METHODS[method]
@@ -115,7 +126,8 @@ def mean_std(values: Sequence[float]) -> str:
 
 
 def report(command: str, dataset: str, schedule: Schedule, shards: ShardResult, seeds: Sequence[int],
-           pixels: Score, results: dict[str, list[Score]], sweep: dict[float, Score], minutes: float) -> str:
+           pixels: Score, results: dict[str, list[Score]], sweep: dict[float, Score], spec: Path,
+           minutes: float) -> str:
     stem = "small-images" if schedule.small_images else "standard"
     lines = [
         "# Contrastive methods compared", "",
@@ -130,9 +142,11 @@ def report(command: str, dataset: str, schedule: Schedule, shards: ShardResult, 
         f"| raw pixels (floor) | {100 * pixels.knn:.2f} | {100 * pixels.linear:.2f} |",
         *[f"| {method} | {mean_std([s.knn for s in scores])} | {mean_std([s.linear for s in scores])} |"
           for method, scores in results.items()], "",
-        f"τ_s sweep of {SWEPT} (method.target_temperature), seed {seeds[0]}:", "",
-        "| τ_s | kNN top-1 | linear top-1 |", "|---:|---:|---:|",
-        *[f"| {tau:g} | {100 * s.knn:.2f} | {100 * s.linear:.2f} |" for tau, s in sorted(sweep.items())], "",
+        (f"τ_s sweep of {SWEPT} (method.target_temperature), seed {seeds[0]}; the share of a sample's "
+         "target on other classes at equal class counts, mean and range over the classes:"), "",
+        "| τ_s | kNN top-1 | linear top-1 | target on other classes (%) |", "|---:|---:|---:|---:|",
+        *[f"| {tau:g} | {100 * s.knn:.2f} | {100 * s.linear:.2f} | {other_class_share(spec, tau)} |"
+          for tau, s in sorted(sweep.items())], "",
     ]
     return "\n".join(lines)
 
@@ -172,7 +186,7 @@ def main() -> None:
     sweep = {tau: train_and_score(SWEPT, schedule, spec, seeds[0], shards, device,
                                   [f"method.target_temperature={tau}"]) for tau in args.target_temperatures}
     command = shlex.join(["python", "benchmarks/reproduce_contrastive.py", *sys.argv[1:]])
-    text = report(command, args.dataset, schedule, shards, seeds, pixels, results, sweep,
+    text = report(command, args.dataset, schedule, shards, seeds, pixels, results, sweep, spec,
                   (time.perf_counter() - started) / 60)
     write_report(args.report, text)
     print(text)
