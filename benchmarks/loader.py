@@ -1,10 +1,13 @@
-"""Throughput of the shard loader against its ceiling: the same transforms on images already in memory.
+"""Throughput of the shard loader's two augmentation pipelines, each against its in-memory ceiling.
 
-For each number of DataLoader workers, ``make_loader(..., "simclr")`` over the first ``--images``
-training images is timed against the same views and collation applied to the same images held as
-uint8 tensors (a map-style dataset of batches, so the ceiling pays no reading, decoding or
-per-sample seeding). A per-image breakdown of the loader's own stages (tar reading, decoding,
-seeding, augmentation) follows. The table goes to ``benchmarks/results/loader.md``.
+For each number of DataLoader workers, ``make_loader(..., "simclr", augment=...)`` over the first
+``--images`` training images is timed with the per-image torchvision pipeline in the workers
+(``augment="sample"``) and with the batched kornia one on the CPU, in the main process
+(``augment="batch"``), alternating the two. Each is timed against the same views made from the same
+images held as uint8 tensors (a map-style dataset of batches, so the ceiling pays no reading,
+decoding or per-sample seeding). A per-image breakdown of the loader's own stages (tar reading,
+decoding, seeding, augmentation per image and per batch) follows. The tables go to
+``benchmarks/results/loader.md``.
 
     python benchmarks/loader.py [--spec data_specs/animal-mnist.yaml] [--images 8000] [--rounds 2]
 
@@ -31,6 +34,7 @@ from typing import TypeVar
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from repsim.data.batch_augment import BatchViews, make_batch_views
 from repsim.data.loader import (
     READ_MODES,
     ShardLoader,
@@ -40,17 +44,20 @@ from repsim.data.loader import (
     read_image,
     read_parts,
     seeded_rng,
+    targets,
 )
 from repsim.data.sharding import shard
 
 RESULTS = Path(__file__).parent / "results" / "loader.md"
+PIPELINES = {"sample": "per image (torchvision v2)", "batch": "batched (kornia, CPU)"}
 T = TypeVar("T")
 
 
 class InMemoryBatches(Dataset):
-    """Batch ``b``: the views of images ``b·B … (b+1)·B - 1`` of a uint8 N×C×H×W tensor, collated."""
+    """Batch ``b`` of images ``b·B … (b+1)·B - 1`` of a uint8 N×C×H×W tensor: their views made per image
+    and collated, or, without ``views``, the images themselves (as the workers yield them per batch)."""
 
-    def __init__(self, images: torch.Tensor, views: Callable, batch_size: int):
+    def __init__(self, images: torch.Tensor, views: Callable | None, batch_size: int):
         self.images, self.views, self.batch_size = images, views, batch_size
 
     def __len__(self) -> int:
@@ -58,14 +65,22 @@ class InMemoryBatches(Dataset):
 
     def __getitem__(self, batch: int) -> dict:
         indices = range(batch * self.batch_size, (batch + 1) * self.batch_size)
+        if self.views is None:
+            return {"images": self.images[indices.start:indices.stop], **targets([0] * len(indices), list(indices))}
         return make_batch([self.views(self.images[i]) for i in indices], [0] * len(indices), list(indices))
+
+
+def with_batch_views(batches: Iterable[dict], views: BatchViews) -> Iterator[dict]:
+    """Each batch's views made in this process, seeded by its position, as the loader's batch mode does."""
+    for position, batch in enumerate(batches):
+        yield {"views": views(batch.pop("images"), seed=position), **batch}
 
 
 @dataclass(frozen=True)
 class Throughput:
-    """Images per wall-clock second, and CPU microseconds per image summed over all processes."""
+    """Views per wall-clock second, and CPU microseconds per view summed over all processes."""
 
-    images_per_second: float
+    views_per_second: float
     cpu_micros: float
 
 
@@ -77,14 +92,15 @@ def cpu_seconds() -> float:
 
 def throughput(batches: Callable[[], Iterable[dict]], limit: int) -> Throughput:
     """Consume up to ``limit`` images' worth of batches, start-up and worker shutdown included."""
-    started, started_cpu, seen = time.perf_counter(), cpu_seconds(), 0
+    started, started_cpu, images, views = time.perf_counter(), cpu_seconds(), 0, 0
     iterator = iter(batches())
     for batch in iterator:
-        seen += len(batch["index"])
-        if seen >= limit:
+        images += len(batch["index"])
+        views += len(batch["index"]) * len(batch["views"])
+        if images >= limit:
             break
-    del iterator  # joins the workers, so their CPU time is counted
-    return Throughput(seen / (time.perf_counter() - started), (cpu_seconds() - started_cpu) / seen * 1e6)
+    del iterator  # joins the workers (and closes the generator around them), so their CPU time is counted
+    return Throughput(views / (time.perf_counter() - started), (cpu_seconds() - started_cpu) / views * 1e6)
 
 
 def load_images(loader: ShardLoader, limit: int) -> torch.Tensor:
@@ -94,7 +110,7 @@ def load_images(loader: ShardLoader, limit: int) -> torch.Tensor:
     return torch.stack([read_image(sample, mode) for sample in samples])
 
 
-def stage_breakdown(loader: ShardLoader, limit: int) -> dict[str, float]:
+def stage_breakdown(loader: ShardLoader, batch_size: int, limit: int) -> dict[str, float]:
     """Microseconds per image of each loader stage, run one after the other in this process."""
     stream = loader.stream
 
@@ -106,8 +122,12 @@ def stage_breakdown(loader: ShardLoader, limit: int) -> dict[str, float]:
     images, decode = timed(lambda: [read_image(sample, READ_MODES[stream.channels]) for sample in samples])
     _, seed = timed(lambda: [seed_only(index) for index in range(len(images))])
     _, augment = timed(lambda: [stream.views(image) for image in images])
+    batches = torch.stack(images).split(batch_size)
+    batch_views = make_batch_views("simclr", batches[0].shape[-1], stream.channels)
+    _, augment_batched = timed(lambda: [batch_views(batch, seed=seed) for seed, batch in enumerate(batches)])
     seconds = {"read tar members": read, "decode image": decode, "seed the sample's RNG": seed,
-               "augment (simclr, 2 views)": augment}
+               "augment per image (simclr, 2 views)": augment,
+               f"augment per batch of {batch_size} (simclr, 2 views, kornia on the CPU)": augment_batched}
     return {stage: spent / len(images) * 1e6 for stage, spent in seconds.items()}
 
 
@@ -132,43 +152,66 @@ def artifact_home() -> Iterator[None]:
             del os.environ["REPSIM_HOME"]
 
 
-def measure(shards: Path, workers: int, images: int, batch_size: int, rounds: int) -> tuple[Throughput, Throughput]:
-    """(loader, in-memory), each the best of ``rounds`` alternating runs (fastest wall clock, least CPU)."""
-    def loader() -> ShardLoader:
-        return make_loader(shards, "simclr", batch_size, num_workers=workers)
+def measure(shards: Path, workers: int, images: int, batch_size: int,
+            rounds: int) -> dict[str, tuple[Throughput, Throughput]]:
+    """Per pipeline (see PIPELINES), (loader, in-memory): each the best of ``rounds`` runs (fastest wall
+    clock, least CPU), the four alternating within a round."""
+    per_image = make_loader(shards, "simclr", batch_size)
+    pixels = load_images(per_image, images)
+    batch_views = make_batch_views("simclr", pixels.shape[-1], pixels.shape[1])
 
-    memory = InMemoryBatches(load_images(loader(), images), loader().stream.views, batch_size)
-    runs: tuple[list[Throughput], list[Throughput]] = ([], [])
+    def in_memory(views: Callable | None) -> DataLoader:
+        return DataLoader(InMemoryBatches(pixels, views, batch_size), batch_size=None, num_workers=workers)
+
+    paths = {
+        ("sample", "loader"): lambda: make_loader(shards, "simclr", batch_size, num_workers=workers),
+        ("batch", "loader"): lambda: make_loader(shards, "simclr", batch_size, num_workers=workers, augment="batch"),
+        ("sample", "memory"): lambda: in_memory(per_image.stream.views),
+        ("batch", "memory"): lambda: with_batch_views(in_memory(None), batch_views),
+    }
+    runs: dict[tuple[str, str], list[Throughput]] = {path: [] for path in paths}
     for _ in range(rounds):
-        runs[0].append(throughput(loader, images))
-        runs[1].append(throughput(lambda: DataLoader(memory, batch_size=None, num_workers=workers), images))
-    return tuple(Throughput(max(run.images_per_second for run in path), min(run.cpu_micros for run in path))
-                 for path in runs)
+        for path, batches in paths.items():
+            runs[path].append(throughput(batches, images))
+    best = {path: Throughput(max(run.views_per_second for run in found), min(run.cpu_micros for run in found))
+            for path, found in runs.items()}
+    return {pipeline: (best[pipeline, "loader"], best[pipeline, "memory"]) for pipeline in PIPELINES}
 
 
 def report(command: str, spec: str, images: int, batch_size: int,
-           rows: list[tuple[int, Throughput, Throughput]], breakdown: dict[str, float]) -> str:
+           rows: list[tuple[int, dict[str, tuple[Throughput, Throughput]]]], breakdown: dict[str, float]) -> str:
     lines = [
         "# Shard loader throughput", "",
         f"Command: `{command}`", "",
         (f"Data: {spec}, train split, first {images} images; `simclr` preset (2 views), batch size {batch_size}; "
         f"torch {torch.__version__}, {os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}; "
-        "augmentations on one torch thread in every process. "
-        "In-memory: the same views and collation on the same images held as uint8 tensors (the ceiling). "
-        "Best of the rounds, DataLoader start-up included. The machine is shared, so wall-clock rates "
-        "vary from run to run; CPU time per image (all processes, workers included) is the steadier "
-        "measure of the loader's own cost."), "",
-        "| workers | loader img/s | in-memory img/s | ratio | loader CPU µs/img | in-memory CPU µs/img | CPU ratio |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
-        *[f"| {workers} | {loaded.images_per_second:,.0f} | {memory.images_per_second:,.0f} "
-          f"| {loaded.images_per_second / memory.images_per_second:.2f} | {loaded.cpu_micros:,.0f} "
+        "augmentations on one torch thread in every process. Per image: torchvision v2 in the DataLoader "
+        "workers (`augment=\"sample\"`); batched: kornia on the CPU in the main process, the workers only "
+        "reading and decoding (`augment=\"batch\"`). In-memory: the same views and collation on the same "
+        "images held as uint8 tensors (the ceiling). Best of the rounds, the four runs alternating within a "
+        "round, DataLoader start-up included. The machine is shared, so wall-clock rates vary from run to "
+        "run; CPU time per view (all processes, workers included) is the steadier measure of the cost."), "",
+        "| workers | pipeline | loader views/s | in-memory views/s | ratio | loader CPU µs/view "
+        "| in-memory CPU µs/view | CPU ratio |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        *[f"| {workers} | {PIPELINES[pipeline]} | {loaded.views_per_second:,.0f} | {memory.views_per_second:,.0f} "
+          f"| {loaded.views_per_second / memory.views_per_second:.2f} | {loaded.cpu_micros:,.0f} "
           f"| {memory.cpu_micros:,.0f} | {memory.cpu_micros / loaded.cpu_micros:.2f} |"
-          for workers, loaded, memory in rows],
+          for workers, pipelines in rows for pipeline, (loaded, memory) in pipelines.items()],
+        "", "Batched over per image, in the loader:", "",
+        "| workers | views/s | CPU per view |", "|---:|---:|---:|",
+        *[f"| {workers} | {speedup(pipelines, 'views_per_second'):.1f}× "
+          f"| {1 / speedup(pipelines, 'cpu_micros'):.1f}× less |" for workers, pipelines in rows],
         "", "Where the loader's time goes (one process, per image):", "",
         "| stage | µs/image |", "|---|---:|",
         *[f"| {stage} | {micros:,.1f} |" for stage, micros in breakdown.items()], "",
     ]
     return "\n".join(lines)
+
+
+def speedup(pipelines: dict[str, tuple[Throughput, Throughput]], field: str) -> float:
+    """The loader's ``field`` with batched views over the one with per-image views."""
+    return getattr(pipelines["batch"][0], field) / getattr(pipelines["sample"][0], field)
 
 
 def main() -> None:
@@ -184,10 +227,11 @@ def main() -> None:
         shards = shard(args.spec, progress=False).path
         rows = []
         for workers in args.workers:
-            loaded, memory = measure(shards, workers, args.images, args.batch_size, args.rounds)
-            rows.append((workers, loaded, memory))
-            print(f"workers={workers}: loader {loaded}, in-memory {memory}", flush=True)
-        breakdown = stage_breakdown(make_loader(shards, "simclr", args.batch_size), min(args.images, 2000))
+            pipelines = measure(shards, workers, args.images, args.batch_size, args.rounds)
+            rows.append((workers, pipelines))
+            print(f"workers={workers}: {pipelines}", flush=True)
+        breakdown = stage_breakdown(make_loader(shards, "simclr", args.batch_size), args.batch_size,
+                                    min(args.images, 2000))
     command = shlex.join(["python", "benchmarks/loader.py", *sys.argv[1:]])
     text = report(command, Path(args.spec).name, args.images, args.batch_size, rows, breakdown)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Data specs, source readers, the shard stage, augmentation presets and loaders.
+"""Data specs, source readers, the shard stage, augmentation presets (per image and batched) and loaders.
 
 Exports resolve on first use, so reading a data spec does not import torch.
 """
@@ -9,6 +9,7 @@ _EXPORTS = {
     "DataSpec": "spec", "load_spec": "spec",
     "ShardResult": "sharding", "shard": "sharding", "shard_stage": "sharding",
     "PRESETS": "augment", "Views": "augment", "make_views": "augment",
+    "BatchViews": "batch_augment", "make_batch_views": "batch_augment",
     "ShardLoader": "loader", "make_loader": "loader",
 }
 __all__ = sorted(_EXPORTS)

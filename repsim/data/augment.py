@@ -21,12 +21,16 @@ are left out; brightness and contrast jitter apply. Normalisation is ``(x/255 - 
 channel; the default mean = std = 0.5 maps pixels to [-1, 1] for any dataset. Pass dataset
 statistics instead (e.g. Fashion-MNIST: mean 0.286, std 0.353) with ``mean=``/``std=``.
 
-The result of :func:`make_views` is picklable, so it can travel to DataLoader workers.
+Each preset is a list of view recipes (:class:`RandomView`, :class:`EvalView`); :func:`make_views` builds
+them as torchvision pipelines, repsim.data.batch_augment as batched ones. The result of :func:`make_views`
+is picklable, so it can travel to DataLoader workers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torchvision.transforms import v2
@@ -35,7 +39,10 @@ from repsim.errors import SpecError
 
 Jitter = tuple[float, float, float, float]
 DEFAULT_JITTER: Jitter = (0.4, 0.4, 0.4, 0.1)
+JITTER_P = 0.8
+GRAYSCALE_P = 0.2
 BLUR_SIGMA = (0.1, 2.0)
+SOLARIZE_THRESHOLD = 0.5
 
 
 class Views:
@@ -57,70 +64,111 @@ class Views:
 def make_views(preset: str, image_size: int, channels: int = 3, **options) -> Views:
     """The augmentation ``preset`` ('simclr', 'multicrop', 'eval') for square views of ``image_size``.
 
-    ``options`` are the keyword arguments of the preset's builder (:data:`PRESETS`), e.g.
+    ``options`` are the keyword arguments of the preset's recipe (:data:`PRESETS`), e.g.
     ``crop_scale``, ``blur``, ``local_crops``, ``mean``, ``std``.
     """
+    return Views([per_image_view(recipe) for recipe in preset_recipes(preset, image_size, channels, **options)])
+
+
+@dataclass(frozen=True)
+class RandomView:
+    """One random view: crop to ``size`` (area fraction in ``scale``) → flip → colour jitter (p=0.8) →
+    grayscale (p=0.2, RGB only) → blur (``blur_p``) → solarize (``solarize_p``) → normalise."""
+
+    size: int
+    scale: tuple[float, float]
+    blur_p: float
+    solarize_p: float
+    channels: int
+    jitter: Jitter  # brightness, contrast, saturation, hue; saturation and hue 0 for one channel
+    mean: list[float]
+    std: list[float]
+
+
+@dataclass(frozen=True)
+class EvalView:
+    """The deterministic view: resize the shorter side to ``resize``, centre-crop ``size``, normalise."""
+
+    size: int
+    resize: int
+    mean: list[float]
+    std: list[float]
+
+
+ViewRecipe = RandomView | EvalView
+
+
+def preset_recipes(preset: str, image_size: int, channels: int = 3, **options) -> list[ViewRecipe]:
+    """The recipes of ``preset``'s views, in order; SpecError for an unknown preset or channel count."""
     if preset not in PRESETS:
         raise SpecError(f"unknown augmentation preset {preset!r}", f"use one of {', '.join(PRESETS)}")
     if channels not in (1, 3):
         raise SpecError(f"images have {channels} channels", "decode them to 1 (grayscale) or 3 (RGB)")
-    return Views(PRESETS[preset](image_size, channels, **options))
+    return PRESETS[preset](image_size, channels, **options)
 
 
 def simclr(image_size: int, channels: int, *, crop_scale: tuple[float, float] | None = None,
            blur: tuple[float, float] = (1.0, 0.1), solarize: tuple[float, float] = (0.0, 0.2),
            jitter: Jitter = DEFAULT_JITTER, mean: float | Sequence[float] = 0.5,
-           std: float | Sequence[float] = 0.5) -> list[v2.Compose]:
+           std: float | Sequence[float] = 0.5) -> list[RandomView]:
     """Two augmented views; ``blur[i]``/``solarize[i]`` are view i's probabilities."""
     scale = crop_scale or ((0.08, 1.0) if image_size >= 96 else (0.2, 1.0))
-    normalize = _normalize(channels, mean, std)
-    return [augmented_view(image_size, scale, channels, blur_p, solarize_p, jitter, normalize)
-            for blur_p, solarize_p in zip(blur, solarize, strict=True)]
+    view = _random_view(channels, jitter, mean, std)
+    return [view(image_size, scale, blur_p, solarize_p) for blur_p, solarize_p in zip(blur, solarize, strict=True)]
 
 
 def multicrop(image_size: int, channels: int, *, local_crops: int = 6, local_size: int | None = None,
               global_scale: tuple[float, float] = (0.4, 1.0), local_scale: tuple[float, float] = (0.05, 0.4),
               jitter: Jitter = DEFAULT_JITTER, mean: float | Sequence[float] = 0.5,
-              std: float | Sequence[float] = 0.5) -> list[v2.Compose]:
+              std: float | Sequence[float] = 0.5) -> list[RandomView]:
     """Two global views at ``image_size`` then ``local_crops`` local views at ``local_size`` (3/7 default)."""
-    normalize = _normalize(channels, mean, std)
-    first, second = (augmented_view(image_size, global_scale, channels, blur_p, solarize_p, jitter, normalize)
-                     for blur_p, solarize_p in ((1.0, 0.0), (0.1, 0.2)))
-    local = augmented_view(local_size or max(1, round(image_size * 3 / 7)), local_scale, channels,
-                           0.5, 0.0, jitter, normalize)
-    return [first, second] + [local] * local_crops
+    view = _random_view(channels, jitter, mean, std)
+    local = view(local_size or max(1, round(image_size * 3 / 7)), local_scale, 0.5, 0.0)
+    return [view(image_size, global_scale, 1.0, 0.0), view(image_size, global_scale, 0.1, 0.2)] + [local] * local_crops
 
 
 def eval_view(image_size: int, channels: int, *, crop_fraction: float = 1.0,
-              mean: float | Sequence[float] = 0.5, std: float | Sequence[float] = 0.5) -> list[v2.Compose]:
+              mean: float | Sequence[float] = 0.5, std: float | Sequence[float] = 0.5) -> list[EvalView]:
     """One deterministic view: resize the shorter side to ``image_size / crop_fraction``, centre-crop."""
-    return [v2.Compose([
-        v2.Resize(round(image_size / crop_fraction), antialias=True),
-        v2.CenterCrop(image_size),
+    return [EvalView(image_size, round(image_size / crop_fraction), *_mean_std(channels, mean, std))]
+
+
+PRESETS: dict[str, Callable[..., list[ViewRecipe]]] = {"simclr": simclr, "multicrop": multicrop, "eval": eval_view}
+
+
+def per_image_view(recipe: ViewRecipe) -> v2.Compose:
+    """The torchvision pipeline of one view: uint8 C×H×W → float C×size×size."""
+    if isinstance(recipe, EvalView):
+        return eval_pipeline(recipe)
+    return augmented_view(recipe)
+
+
+def eval_pipeline(recipe: EvalView) -> v2.Compose:
+    """Resize → centre-crop → float → normalise; deterministic, so it applies to a B×C×H×W batch alike."""
+    return v2.Compose([
+        v2.Resize(recipe.resize, antialias=True),
+        v2.CenterCrop(recipe.size),
         v2.ToDtype(torch.float32, scale=True),
-        _normalize(channels, mean, std),
-    ])]
+        v2.Normalize(recipe.mean, recipe.std),
+    ])
 
 
-PRESETS: dict[str, Callable[..., list[v2.Compose]]] = {"simclr": simclr, "multicrop": multicrop, "eval": eval_view}
-
-
-def augmented_view(size: int, scale: tuple[float, float], channels: int, blur_p: float, solarize_p: float,
-                   jitter: Jitter, normalize: v2.Normalize) -> v2.Compose:
+def augmented_view(recipe: RandomView) -> v2.Compose:
     """Crop → flip → colour jitter → grayscale → blur → solarize → normalise, for one view of ``size``."""
     steps = [
-        v2.RandomResizedCrop(size, scale=scale, antialias=True),
+        v2.RandomResizedCrop(recipe.size, scale=recipe.scale, antialias=True),
         v2.RandomHorizontalFlip(),
         v2.ToDtype(torch.float32, scale=True),
-        v2.RandomApply([_color_jitter(channels, jitter)], p=0.8),
+        v2.RandomApply([v2.ColorJitter(*recipe.jitter)], p=JITTER_P),
     ]
-    if channels == 3:
-        steps.append(v2.RandomGrayscale(p=0.2))
-    if blur_p > 0:
-        steps.append(v2.RandomApply([v2.GaussianBlur(blur_kernel_size(size), sigma=BLUR_SIGMA)], p=blur_p))
-    if solarize_p > 0:
-        steps.append(v2.RandomSolarize(threshold=0.5, p=solarize_p))
-    return v2.Compose([*steps, normalize])
+    if recipe.channels == 3:
+        steps.append(v2.RandomGrayscale(p=GRAYSCALE_P))
+    if recipe.blur_p > 0:
+        steps.append(v2.RandomApply([v2.GaussianBlur(blur_kernel_size(recipe.size), sigma=BLUR_SIGMA)],
+                                    p=recipe.blur_p))
+    if recipe.solarize_p > 0:
+        steps.append(v2.RandomSolarize(threshold=SOLARIZE_THRESHOLD, p=recipe.solarize_p))
+    return v2.Compose([*steps, v2.Normalize(recipe.mean, recipe.std)])
 
 
 def blur_kernel_size(size: int) -> int:
@@ -129,15 +177,18 @@ def blur_kernel_size(size: int) -> int:
     return max(3, kernel + 1 - kernel % 2)
 
 
-def _color_jitter(channels: int, jitter: Jitter) -> v2.ColorJitter:
+def _random_view(channels: int, jitter: Jitter, mean: float | Sequence[float],
+                 std: float | Sequence[float]) -> Callable[..., RandomView]:
+    """``view(size, scale, blur_p, solarize_p)``: a RandomView with the preset's shared settings."""
     brightness, contrast, saturation, hue = jitter
-    if channels == 1:
-        return v2.ColorJitter(brightness=brightness, contrast=contrast)
-    return v2.ColorJitter(brightness=brightness, contrast=contrast, saturation=saturation, hue=hue)
+    colour = (brightness, contrast, saturation, hue) if channels == 3 else (brightness, contrast, 0.0, 0.0)
+    mean, std = _mean_std(channels, mean, std)
+    return partial(RandomView, channels=channels, jitter=colour, mean=mean, std=std)
 
 
-def _normalize(channels: int, mean: float | Sequence[float], std: float | Sequence[float]) -> v2.Normalize:
-    return v2.Normalize(_per_channel(mean, channels, "mean"), _per_channel(std, channels, "std"))
+def _mean_std(channels: int, mean: float | Sequence[float],
+              std: float | Sequence[float]) -> tuple[list[float], list[float]]:
+    return _per_channel(mean, channels, "mean"), _per_channel(std, channels, "std")
 
 
 def _per_channel(value: float | Sequence[float], channels: int, name: str) -> list[float]:

@@ -8,6 +8,13 @@ tensor (torchvision's decoder, no PIL), applies an augmentation preset and yield
      "index": B int64,               # the sample's row in manifest.parquet
      "caption": [str] * B}           # only with with_captions=True
 
+Augmentation. With ``augment="sample"`` (the default) the DataLoader workers make each image's views
+(repsim.data.augment, torchvision). With ``augment="batch"`` the workers only read and decode, and
+stack a batch's images as uint8 B×C×H×W (an image whose size differs from the batch's first is
+resized to cover that size, aspect ratio kept, and centre-cropped to it); the loader's iterator, in
+the main process, moves them to ``device`` (pinned and non-blocking on CUDA) and makes all the
+views in one call there (repsim.data.batch_augment, kornia). The views are then on ``device``.
+
 Splitting. The shard list is first permuted per epoch (when shuffling), identically on every rank.
 Ranks, then the DataLoader workers of a rank, are dealt whole shards round-robin; shards left over
 after the last full round (all of them when there are fewer shards than consumers) are shared
@@ -17,10 +24,14 @@ and no worker sits idle. Samples are shuffled in a buffer of ``shuffle_buffer`` 
 batched inside the worker. Tars are opened and read with webdataset (paths, ``pipe:``, http).
 
 Determinism. Shard order, sample buffer and augmentations are all seeded: shard order by (seed,
-epoch), the buffer by (seed, epoch, rank, worker), and each sample's augmentation by (seed, epoch,
-manifest index), so a sample's views do not depend on the number of workers. The same seed and
-epoch give identical batches for a given number of workers; the global torch RNG is left untouched.
-Augmentations run on one torch thread, in the main process too (restored after each sample).
+epoch), the buffer by (seed, epoch, rank, worker), and, per sample, each sample's augmentation by
+(seed, epoch, manifest index), so a sample's views do not depend on the number of workers. Per batch,
+a batch's views are seeded by (seed, epoch, rank, position of the batch in the epoch): they follow
+the batch's samples only for a given number of workers, and a pass whose first k batches are
+skipped (``itertools.islice``, as when resuming mid-epoch) gives the other batches the same views
+as an uninterrupted one. The same seed and epoch give identical batches for a given number of
+workers; the global torch RNG is left untouched. Augmentations run on one torch thread, in the
+main process too (restored after each sample or batch).
 Each pass over the loader uses ``loader.epoch`` and then advances it; ``set_epoch`` picks the next.
 
 Length. Counted from ``manifest.parquet`` (found beside the shards). Without ``drop_last`` it is
@@ -51,32 +62,39 @@ import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torchvision.io import ImageReadMode, decode_image
+from torchvision.transforms.v2 import functional as TF
 
 from repsim.data.augment import Views, make_views
+from repsim.data.batch_augment import BatchViews, make_batch_views
 from repsim.data.sharding import MANIFEST, ShardResult
-from repsim.errors import DataError
+from repsim.errors import DataError, SpecError
 
 IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp")
 SHARD_NUMBER = "[0-9]" * 5
 READ_MODES = {1: ImageReadMode.GRAY, 3: ImageReadMode.RGB}
+AUGMENT = {"sample": (Views, make_views), "batch": (BatchViews, make_batch_views)}
 Batch = dict[str, Any]
 
 
-def make_loader(shards: str | Path | ShardResult | Sequence[str | Path], preset: str | Views = "eval",
+def make_loader(shards: str | Path | ShardResult | Sequence[str | Path], preset: str | Views | BatchViews = "eval",
                 batch_size: int = 256, *, split: str = "train", image_size: int | None = None,
                 channels: int | None = None, shuffle: bool | None = None, shuffle_buffer: int = 2000,
                 drop_last: bool | None = None, seed: int = 0, epoch: int = 0, num_workers: int = 0,
                 rank: int | None = None, world_size: int | None = None, with_captions: bool = False,
                 pin_memory: bool = False, manifest: str | Path | None = None,
-                preset_options: dict[str, Any] | None = None) -> ShardLoader:
+                preset_options: dict[str, Any] | None = None, augment: str = "sample",
+                device: str | torch.device | None = None) -> ShardLoader:
     """An iterable of batches (see the module docstring) over the ``split`` of ``shards``.
 
     ``shards``: a shard output directory (its ``{split}-*.tar`` are read), a ShardResult, or a list
     of tar paths/URLs (or one brace pattern). ``preset``: an augmentation preset name (see
-    repsim.data.augment) built with ``preset_options``, or ready-made Views. ``image_size`` and
-    ``channels`` default to the first image's shorter side and channel count. ``shuffle`` defaults
-    to ``split == "train"`` and ``drop_last`` to ``shuffle``. ``rank``/``world_size`` default to
-    torch.distributed's when it is initialised, else 0/1.
+    repsim.data.augment) built with ``preset_options``, or ready-made Views (BatchViews with
+    ``augment="batch"``). ``augment``: ``"sample"`` augments each image in the DataLoader workers
+    (repsim.data.augment); ``"batch"`` makes a whole batch's views in the main process, on ``device``
+    (default CPU; repsim.data.batch_augment), where ``augment="sample"`` ignores ``device``.
+    ``image_size`` and ``channels`` default to the first image's shorter side and channel count.
+    ``shuffle`` defaults to ``split == "train"`` and ``drop_last`` to ``shuffle``.
+    ``rank``/``world_size`` default to torch.distributed's when it is initialised, else 0/1.
     """
     urls, manifest_path = resolve_shards(shards, split, manifest)
     shuffle = split == "train" if shuffle is None else shuffle
@@ -87,13 +105,30 @@ def make_loader(shards: str | Path | ShardResult | Sequence[str | Path], preset:
     if channels is None or image_size is None:
         first_channels, first_size = peek_image(urls[0])
         channels, image_size = channels or first_channels, image_size or first_size
-    views = preset if isinstance(preset, Views) else make_views(preset, image_size, channels, **(preset_options or {}))
+    views = build_views(preset, augment, image_size, channels, preset_options or {})
+    batch_views = None if isinstance(views, Views) else views
     sizes = shard_sizes(manifest_path) if manifest_path else {}
-    stream = ShardStream([ShardPart(url, sizes.get(Path(url).name)) for url in urls], views, channels,
+    stream = ShardStream([ShardPart(url, sizes.get(Path(url).name)) for url in urls],
+                         views if batch_views is None else None, channels,
                          batch_size=batch_size, shuffle=shuffle, shuffle_buffer=shuffle_buffer,
                          drop_last=shuffle if drop_last is None else drop_last, seed=seed, epoch=epoch,
                          rank=rank, world_size=world_size, num_workers=num_workers, with_captions=with_captions)
-    return ShardLoader(stream, pin_memory)
+    return ShardLoader(stream, pin_memory, batch_views, device or "cpu")
+
+
+def build_views(preset: str | Views | BatchViews, augment: str, image_size: int, channels: int,
+                options: dict[str, Any]) -> Views | BatchViews:
+    """``preset`` for the ``augment`` mode: Views per sample, BatchViews per batch (ready-made ones as they are)."""
+    if augment not in AUGMENT:
+        raise SpecError(f"unknown augment {augment!r}", "use 'sample' (per image, in the loader workers) "
+                        "or 'batch' (per batch, on the training device)")
+    kind, make = AUGMENT[augment]
+    if isinstance(preset, str):
+        return make(preset, image_size, channels, **options)
+    if not isinstance(preset, kind):
+        raise SpecError(f"augment={augment!r} takes a preset name or {kind.__name__}, not {type(preset).__name__}",
+                        f"pass the preset's name or build it with {make.__name__}")
+    return preset
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,10 +256,11 @@ def derive_seed(*values: int) -> int:
 class ShardStream(IterableDataset):
     """The batches of one rank in one epoch; inside a DataLoader worker, that worker's share of them.
 
-    ``num_workers`` is the DataLoader's (0 counts as one worker, the main process).
+    ``num_workers`` is the DataLoader's (0 counts as one worker, the main process). Without ``views``
+    the batches hold the decoded ``images`` instead of their views.
     """
 
-    def __init__(self, parts: list[ShardPart], views: Views, channels: int, *, batch_size: int, shuffle: bool,
+    def __init__(self, parts: list[ShardPart], views: Views | None, channels: int, *, batch_size: int, shuffle: bool,
                  shuffle_buffer: int, drop_last: bool, seed: int, epoch: int, rank: int, world_size: int,
                  num_workers: int, with_captions: bool):
         super().__init__()
@@ -254,16 +290,19 @@ class ShardStream(IterableDataset):
         return iter(wds.DataPipeline(*stages))
 
     def decode_batch(self, samples: list[dict[str, Any]]) -> Batch:
-        """Raw samples → a batch: all images decoded first, then each augmented under its own seed.
+        """Raw samples → a batch: all images decoded first, then each augmented under its own seed
+        (without views, stacked as uint8 B×C×H×W ``images``).
 
         Decoding the batch before augmenting it keeps each phase's working set in cache.
         """
         images = [read_image(sample, READ_MODES[self.channels]) for sample in samples]
         indices = [manifest_index(sample) for sample in samples]
-        with single_threaded():
-            views = [self.augment(image, index) for image, index in zip(images, indices)]
         labels = [int(sample["cls"]) if "cls" in sample else -1 for sample in samples]
         captions = [sample.get("txt", b"").decode() for sample in samples] if self.with_captions else None
+        if self.views is None:
+            return {"images": stack_images(images), **targets(labels, indices, captions)}
+        with single_threaded():
+            views = [self.augment(image, index) for image, index in zip(images, indices)]
         return make_batch(views, labels, indices, captions)
 
     def augment(self, image: torch.Tensor, index: int) -> list[torch.Tensor]:
@@ -306,7 +345,8 @@ def single_threaded() -> Iterator[None]:
     """Run the block with one torch thread, as DataLoader workers do.
 
     Per-image ops are too small to gain from intra-op threads; in the main process (``num_workers=0``)
-    the threads' start-up costs several times the work itself.
+    the threads' start-up costs several times the work itself. Batched views on the CPU are small
+    ops too, and on a busy machine every parallel region waits for a descheduled thread.
     """
     threads = torch.get_num_threads()
     if threads == 1:
@@ -322,11 +362,33 @@ def single_threaded() -> Iterator[None]:
 def make_batch(views: list[list[torch.Tensor]], labels: list[int], indices: list[int],
                captions: list[str] | None = None) -> Batch:
     """The batch dict (see the module docstring) of per-sample views, labels, indices and captions."""
-    batch = {"views": [torch.stack(view) for view in zip(*views)],
-             "label": torch.tensor(labels, dtype=torch.long), "index": torch.tensor(indices, dtype=torch.long)}
+    return {"views": [torch.stack(view) for view in zip(*views)], **targets(labels, indices, captions)}
+
+
+def targets(labels: list[int], indices: list[int], captions: list[str] | None = None) -> Batch:
+    """A batch's ``label`` and ``index`` tensors, and its ``caption`` list when given."""
+    batch: Batch = {"label": torch.tensor(labels, dtype=torch.long), "index": torch.tensor(indices, dtype=torch.long)}
     if captions is not None:
         batch["caption"] = captions
     return batch
+
+
+def stack_images(images: list[torch.Tensor]) -> torch.Tensor:
+    """uint8 C×H×W images → B×C×H×W at the first image's size (others resized by :func:`cover`)."""
+    size = tuple(images[0].shape[-2:])
+    return torch.stack([image if tuple(image.shape[-2:]) == size else cover(image, size) for image in images])
+
+
+def cover(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """``image`` resized, aspect ratio kept, until it covers ``size`` (H, W), then centre-cropped to it.
+
+    For a square ``size`` this resizes the shorter side to it.
+    """
+    height, width = image.shape[-2:]
+    scale = max(size[0] / height, size[1] / width)
+    resized = TF.resize(image, [max(size[0], round(height * scale)), max(size[1], round(width * scale))],
+                        antialias=True)
+    return TF.center_crop(resized, list(size))
 
 
 def manifest_index(sample: dict[str, Any]) -> int:
@@ -350,10 +412,15 @@ def read_image(sample: dict[str, Any], mode: ImageReadMode = ImageReadMode.UNCHA
 # The loader
 
 class ShardLoader:
-    """Iterable of batches over shards, one epoch per pass; ``len()`` is the number of batches in a pass."""
+    """Iterable of batches over shards, one epoch per pass; ``len()`` is the number of batches in a pass.
 
-    def __init__(self, stream: ShardStream, pin_memory: bool = False):
+    With ``batch_views`` the stream yields decoded images, and each batch's views are made here, on ``device``.
+    """
+
+    def __init__(self, stream: ShardStream, pin_memory: bool = False, batch_views: BatchViews | None = None,
+                 device: str | torch.device = "cpu"):
         self.stream, self.pin_memory = stream, pin_memory
+        self.batch_views, self.device = batch_views, torch.device(device)
 
     @property
     def epoch(self) -> int:
@@ -383,9 +450,19 @@ class ShardLoader:
         epoch_stream = copy.copy(self.stream)
         steps = len(self) if self.stream.drop_last and self._length_known() else None
         self.stream.epoch += 1
+        pin_memory = self.pin_memory or (self.batch_views is not None and self.device.type == "cuda")
         loader = DataLoader(epoch_stream, batch_size=None, num_workers=epoch_stream.num_workers,
-                            pin_memory=self.pin_memory, generator=torch.Generator().manual_seed(epoch_stream.seed))
-        return islice(loader, steps)
+                            pin_memory=pin_memory, generator=torch.Generator().manual_seed(epoch_stream.seed))
+        batches = islice(loader, steps)
+        return batches if self.batch_views is None else self.augmented(batches, epoch_stream)
+
+    def augmented(self, batches: Iterator[Batch], stream: ShardStream) -> Iterator[Batch]:
+        """Each batch with its views made on ``device``, seeded by (seed, epoch, rank, position in the epoch)."""
+        for position, batch in enumerate(batches):
+            images = batch.pop("images").to(self.device, non_blocking=True)
+            with single_threaded():
+                views = self.batch_views(images, derive_seed(stream.seed, stream.epoch, stream.rank, position))
+            yield {"views": views, **batch}
 
     def _length_known(self) -> bool:
         return all(part.size is not None for part in self.stream.parts)
