@@ -1,8 +1,29 @@
-"""Where torch work runs by default."""
+"""Where torch work runs by default, and how a process shares its CPU cores.
 
+A training process splits the cores it may use (its CPU affinity, divided among the ranks torchrun
+started on this machine) between torch's intra-op threads, which do the model's work on a CPU, and
+DataLoader workers, each of which runs one thread. :func:`cpu_plan` never gives out more than the
+cores there are, since threads that outnumber the cores spin and wait on each other:
+
+- on a GPU, the GPU does the model's work: up to 8 workers feed it, and the process keeps at least
+  one core for itself;
+- on a CPU with up to 4 cores every core goes to the model and the main process reads the data
+  between steps (0 workers); with more, a quarter of the cores become workers.
+
+``optim.num_workers`` and ``optim.threads`` override either number.
+"""
+
+from __future__ import annotations
+
+import contextlib
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
+
+MAX_GPU_WORKERS = 8
+SMALL_CPU = 4  # cores up to which a CPU-only process reads its own data
 
 
 def resolve_device(device: str | torch.device | None = None) -> torch.device:
@@ -13,3 +34,44 @@ def resolve_device(device: str | torch.device | None = None) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
+
+
+def cores_per_process() -> int:
+    """The cores this process may run on, shared evenly with the other ranks on this machine."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+@dataclass(frozen=True)
+class CpuPlan:
+    """torch intra-op ``threads`` and DataLoader ``workers`` for one training process."""
+
+    threads: int
+    workers: int
+
+
+def cpu_plan(device: torch.device, workers: int | None = None, threads: int | None = None,
+             cores: int | None = None) -> CpuPlan:
+    """The split of ``cores`` (default :func:`cores_per_process`) for training on ``device``; a
+    given ``workers`` or ``threads`` is kept, and the threads default to the cores the workers leave."""
+    cores = cores or cores_per_process()
+    workers = default_workers(device, cores) if workers is None else workers
+    return CpuPlan(threads or max(1, cores - workers), workers)
+
+
+def default_workers(device: torch.device, cores: int) -> int:
+    """DataLoader workers for ``cores`` when the model runs on ``device`` (see the module docstring)."""
+    if device.type == "cuda":
+        return min(MAX_GPU_WORKERS, cores - 1)
+    return 0 if cores <= SMALL_CPU else cores // 4
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """Run the block with ``threads`` torch intra-op threads, then restore the previous number."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

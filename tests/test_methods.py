@@ -231,7 +231,9 @@ def test_label_methods_refuse_unlabelled_data(animals, method, needs):
 def test_the_stage_key_ignores_settings_that_do_not_change_the_result(animals):
     spec, shards = animals
     key = train_stage_of(tiny_config(spec), shards).key
-    assert train_stage_of(tiny_config(spec, optim={"num_workers": 2, "checkpoint_every": 7}), shards).key == key
+    assert train_stage_of(tiny_config(spec, optim={"num_workers": 2, "threads": 1, "checkpoint_every": 7}),
+                          shards).key == key
+    assert train_stage_of(tiny_config(spec, data={"augment": "batch"}), shards).key != key
     assert train_stage_of(tiny_config(spec, monitor={"batch_size": 7}), shards).key == key
     assert train_stage_of(tiny_config(spec, optim={"lr": 0.1}), shards).key != key
     wup, path = (tiny_config(spec, {"name": "xclr", "similarity": {"type": "wordnet", "measure": measure}})
@@ -262,9 +264,10 @@ def test_training_lowers_the_loss_and_writes_a_loadable_encoder(animals):
     assert again.cached and again.key == output.key == train_stage_of(config).key
 
 
-def test_an_interrupted_train_stage_resumes_to_the_same_result(animals, tmp_path):
+@pytest.mark.parametrize("augment", ["sample", "batch"])
+def test_an_interrupted_train_stage_resumes_to_the_same_result(animals, tmp_path, augment):
     spec, shards = animals
-    config = tiny_config(spec, optim={"epochs": 2})
+    config = tiny_config(spec, optim={"epochs": 2}, data={"augment": augment})
     uninterrupted = train(config, out_dir=tmp_path / "uninterrupted", shards=shards, device="cpu", progress=False)
 
     def crash_at_step_5(metrics: dict, step: int) -> None:

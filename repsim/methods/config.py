@@ -40,6 +40,9 @@ class DataConfig(_Strict):
     split: str = "train"
     preset: Literal[tuple(PRESETS)] = "simclr"
     preset_options: dict[str, Any] = {}
+    augment: Literal["sample", "batch"] = Field("sample", description="sample: each image's views in the loader "
+                                                "workers (torchvision); batch: a batch's views in one call on the "
+                                                "training device (kornia)")
     image_size: int | None = Field(None, gt=0, description="side of the views; default: the images' own")
 
 
@@ -71,7 +74,8 @@ class OptimConfig(_Strict):
     channels_last: bool = False
     compile: bool = False
     seed: int = 0
-    num_workers: int = Field(0, ge=0)
+    num_workers: int | None = Field(None, ge=0, description="DataLoader workers; default: repsim.device.cpu_plan")
+    threads: int | None = Field(None, gt=0, description="torch intra-op threads; default: the cores the workers leave")
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0: only at the end")
 
 

@@ -11,7 +11,8 @@ Output (``$REPSIM_HOME/artifacts/train/<key>/`` unless given), besides ``stage.j
 
 ``stage.json`` metrics: ``loss`` (mean over the last epoch), ``final_loss`` (last step), ``steps``,
 ``epochs`` and the last kNN accuracies. The key covers the config without the settings that do not
-change what is learned (``optim.num_workers``, ``optim.checkpoint_every``, ``monitor.batch_size``),
+change what is learned (``optim.num_workers``, ``optim.threads``, ``optim.checkpoint_every``,
+``monitor.batch_size``),
 the shard key (in place of the data spec's path) and the key of what the method consumes besides the
 shards (the caption or WordNet stage, or a digest of a user's matrix or graph file).
 
@@ -39,7 +40,7 @@ import torch.distributed as dist
 from repsim.data.loader import ShardLoader, make_loader, peek_image
 from repsim.data.sharding import ShardResult, shard, shard_stage
 from repsim.data.spec import DataSpec, load_spec
-from repsim.device import resolve_device
+from repsim.device import cpu_plan, resolve_device, torch_threads
 from repsim.errors import SpecError
 from repsim.methods.config import Config
 from repsim.methods.train import (KnnMonitor, LogFn, Method, Trainer, distributed,
@@ -50,11 +51,12 @@ from repsim.stage import Stage, StageOutput, read_record, repsim_home, run_stage
 VERSION = "1"
 CHECKPOINT_FILE = "checkpoint.pt"
 METRICS_FILE = "metrics.jsonl"
-KEY_NEUTRAL = (("optim", "num_workers"), ("optim", "checkpoint_every"), ("monitor", "batch_size"),
+KEY_NEUTRAL = (("optim", "num_workers"), ("optim", "threads"), ("optim", "checkpoint_every"), ("monitor", "batch_size"),
                ("data", "spec"), ("method", "similarity", "path"))
 DIGEST_CHUNK = 1 << 20
 
-__all__ = ["TrainingData", "Upstream", "file_digest", "load_encoder", "train", "train_stage_of"]
+__all__ = ["TrainingData", "Upstream", "file_digest", "load_encoder", "prepare", "train", "train_loader",
+           "train_stage_of"]
 
 
 @dataclass(frozen=True)
@@ -160,13 +162,8 @@ def train(config: Config, out_dir: str | Path | None = None, log: LogFn | None =
     interrupted run of the same config. ``log(metrics, step)`` receives every logged metric (rank 0).
     """
     init_distributed()
-    spec = load_spec(config.data.spec)
-    shards = _as_shards(shards) if shards is not None else shard(spec, progress=progress and is_main_process())
-    data = training_data(config, spec, shards)
-    upstream = _upstream(config, data)
-    if upstream is not None and upstream.run is not None:
-        data = replace(data, upstream=upstream.run())
-    stage = _stage(config, shards, upstream)
+    data, upstream = prepare(config, shards, progress and is_main_process())
+    stage = _stage(config, data.shards, upstream)
     scratch = repsim_home() / "scratch" / "train" / stage.key
     build = _builder(config, data, scratch, log, resolve_device(device), progress)
     if distributed():
@@ -174,6 +171,19 @@ def train(config: Config, out_dir: str | Path | None = None, log: LogFn | None =
     output = run_stage(stage, build, out_dir)
     shutil.rmtree(scratch, ignore_errors=True)
     return output
+
+
+def prepare(config: Config, shards: ShardResult | str | Path | None = None,
+            progress: bool = True) -> tuple[TrainingData, Upstream | None]:
+    """What ``config`` trains on, its upstream stages run (all cached): the spec sharded unless
+    ``shards`` is given, and the method's upstream output in ``TrainingData.upstream``."""
+    spec = load_spec(config.data.spec)
+    shards = _as_shards(shards) if shards is not None else shard(spec, progress=progress)
+    data = training_data(config, spec, shards)
+    upstream = _upstream(config, data)
+    if upstream is not None and upstream.run is not None:
+        data = replace(data, upstream=upstream.run())
+    return data, upstream
 
 
 def _train_distributed(stage: Stage, build: Callable[[Path | None], Mapping[str, float]],
@@ -211,10 +221,12 @@ def _builder(config: Config, data: TrainingData, scratch: Path, log: LogFn | Non
         seed_everything(config.optim.seed)
         method: Method = method_module(config.method.name).build(config, data)
         metrics = JsonlMetrics(scratch / METRICS_FILE)
-        trainer = Trainer(method, config.optim, _train_loader(config, data, device), monitor=_monitor(config, data),
-                          checkpoint_path=scratch / CHECKPOINT_FILE, log=_tee(metrics, log), device=device,
-                          progress=progress)
-        trainer.fit()
+        plan = cpu_plan(device, config.optim.num_workers, config.optim.threads)
+        trainer = Trainer(method, config.optim, train_loader(config, data, device, plan.workers),
+                          monitor=_monitor(config, data, plan.workers), checkpoint_path=scratch / CHECKPOINT_FILE,
+                          log=_tee(metrics, log), device=device, progress=progress)
+        with torch_threads(plan.threads):
+            trainer.fit()
         if out is None:
             return {}
         shutil.copyfile(scratch / CHECKPOINT_FILE, out / CHECKPOINT_FILE)
@@ -231,18 +243,20 @@ def _write_figures(config: Config, method: Method, out: Path) -> None:
         write(method, out)
 
 
-def _train_loader(config: Config, data: TrainingData, device: torch.device) -> ShardLoader:
+def train_loader(config: Config, data: TrainingData, device: torch.device, workers: int) -> ShardLoader:
+    """The training split's loader: this rank's share of the global batch, ``workers`` DataLoader
+    workers, the config's augmentation made per sample in the workers or per batch on ``device``."""
     world_size = dist.get_world_size() if distributed() else 1
     if config.optim.batch_size % world_size:
         raise SpecError(f"optim.batch_size {config.optim.batch_size} does not split evenly over {world_size} ranks",
                         f"use a multiple of {world_size}")
     return make_loader(data.shards.path, config.data.preset, config.optim.batch_size // world_size,
                        split=config.data.split, image_size=data.image_size, channels=data.channels,
-                       seed=config.optim.seed, num_workers=config.optim.num_workers,
-                       preset_options=config.data.preset_options, pin_memory=device.type == "cuda")
+                       seed=config.optim.seed, num_workers=workers, preset_options=config.data.preset_options,
+                       augment=config.data.augment, device=device, pin_memory=device.type == "cuda")
 
 
-def _monitor(config: Config, data: TrainingData) -> KnnMonitor | None:
+def _monitor(config: Config, data: TrainingData, workers: int) -> KnnMonitor | None:
     """kNN of the eval views of the training split against the test split, on rank 0 alone."""
     settings = config.monitor
     if not settings.knn:
@@ -256,7 +270,7 @@ def _monitor(config: Config, data: TrainingData) -> KnnMonitor | None:
     normalisation = {key: value for key, value in config.data.preset_options.items() if key in ("mean", "std")}
     train, test = (make_loader(data.shards.path, "eval", settings.batch_size, split=split, image_size=data.image_size,
                                channels=data.channels, shuffle=False, drop_last=False, rank=0, world_size=1,
-                               num_workers=config.optim.num_workers, preset_options=normalisation)
+                               num_workers=workers, preset_options=normalisation)
                    for split in (config.data.split, settings.test_split))
     return KnnMonitor(train, test, settings.k)
 
