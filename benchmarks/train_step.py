@@ -11,13 +11,15 @@ run times, alternating between them round by round:
 - (c) **loader-fed**: the Trainer on the train stage's real shard loader, with the time spent
   waiting for each batch measured apart.
 
-Each round runs one epoch of each; the table gives the median step time over the rounds, the
+Each round runs one epoch (or ``--steps``) of each; the table gives the median step time over the rounds, the
 ratios trainer/bare and loader-fed/bare (1 is a step at the model's speed) and the share of
 loader-fed time spent waiting for data. Threads and workers follow the train stage's defaults
 (:func:`repsim.device.cpu_plan`) unless ``--set`` changes them. Written to
 ``benchmarks/results/train_step.md``.
 
     python benchmarks/train_step.py [--method xclr] [--rounds 3] [--set data.augment=sample ...]
+    python benchmarks/train_step.py --set model.backbone=resnet50 --set data.image_size=224 \\
+        --set optim.precision=bf16 --set optim.channels_last=true --set optim.compile=true   # a GPU
 """
 
 from __future__ import annotations
@@ -36,13 +38,13 @@ from pathlib import Path
 
 import torch
 
-from _report import markdown, median_seconds
+from _report import markdown, median_seconds, synchronise
 from repsim.device import cpu_plan, resolve_device, torch_threads
 from repsim.experiment import load_experiment
 from repsim.losses import NTXentLoss, XCLRLoss
 from repsim.methods.config import Config, load_config
 from repsim.methods.stage import JsonlMetrics, method_module, prepare, train_loader
-from repsim.methods.train import Batch, Method, Trainer
+from repsim.methods.train import Batch, Method, Trainer, autocast, autocast_dtype, to_device
 
 REPO = Path(__file__).resolve().parents[1]
 EXPERIMENT = REPO / "experiments" / "default.yaml"
@@ -78,14 +80,15 @@ class InMemoryLoader:
 
 
 class WaitTimedLoader:
-    """A loader whose iteration adds the seconds spent waiting for each batch to ``waited``."""
+    """A loader of at most ``steps`` batches a pass whose iteration adds the seconds spent waiting for
+    each batch to ``waited``."""
 
-    def __init__(self, loader):
-        self.loader, self.waited = loader, 0.0
+    def __init__(self, loader, steps: int):
+        self.loader, self.steps, self.waited = loader, steps, 0.0
         self.batch_size = loader.batch_size
 
     def __len__(self) -> int:
-        return len(self.loader)
+        return min(self.steps, len(self.loader))
 
     def set_epoch(self, epoch: int) -> None:
         self.loader.set_epoch(epoch)
@@ -109,23 +112,34 @@ class Variant:
     run: Callable[[], tuple[float, int, float]]
 
 
-def bare(method: Method, config: Config, batches: list[Batch], steps: int) -> Variant:
-    optimizer = torch.optim.AdamW(method.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
+def bare(method: Method, config: Config, batches: list[Batch], steps: int, device: torch.device) -> Variant:
+    """The plain loop a user would write, in the Trainer's precision, memory layout and compilation."""
+    settings = config.optim
+    if settings.channels_last:
+        method = method.to(memory_format=torch.channels_last)
+    if settings.compile:
+        method.encoder.compile()
+    optimizer = torch.optim.AdamW(method.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+    dtype = autocast_dtype(settings.precision, device)
 
     def run() -> tuple[float, int, float]:
         started = time.perf_counter()
         for step in range(steps):
             optimizer.zero_grad(set_to_none=True)
-            method.training_step(batches[step % len(batches)])["loss"].backward()
+            with autocast(device, dtype):
+                loss = method.training_step(batches[step % len(batches)])["loss"]
+            loss.backward()
             optimizer.step()
+        synchronise(device)
         return time.perf_counter() - started, steps, 0.0
     return Variant("(a) bare loop", run)
 
 
-def trainer(name: str, method: Method, config: Config, loader, scratch: Path, device: torch.device) -> Variant:
-    """The Trainer for one epoch over ``loader`` per run, logging as the train stage does."""
+def trainer(name: str, method: Method, config: Config, loader, steps: int, scratch: Path,
+            device: torch.device) -> Variant:
+    """The Trainer for one epoch of ``steps`` over ``loader`` per run, logging as the train stage does."""
     settings = config.optim.model_copy(update={"epochs": 1})
-    timed = WaitTimedLoader(loader)
+    timed = WaitTimedLoader(loader, steps)
 
     def run() -> tuple[float, int, float]:
         log = JsonlMetrics(scratch / f"{time.monotonic_ns()}.jsonl")
@@ -133,6 +147,7 @@ def trainer(name: str, method: Method, config: Config, loader, scratch: Path, de
         timed.waited = 0.0
         started = time.perf_counter()
         fit.fit()
+        synchronise(device)
         return time.perf_counter() - started, fit.steps_per_epoch, timed.waited
     return Variant(name, run)
 
@@ -152,20 +167,21 @@ def loss_shares(method: Method, batches: list[Batch], repeats: int) -> dict[str,
     return median_seconds({"xclr": step(xclr, similarity), "ntxent": step(ntxent)}, z1.device, 3, repeats)
 
 
-def measure(config: Config, rounds: int, held: int) -> tuple[dict[str, list[tuple[float, int, float]]], dict]:
+def measure(config: Config, rounds: int, held: int,
+            steps: int | None) -> tuple[dict[str, list[tuple[float, int, float]]], dict]:
     device = resolve_device()
     data, _ = prepare(config)
     plan = cpu_plan(device, config.optim.num_workers, config.optim.threads)
     torch.manual_seed(config.optim.seed)
     base = method_module(config.method.name).build(config, data).to(device)
     loader = train_loader(config, data, device, plan.workers)
-    batches = [batch for _, batch in zip(range(held), loader)]
-    steps = len(loader)
+    batches = [to_device(batch, device, config.optim.channels_last) for _, batch in zip(range(held), loader)]
+    steps = min(steps or len(loader), len(loader))
     scratch = Path(tempfile.mkdtemp(prefix="train_step-"))
-    variants = [bare(copy.deepcopy(base), config, batches, steps),
+    variants = [bare(copy.deepcopy(base), config, batches, steps, device),
                 trainer("(b) Trainer, in-memory batches", copy.deepcopy(base), config,
-                        InMemoryLoader(batches, steps), scratch, device),
-                trainer("(c) Trainer, shard loader", copy.deepcopy(base), config, loader, scratch, device)]
+                        InMemoryLoader(batches, steps), steps, scratch, device),
+                trainer("(c) Trainer, shard loader", copy.deepcopy(base), config, loader, steps, scratch, device)]
     results: dict[str, list[tuple[float, int, float]]] = {variant.name: [] for variant in variants}
     with torch_threads(plan.threads):
         for variant in variants:  # warm-up: one untimed epoch each
@@ -186,7 +202,8 @@ def report(command: str, config: Config, results: dict[str, list[tuple[float, in
                for name, runs in results.items()}
     waits = {name: statistics.median(waited / seconds for seconds, _, waited in runs) for name, runs in results.items()}
     bare_ms = next(iter(step_ms.values()))
-    rows = [[name, f"{ms:,.0f}", f"{bare_ms / ms:.2f}", f"{waits[name]:.1%}"] for name, ms in step_ms.items()]
+    rows = [[name, f"{ms:,.0f}", f"{context['batch'] * 1e3 / ms:,.0f}", f"{bare_ms / ms:.2f}", f"{waits[name]:.1%}"]
+            for name, ms in step_ms.items()]
     plan, losses = context["plan"], context["losses"]
     lines = [
         "# Training step: bare loop, Trainer, loader-fed", "", f"Command: `{command}`", "",
@@ -195,7 +212,7 @@ def report(command: str, config: Config, results: dict[str, list[tuple[float, in
          f"device {context['device']}, torch {torch.__version__}, {plan.threads} torch threads, "
          f"{plan.workers} loader workers, {platform.machine()}. Median step time over the rounds, one epoch "
          "per variant per round, the variants alternated, after one warm-up epoch each."), "",
-        markdown(["variant", "ms/step", "bare / variant", "waiting for data"], rows), "",
+        markdown(["variant", "ms/step", "images/s", "bare / variant", "waiting for data"], rows), "",
     ]
     if losses:
         share = {name: seconds * 1e3 / bare_ms for name, seconds in losses.items()}
@@ -212,11 +229,12 @@ def main() -> None:
     parser.add_argument("--method", default="xclr", help="the label of a method in the experiment's train section")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--held", type=int, default=8, help="batches held in memory for (a) and (b)")
+    parser.add_argument("--steps", type=int, help="steps per epoch (default: the loader's whole epoch)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     config = experiment_config(args.experiment, args.method, args.overrides)
-    results, context = measure(config, args.rounds, args.held)
+    results, context = measure(config, args.rounds, args.held, args.steps)
     text = report(shlex.join(["python", "benchmarks/train_step.py", *sys.argv[1:]]), config, results, context)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
