@@ -67,6 +67,7 @@ from torchvision.transforms.v2 import functional as TF
 from repsim.data.augment import Views, make_views
 from repsim.data.batch_augment import BatchViews, make_batch_views
 from repsim.data.sharding import MANIFEST, ShardResult
+from repsim.device import torch_threads
 from repsim.errors import DataError, SpecError
 
 IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp")
@@ -301,7 +302,7 @@ class ShardStream(IterableDataset):
         captions = [sample.get("txt", b"").decode() for sample in samples] if self.with_captions else None
         if self.views is None:
             return {"images": stack_images(images), **targets(labels, indices, captions)}
-        with single_threaded():
+        with torch_threads(1):  # per-image and small batched ops gain nothing from intra-op threads
             views = [self.augment(image, index) for image, index in zip(images, indices)]
         return make_batch(views, labels, indices, captions)
 
@@ -338,25 +339,6 @@ def seeded_rng(seed: int) -> Iterator[None]:
         yield
     finally:
         generator.set_state(state)
-
-
-@contextlib.contextmanager
-def single_threaded() -> Iterator[None]:
-    """Run the block with one torch thread, as DataLoader workers do.
-
-    Per-image ops are too small to gain from intra-op threads; in the main process (``num_workers=0``)
-    the threads' start-up costs several times the work itself. Batched views on the CPU are small
-    ops too, and on a busy machine every parallel region waits for a descheduled thread.
-    """
-    threads = torch.get_num_threads()
-    if threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def make_batch(views: list[list[torch.Tensor]], labels: list[int], indices: list[int],
@@ -460,7 +442,7 @@ class ShardLoader:
         """Each batch with its views made on ``device``, seeded by (seed, epoch, rank, position in the epoch)."""
         for position, batch in enumerate(batches):
             images = batch.pop("images").to(self.device, non_blocking=True)
-            with single_threaded():
+            with torch_threads(1):
                 views = self.batch_views(images, derive_seed(stream.seed, stream.epoch, stream.rank, position))
             yield {"views": views, **batch}
 
