@@ -35,8 +35,8 @@ def test_shipped_experiment_and_deployments_load():
     experiment = load_experiment(REPO / "experiments" / "default.yaml")
     assert [section.kind for section in experiment.stages] == ["precompute", "train", "evaluate", "align"]
     assert experiment.data == REPO / "data_specs" / "animal-mnist.yaml"
-    assert experiment.section("evaluate").linear.model_dump() == {"weight_decays": [1e-5, 1e-4, 1e-3],
-                                                                    "max_iter": 200}
+    assert experiment.section("evaluate").linear.model_dump() == {"weight_decays": [1e-4, 1e-3, 1e-2],
+                                                                    "max_iter": 100}
     specs, experiments = load_deployments(REPO / "experiments" / "deployments.yaml")
     nightly = next(spec for spec in specs if spec.cron)
     assert experiments[specs.index(nightly)].section("train").settings["optim"]["epochs"] == 5
