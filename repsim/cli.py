@@ -1,6 +1,6 @@
 """The ``repsim`` command line. Flows are imported lazily, inside each command, so ``--help`` and
 user mistakes answer at once. A user mistake prints one line, ``error: <what>; <how to fix>``, and
-exits 2."""
+exits 2. Every YAML argument is a path or the name of a shipped file (see :mod:`repsim.shipped`)."""
 
 from __future__ import annotations
 
@@ -255,7 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="repsim", description="Learn visual representations from relations between samples.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     shard = commands.add_parser("shard", help="shard data specs into WebDataset tars + manifest (cached)")
-    shard.add_argument("specs", nargs="+", metavar="SPEC", help="data spec YAML file(s)")
+    shard.add_argument("specs", nargs="+", metavar="SPEC",
+                       help="data spec YAML file(s) or shipped name(s), e.g. animal-mnist")
     shard.add_argument("--out", metavar="DIR", help="output directory (default: $REPSIM_HOME/artifacts/shard/<key>)")
     shard.set_defaults(run=cmd_shard)
     precompute = commands.add_parser(
@@ -269,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 name)
     evaluate = commands.add_parser(
         "eval", help="evaluate an encoder on a data spec: kNN, linear probe, diagnostics, plots (cached)")
-    evaluate.add_argument("spec", metavar="SPEC", help="data spec YAML file")
+    evaluate.add_argument("spec", metavar="SPEC", help="data spec YAML file or shipped name, e.g. animal-mnist")
     evaluate.add_argument("--encoder", default="pixels", metavar="pixels|PATH",
                           help="'pixels' (raw-pixel baseline, default), a train stage directory or its encoder.pt")
     evaluate.add_argument("--suite", dest="suites", action="append",
@@ -280,20 +281,20 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--device", help="torch device, e.g. cpu or cuda (default: cuda when present)")
     evaluate.set_defaults(run=cmd_eval)
     train = commands.add_parser("train", help="train an experiment config (cached; resumes if interrupted)")
-    train.add_argument("config", metavar="CONFIG", help="experiment config YAML, e.g. configs/xclr.yaml")
+    train.add_argument("config", metavar="CONFIG", help="experiment config YAML or shipped name, e.g. xclr")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config field, e.g. --set optim.lr=0.1 (repeatable)")
     train.add_argument("--direct", action="store_true", help=argparse.SUPPRESS)
     train.set_defaults(run=cmd_train)
     align = commands.add_parser("align", help="align frozen image and text embeddings from few pairs: GeRA, "
                                 "contrastive alone (alpha=0) and ASIF, scored zero-shot and by retrieval (cached)")
-    align.add_argument("config", metavar="CONFIG", help="alignment config YAML, e.g. configs/gera.yaml")
+    align.add_argument("config", metavar="CONFIG", help="alignment config YAML or shipped name, e.g. gera")
     align.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config field, e.g. --set geometry.alpha=0 (repeatable)")
     align.set_defaults(run=cmd_align)
     run = commands.add_parser("run", help="run an experiment end to end: shard, precompute, train, evaluate, align "
                               "(every stage cached)")
-    run.add_argument("experiment", metavar="EXPERIMENT", help="experiment YAML, e.g. experiments/default.yaml")
+    run.add_argument("experiment", metavar="EXPERIMENT", help="experiment YAML or shipped name, e.g. default")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override an experiment field, e.g. --set train.settings.optim.lr=0.01 (repeatable)")
     run.add_argument("--force", action="append", default=[], metavar="STAGE", choices=FORCEABLE,
@@ -308,8 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     clean.add_argument("--yes", action="store_true", help="remove them (default: only list what would go)")
     clean.set_defaults(run=cmd_clean)
     serve = commands.add_parser("serve", help="serve deployments of the experiment flow (cron schedules, UI runs)")
-    serve.add_argument("deployments", nargs="?", default="experiments/deployments.yaml", metavar="DEPLOYMENTS",
-                       help="deployments YAML (default: experiments/deployments.yaml)")
+    serve.add_argument("deployments", nargs="?", default="deployments", metavar="DEPLOYMENTS",
+                       help="deployments YAML or shipped name (default: deployments, the shipped "
+                       "experiments/deployments.yaml)")
     serve.set_defaults(run=cmd_serve)
     synsets = commands.add_parser("synsets", help="list WordNet noun synsets for class names (to write specs)")
     synsets.add_argument("names", nargs="+", metavar="NAME", help='a class name, e.g. "Ankle boot"')
@@ -321,7 +323,7 @@ def _add_precompute_options(parser: argparse.ArgumentParser, stages: str) -> Non
     from repsim.similarity.neighbors import INDEX_KINDS, METRICS
 
     captions, wordnet, neighbors = PRECOMPUTE_STAGES[stages]
-    parser.add_argument("spec", metavar="SPEC", help="data spec YAML file")
+    parser.add_argument("spec", metavar="SPEC", help="data spec YAML file or shipped name, e.g. animal-mnist")
     parser.set_defaults(run=cmd_precompute, measures=None, k=10, index="flat", metric="cosine", model=None)
     if captions:
         parser.add_argument("--model", metavar="NAME|PATH",

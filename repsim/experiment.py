@@ -27,6 +27,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from repsim.config_errors import describe, parse_override, read_yaml_mapping
 from repsim.errors import SpecError
 from repsim.eval.linear import DEFAULT_WEIGHT_DECAYS
+from repsim.shipped import locate
 from repsim.similarity.neighbors import INDEX_KINDS
 
 MEASURES = ("wup", "path", "lch", "hops")
@@ -205,9 +206,9 @@ class Experiment(_Strict):
 # Loading
 
 def load_experiment(path: str | Path, overrides: Sequence[str] = ()) -> Experiment:
-    """Read the experiment at ``path`` and apply ``overrides``; SpecError in one line naming the
-    file (or the overrides), the field and the fix."""
-    path = Path(path)
+    """Read the experiment at ``path`` (or the shipped experiment of that name: ``default``) and apply
+    ``overrides``; SpecError in one line naming the file (or the overrides), the field and the fix."""
+    path = locate(path, "experiment")
     raw = read_yaml_mapping(path, "experiment", "experiments/default.yaml")
     experiment = _validate(raw, str(path), path.parent.resolve())
     return with_overrides(experiment, overrides, origin=str(path))
@@ -304,8 +305,9 @@ class Deployments(_Strict):
 
 
 def load_deployments(path: str | Path) -> tuple[list[DeploymentSpec], list[Experiment]]:
-    """The deployments at ``path`` and, for each, its experiment with its overrides (validated)."""
-    path = Path(path)
+    """The deployments at ``path`` (or the shipped deployments file of that name: ``deployments``) and,
+    for each, its experiment with its overrides (validated)."""
+    path = locate(path, "deployments file")
     raw = read_yaml_mapping(path, "deployments file", "experiments/deployments.yaml")
     try:
         specs = Deployments.model_validate(raw, context={"base": path.parent.resolve()}).deployments

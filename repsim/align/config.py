@@ -173,6 +173,6 @@ class AlignConfig(_Strict):
 
 
 def load_align_config(path: str | Path, overrides: Sequence[str] = ()) -> AlignConfig:
-    """Read the alignment config at ``path`` and apply ``overrides`` (``"geometry.alpha=0"``);
-    SpecError in one line naming the file and the field."""
+    """Read the alignment config at ``path`` (or the shipped config of that name: ``gera``) and apply
+    ``overrides`` (``"geometry.alpha=0"``); SpecError in one line naming the file and the field."""
     return load_config(path, overrides, defaults=None, schema=AlignConfig)

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from repsim.config_errors import describe, message, model_at, read_yaml_mapping
 from repsim.errors import SpecError
+from repsim.shipped import locate
 
 FASHION_MNIST_ROOT = Path("/usr/share/datasets/fashion-mnist")
 SYNSET_PATTERN = re.compile(r"^.+\.[nvasr]\.\d{2}$")
@@ -167,11 +168,12 @@ class DataSpec(_Strict):
 
 
 def load_spec(path: str | Path) -> DataSpec:
-    """Read and validate a data spec; relative paths resolve against the spec's folder.
+    """Read and validate a data spec (a path, or the name of a shipped spec: ``animal-mnist``);
+    relative paths resolve against the spec's folder.
 
     Raises SpecError with one line naming the file, the field and the fix.
     """
-    path = Path(path)
+    path = locate(path, "data spec")
     raw = read_yaml_mapping(path, "data spec", "data_specs/fashion-mnist.yaml")
     try:
         spec = DataSpec.model_validate(_resolve_paths(raw, path.parent.resolve()))

@@ -1,8 +1,9 @@
 """Experiment configs: pydantic models read from YAML, merged over defaults, overridable by ``a.b=value``.
 
-A config file is merged over ``configs/defaults.yaml`` (mappings merge key by key; a mapping whose
-``type`` or ``name`` changes is replaced whole, so switching a similarity source drops the old
-source's fields), then each override is applied in order. Override values are parsed as YAML
+A config file (a path, or the name of a shipped config: ``xclr``) is merged over the shipped
+``configs/defaults.yaml`` (mappings merge key by key; a mapping whose ``type`` or ``name`` changes
+is replaced whole, so switching a similarity source drops the old source's fields), then each
+override is applied in order. Override values are parsed as YAML
 (``optim.lr=0.1``, ``monitor.knn=false``, ``optim.grad_clip=null``). Relative paths resolve against
 the folder of the file that names them; paths given in overrides resolve against the working
 directory. Every error is one line naming the file (or the override), the field and the fix.
@@ -23,8 +24,9 @@ from repsim.data.augment import PRESETS
 from repsim.errors import SpecError
 from repsim.models.backbones import RESNETS
 from repsim.models.vit import VITS
+from repsim.shipped import locate, packaged
 
-DEFAULTS = Path(__file__).resolve().parents[2] / "configs" / "defaults.yaml"
+DEFAULTS = "defaults"  # the shipped config under every training config
 TAG_FIELDS = ("type", "name")
 PATH_FIELDS = (("data", "spec"), ("method", "similarity", "path"), ("image", "path"))  # image: alignment configs
 
@@ -244,13 +246,14 @@ class _Layer:
     values: dict[str, Any]
 
 
-def load_config(path: str | Path, overrides: Sequence[str] = (), defaults: Path | None = DEFAULTS,
+def load_config(path: str | Path, overrides: Sequence[str] = (), defaults: str | None = DEFAULTS,
                 schema: type[BaseModel] = Config) -> Any:
-    """Read the config at ``path`` merged over ``defaults`` (if that file exists), then apply
-    ``overrides`` (``"optim.lr=0.01"``), as a ``schema`` (default: a training :class:`Config`).
-    Raises SpecError in one line naming file and field."""
-    layers = [_read_layer(defaults)] if defaults is not None and defaults.is_file() else []
-    layers.append(_read_layer(Path(path)))
+    """Read the config at ``path`` (or the shipped config of that name) merged over the shipped config
+    ``defaults`` (None: no defaults), then apply ``overrides`` (``"optim.lr=0.01"``), as a ``schema``
+    (default: a training :class:`Config`). Raises SpecError in one line naming file and field."""
+    path = locate(path, "config")
+    layers = [_read_layer(packaged("config", defaults))] if defaults is not None else []
+    layers.append(_read_layer(path))
     layers += [_override_layer(override) for override in overrides]
     merged: dict[str, Any] = {}
     for layer in layers:
@@ -258,7 +261,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = (), defaults: Path 
     try:
         return schema.model_validate(merged)
     except ValidationError as err:
-        raise SpecError(*describe(err, _origin(err, layers, Path(path), schema), schema)) from None
+        raise SpecError(*describe(err, _origin(err, layers, path, schema), schema)) from None
 
 
 def _read_layer(path: Path) -> _Layer:

@@ -1,0 +1,54 @@
+"""The YAML files shipped with repsim, found by name: configs, experiments and data specs.
+
+The repository's top-level ``configs/``, ``experiments/`` and ``data_specs/`` install as the packages
+``repsim.configs``, ``repsim.experiments`` and ``repsim.data_specs`` (editable or from the wheel
+alike), so the relative paths between them (``../data_specs/animal-mnist.yaml``) hold inside
+the installed package and every command works from any directory.
+
+Every loader passes its file argument through :func:`locate`: an existing file is that file;
+otherwise a bare name (``xclr`` or ``xclr.yaml``) is the shipped file of that name; otherwise a
+one-line SpecError lists the shipped names.
+"""
+
+from __future__ import annotations
+
+from importlib.resources import files
+from pathlib import Path
+
+from repsim.errors import SpecError
+
+FOLDERS = {"config": "configs", "experiment": "experiments", "deployments file": "experiments",
+           "data spec": "data_specs"}  # kind of file -> its package folder
+SUFFIX = ".yaml"
+
+
+def folder(kind: str) -> Path:
+    """The installed folder of the shipped files of ``kind`` (a key of FOLDERS)."""
+    return Path(str(files(f"repsim.{FOLDERS[kind]}")))  # installed as files: editable, or an unpacked wheel
+
+
+def shipped(kind: str) -> dict[str, Path]:
+    """The shipped files of ``kind`` by name, sorted."""
+    return {path.stem: path for path in sorted(folder(kind).glob(f"*{SUFFIX}"))}
+
+
+def packaged(kind: str, name: str) -> Path:
+    """The shipped ``kind`` file ``name``; SpecError naming the file when the installation lacks it."""
+    path = folder(kind) / f"{name}{SUFFIX}"
+    if not path.is_file():
+        raise SpecError(f"the packaged {kind} {path} is missing",
+                        "reinstall repsim (make setup, or pip install the wheel again)")
+    return path
+
+
+def locate(path: str | Path, kind: str) -> Path:
+    """``path`` if it is a file; else, for a bare name (``xclr`` or ``xclr.yaml``), the shipped ``kind``
+    file of that name; SpecError in one line otherwise, listing the shipped names."""
+    if Path(path).is_file():
+        return Path(path)
+    choices = shipped(kind)
+    name = str(path).removesuffix(SUFFIX)
+    if Path(name).name == name and name in choices:
+        return choices[name]
+    raise SpecError(f"{kind} {path} does not exist",
+                    f"check the path, or name a shipped {kind}: {', '.join(choices)}")
