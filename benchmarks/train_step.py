@@ -11,7 +11,7 @@ run times, alternating between them round by round:
 - (c) **loader-fed**: the Trainer on the train stage's real shard loader, with the time spent
   waiting for each batch measured apart.
 
-Each round runs one epoch (or ``--steps``) of each; the table gives the median step time over the rounds, the
+Each round runs one epoch (or ``--steps``) of each, a different variant first each round; the table gives the median step time over the rounds, the
 ratios trainer/bare and loader-fed/bare (1 is a step at the model's speed) and the share of
 loader-fed time spent waiting for data. Threads and workers follow the train stage's defaults
 (:func:`repsim.device.cpu_plan`) unless ``--set`` changes them. Written to
@@ -187,7 +187,8 @@ def measure(config: Config, rounds: int, held: int,
         for variant in variants:  # warm-up: one untimed epoch each
             variant.run()
         for round_number in range(rounds):
-            for variant in variants:
+            shift = round_number % len(variants)  # each variant leads a round in turn
+            for variant in variants[shift:] + variants[:shift]:
                 results[variant.name].append(variant.run())
                 seconds, count, waited = results[variant.name][-1]
                 print(f"round {round_number + 1} {variant.name}: {seconds / count * 1e3:.0f} ms/step, "
@@ -211,7 +212,7 @@ def report(command: str, config: Config, results: dict[str, list[tuple[float, in
          f"batch {context['batch']}, {context['steps']} steps an epoch, augment={config.data.augment}); "
          f"device {context['device']}, torch {torch.__version__}, {plan.threads} torch threads, "
          f"{plan.workers} loader workers, {platform.machine()}. Median step time over the rounds, one epoch "
-         "per variant per round, the variants alternated, after one warm-up epoch each."), "",
+         "per variant per round, the variants alternated (each leads a round in turn), after one warm-up epoch each."), "",
         markdown(["variant", "ms/step", "images/s", "bare / variant", "waiting for data"], rows), "",
     ]
     if losses:
