@@ -157,7 +157,8 @@ def loss_shares(method: Method, batches: list[Batch], repeats: int) -> dict[str,
     with torch.no_grad():
         z1, z2 = method.project_views(batches[0])
         similarity = method.source(batches[0]["index"], batches[0]["label"])
-    xclr, ntxent = XCLRLoss(method.loss.temperature, method.loss.target_temperature), NTXentLoss(0.1)
+    temperature = method.loss.temperature
+    xclr, ntxent = XCLRLoss(temperature, method.loss.target_temperature), NTXentLoss(temperature)
 
     def step(loss, *extra) -> Callable[[], None]:
         def run() -> None:
@@ -167,8 +168,8 @@ def loss_shares(method: Method, batches: list[Batch], repeats: int) -> dict[str,
     return median_seconds({"xclr": step(xclr, similarity), "ntxent": step(ntxent)}, z1.device, 3, repeats)
 
 
-def measure(config: Config, rounds: int, held: int,
-            steps: int | None) -> tuple[dict[str, list[tuple[float, int, float]]], dict]:
+def measure(config: Config, rounds: int, held: int, steps: int | None,
+            scratch: Path) -> tuple[dict[str, list[tuple[float, int, float]]], dict]:
     device = resolve_device()
     data, _ = prepare(config)
     plan = cpu_plan(device, config.optim.num_workers, config.optim.threads)
@@ -177,7 +178,6 @@ def measure(config: Config, rounds: int, held: int,
     loader = train_loader(config, data, device, plan.workers)
     batches = [to_device(batch, device, config.optim.channels_last) for _, batch in zip(range(held), loader)]
     steps = min(steps or len(loader), len(loader))
-    scratch = Path(tempfile.mkdtemp(prefix="train_step-"))
     variants = [bare(copy.deepcopy(base), config, batches, steps, device),
                 trainer("(b) Trainer, in-memory batches", copy.deepcopy(base), config,
                         InMemoryLoader(batches, steps), steps, scratch, device),
@@ -235,7 +235,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     config = experiment_config(args.experiment, args.method, args.overrides)
-    results, context = measure(config, args.rounds, args.held, args.steps)
+    with tempfile.TemporaryDirectory(prefix="train_step-") as scratch:  # the Trainer's metrics.jsonl files
+        results, context = measure(config, args.rounds, args.held, args.steps, Path(scratch))
     text = report(shlex.join(["python", "benchmarks/train_step.py", *sys.argv[1:]]), config, results, context)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
