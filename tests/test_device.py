@@ -30,6 +30,7 @@ def test_given_workers_or_threads_are_kept():
     assert cpu_plan(CPU, workers=1, cores=2).threads == 1
     assert cpu_plan(CPU, workers=3, cores=2).threads == 1
     assert cpu_plan(CPU, threads=1, cores=8) == cpu_plan(CPU, workers=2, threads=1, cores=8)
+    assert (cpu_plan(CPU, threads=1, cores=8).threads, cpu_plan(GPU, threads=3, cores=8).threads) == (1, 3)
 
 
 def test_ranks_on_one_machine_share_its_cores(monkeypatch):

@@ -51,8 +51,8 @@ from repsim.stage import Stage, StageOutput, read_record, repsim_home, run_stage
 VERSION = "1"
 CHECKPOINT_FILE = "checkpoint.pt"
 METRICS_FILE = "metrics.jsonl"
-KEY_NEUTRAL = (("optim", "num_workers"), ("optim", "threads"), ("optim", "checkpoint_every"), ("monitor", "batch_size"),
-               ("data", "spec"), ("method", "similarity", "path"))
+KEY_NEUTRAL = (("optim", "num_workers"), ("optim", "threads"), ("optim", "checkpoint_every"),
+               ("monitor", "batch_size"), ("data", "spec"), ("method", "similarity", "path"))
 DIGEST_CHUNK = 1 << 20
 
 __all__ = ["TrainingData", "Upstream", "file_digest", "load_encoder", "prepare", "train", "train_loader",
