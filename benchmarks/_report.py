@@ -1,10 +1,16 @@
-"""What the benchmarks share: markdown tables, reports that keep their analysis, timing of alternated steps."""
+"""What the benchmarks share: markdown tables, reports that keep their analysis, timing of alternated
+steps, and the result table of a finished experiment run."""
 
 from __future__ import annotations
 
+import ast
+import json
+import shlex
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,3 +53,49 @@ def median_seconds(steps: dict[str, Callable[[], object]], device: torch.device,
             synchronise(device)
             times[name].append(time.perf_counter() - started)
     return {name: statistics.median(spent) for name, spent in times.items()}
+
+
+@dataclass(frozen=True)
+class FinishedRun:
+    """The latest finished run of an experiment: its result table, command and wall time."""
+
+    name: str
+    data: Path
+    rows: list[dict]  # one per grid point and encoder: "point", "encoder", each metric, "<metric>.std", "<metric>.n"
+    command: str
+    minutes: float
+
+
+def finished_run(name: str) -> FinishedRun:
+    """The latest finished ``repsim run`` of experiment ``name`` in the tracking store (the MLflow
+    server of ``MLFLOW_TRACKING_URI``, else ``$REPSIM_HOME/mlflow.db``); SystemExit if there is none."""
+    import repsim.tasks  # noqa: F401  (the embedded tracking defaults)
+    from mlflow.tracking import MlflowClient
+    from repsim.flows.experiment import RESULTS_TABLE
+
+    client = MlflowClient()
+    experiment = client.get_experiment_by_name("repsim")
+    found = client.search_runs([experiment.experiment_id] if experiment else [],
+                               "tags.`repsim.flow` = 'experiment' and attributes.status = 'FINISHED' "
+                               f"and params.`experiment.name` = '{name}'",
+                               order_by=["attributes.end_time DESC"], max_results=1)
+    if not found:
+        raise SystemExit(f"no finished run of experiment {name!r} in {client.tracking_uri}; "
+                         f"run `repsim run {name}` first")
+    run = found[0]
+    with tempfile.TemporaryDirectory() as folder:
+        table = json.loads(Path(client.download_artifacts(run.info.run_id, RESULTS_TABLE, folder)).read_text())
+    overrides = ast.literal_eval(run.data.params.get("overrides", "[]"))
+    return FinishedRun(name, Path(run.data.params["experiment.data"]),
+                       [dict(zip(table["columns"], row)) for row in table["data"]],
+                       shlex.join(["repsim", "run", name, *(arg for o in overrides for arg in ("--set", o))]),
+                       (run.info.end_time - run.info.start_time) / 60000)
+
+
+def mean_std(row: dict, metric: str) -> str:
+    """``81.23 ± 0.41`` (percent) over the row's outputs, ``81.23`` for one, ``-`` without the metric."""
+    if row.get(metric) is None:
+        return "-"
+    if row[f"{metric}.n"] == 1:
+        return f"{100 * row[metric]:.2f}"
+    return f"{100 * row[metric]:.2f} ± {100 * row[f'{metric}.std']:.2f}"

@@ -1,130 +1,304 @@
 """The experiment flow: shard the data spec, then run the experiment's stage sections in order
-(precompute, train, evaluate, align), each stage a cached task tracked as a nested MLflow run.
+(precompute, train, evaluate, align), each stage a cached task tracked as a nested MLflow run; end
+with the result table on the parent run and as a Prefect artifact.
 
-Each section kind has one step here (:data:`STEPS`): a function of the run so far and the section.
-A new stage kind is a section model in :mod:`repsim.experiment` and one step.
+An experiment with ``seeds`` or a ``sweep`` runs as members (:func:`repsim.experiment.expand`). Each
+section runs for every member at once: its step submits the tasks of all members before it waits on
+any, so that independent stages run concurrently, up to the task runner's ``max_workers``
+(:func:`concurrency`). A task called twice with the same arguments (a stage that the members' overrides
+do not reach) is submitted once and its future shared.
+
+Each section kind has one step here (:data:`STEPS`). A new stage kind is a section model in
+:mod:`repsim.experiment` and one step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from prefect import flow
+from prefect import Task, flow
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.futures import PrefectFuture
+from prefect.task_runners import ThreadPoolTaskRunner
 
-from repsim.data.sharding import MANIFEST
+from repsim.data.sharding import MANIFEST, ShardResult
+from repsim.errors import RepsimError
 from repsim.eval.stages import PIXELS, RESULTS_FILE, read_results
-from repsim.experiment import (AlignSection, EvaluateSection, Experiment, PrecomputeSection, TrainSection,
-                               check_experiment, with_overrides)
+from repsim.experiment import Experiment, Member, check_experiment, with_overrides
+from repsim.results import Row, Score, aggregate, as_columns, headline_metrics, markdown
 from repsim.similarity.stages import CLASSES_FILE, HEAT_MAP_FILE, SIMILARITY_FILE
-from repsim.stage import StageOutput, rebuilding
-from repsim.tasks.evaluate import evaluate_task, features_task
-from repsim.tasks.precompute import embed_captions_task, neighbors_task, wordnet_task
-from repsim.tasks.shard import shard_task
-from repsim.tasks.stage import describe, log_stage, track
-from repsim.tasks.tracking import StageRun, Tracker
+from repsim.stage import StageOutput, read_record, rebuilding
 from repsim.tasks.align import ARTIFACTS as ALIGN_ARTIFACTS
-from repsim.tasks.align import align_task
+from repsim.tasks.align import align_task, plan_align
+from repsim.tasks.evaluate import evaluate_task, features_task, plan_evaluate, plan_features
+from repsim.tasks.precompute import (embed_captions_task, neighbors_task, plan_captions, plan_neighbors,
+                                     plan_wordnet, wordnet_task)
+from repsim.tasks.shard import plan_shard, shard_task
+from repsim.tasks.stage import Plan, current_record, describe, log_stage
+from repsim.tasks.tracking import StageRun, Tracker
 from repsim.tasks.train import ARTIFACTS as TRAIN_ARTIFACTS
-from repsim.tasks.train import train_task
+from repsim.tasks.train import plan_train, train_task
+
+RESULTS_TABLE = "results.json"  # the result table's file among the parent run's artifacts
+
+
+def concurrency() -> int:
+    """How many stage tasks run at once: ``REPSIM_CONCURRENCY``, else one per GPU, else 1."""
+    import torch
+
+    return int(os.environ.get("REPSIM_CONCURRENCY") or max(1, torch.cuda.device_count()))
+
+
+SELF_LOGGING = ("train", "align")  # tasks that log their own nested run while they run
+
+
+def _call(task: Task, args: tuple, kwargs: dict[str, Any]) -> str:
+    """A task call as text: two calls are the same stage when their texts are equal."""
+    return f"{task.name}{args!r}{sorted(kwargs.items())!r}"
 
 
 @dataclass
-class ExperimentRun:
-    """What the steps share: the tracker, the parent MLflow run, one summary per stage, the shards,
-    the caption stage, the trained encoders by label, and one result row per encoder."""
+class Stages:
+    """The stage tasks of one flow run: each distinct call submitted once, each finished stage tracked
+    once (a nested MLflow run under ``parent`` and one row of ``summaries``)."""
 
-    experiment: Experiment
     tracker: Tracker
     parent: StageRun
     summaries: list[dict] = field(default_factory=list)
-    shards: StageOutput | None = None
-    captions: StageOutput | None = None
-    encoders: dict[str, StageOutput] = field(default_factory=dict)
-    results: dict[str, dict[str, float]] = field(default_factory=dict)
+    _futures: dict[str, PrefectFuture] = field(default_factory=dict)
+    _tracking: dict[Any, tuple[tuple[str, ...], str | None]] = field(default_factory=dict)
+    _outputs: dict[Any, StageOutput] = field(default_factory=dict)
 
-    def track(self, state: Any, artifacts: tuple[str, ...] = ()) -> Any:
-        """Log a finished stage task as a nested run and keep its summary; its result."""
-        return track(self.tracker, self.parent, self.summaries, state, artifacts)
+    @property
+    def parent_run_id(self) -> str:
+        return self.parent.run_id
 
-    def track_self_logging(self, state: Any, label: str, artifacts: tuple[str, ...]) -> StageOutput:
-        """Keep the summary of a task that logs its own nested run while it runs (train, align), and
-        log the run here when Prefect served the task from its cache; its result."""
+    def submit(self, task: Task, *args: Any, artifacts: Sequence[str] = (), label: str | None = None,
+               **kwargs: Any) -> PrefectFuture:
+        """``task.submit(*args, **kwargs)``, or the future of the same call made before. ``artifacts``:
+        glob patterns of output files to log; ``label``: what the stage is for, in the summary."""
+        call = _call(task, args, kwargs)
+        if call not in self._futures:
+            future = self._futures[call] = task.submit(*args, **kwargs)
+            self._tracking[future.task_run_id] = (tuple(artifacts), label)
+        return self._futures[call]
+
+    def result(self, future: PrefectFuture) -> StageOutput:
+        """The output of a submitted task, once it has finished; tracked the first time."""
+        run_id = future.task_run_id
+        if run_id not in self._outputs:
+            future.wait()
+            self._outputs[run_id] = self._track(future.state, *self._tracking[run_id])
+        return self._outputs[run_id]
+
+    def _track(self, state: Any, artifacts: tuple[str, ...], label: str | None) -> Any:
         output = state.result()
-        if state.name == "Cached":
-            log_stage(self.tracker, self.parent, output.path, state, [output.path / name for name in artifacts])
-        self.summaries.append({"stage": output.stage, "detail": f"{label}: {describe(output.record)}",
+        record = read_record(output.path)
+        if record["stage"] not in SELF_LOGGING or state.name == "Cached":  # a Prefect cache hit logged nothing
+            log_stage(self.tracker, self.parent, output.path, state,
+                      sorted(path for pattern in artifacts for path in output.path.glob(pattern)))
+        self.summaries.append({"stage": record["stage"], "detail": ": ".join(filter(None, [label, describe(record)])),
                                "key": output.key, "path": str(output.path),
                                "cached": output.cached or state.name == "Cached"})
         return output
 
-    def add_results(self, label: str, metrics: dict[str, float]) -> None:
-        """Results of encoder ``label``: in its row of the result table and on the parent run."""
-        self.results.setdefault(label, {}).update(metrics)
-        self.parent.log_metrics({f"{label}.{name}": value for name, value in metrics.items()})
+
+PLANS: dict[str, Plan] = {"shard": plan_shard, "captions": plan_captions, "wordnet": plan_wordnet,
+                         "neighbors": plan_neighbors, "train": plan_train, "features": plan_features,
+                         "evaluate": plan_evaluate, "align": plan_align}
 
 
-def precompute_step(run: ExperimentRun, section: PrecomputeSection) -> None:
-    spec = str(run.experiment.data)
-    if section.captions:
-        run.captions = run.track(embed_captions_task(str(run.shards.path), return_state=True))
-    for measure in section.wordnet:
-        run.track(wordnet_task(spec, measure, return_state=True), (CLASSES_FILE, SIMILARITY_FILE, HEAT_MAP_FILE))
-    if section.neighbors:
-        run.track(neighbors_task(str(run.captions.path), k=section.neighbors, index=section.index,
-                                 return_state=True))
+@dataclass
+class Planner:
+    """Stands in for :class:`Stages` to plan a run without running it: each distinct call is planned,
+    its output found complete (cached) or not. A stage whose inputs are not built yet has no key until
+    they are; it is counted all the same."""
+
+    parent_run_id: str = "plan"
+    summaries: list[dict] = field(default_factory=list)
+    _outputs: dict[str, Any] = field(default_factory=dict)
+
+    def submit(self, task: Task, *args: Any, artifacts: Sequence[str] = (), label: str | None = None,
+               **kwargs: Any) -> str:
+        call = _call(task, args, kwargs)
+        if call not in self._outputs:
+            self._outputs[call] = self._plan(task.name, call, label, args, kwargs)
+        return call
+
+    def result(self, call: str) -> Any:
+        return self._outputs[call]
+
+    def _plan(self, name: str, call: str, label: str | None, args: tuple, kwargs: dict[str, Any]) -> Any:
+        try:
+            stage, out = PLANS[name](*args, **kwargs)
+        except (RepsimError, OSError):  # an input is not built yet
+            stage, out = None, None
+        record = current_record(stage, out) if stage is not None else None
+        self.summaries.append({"stage": name, "detail": label or "", "key": stage.key if stage else "",
+                               "status": "cached" if record else "runs" if stage else "runs after its inputs"})
+        if record is None:
+            unbuilt = Path(f"<{name} {hashlib.sha256(call.encode()).hexdigest()[:8]}, not built>")
+            return StageOutput(name, stage.key if stage else "", unbuilt, False, {})
+        return ShardResult.from_dir(out) if name == "shard" else StageOutput(name, stage.key, out, True, record)
 
 
-def train_step(run: ExperimentRun, section: TrainSection) -> None:
-    for method in section.methods:
-        overrides = section.overrides(method, run.experiment.data)
-        state = train_task(str(method.config), overrides, run.parent.run_id, section.launch, return_state=True)
-        run.encoders[method.label] = run.track_self_logging(state, method.label, TRAIN_ARTIFACTS)
+@dataclass(eq=False)
+class MemberRun:
+    """One member so far: its shards, caption stage and trained encoders by label, and its scores."""
+
+    member: Member
+    shards: StageOutput | None = None
+    captions: StageOutput | None = None
+    encoders: dict[str, StageOutput] = field(default_factory=dict)
+    scores: list[Score] = field(default_factory=list)
+
+    @property
+    def experiment(self) -> Experiment:
+        return self.member.experiment
+
+    def tag(self, label: str) -> str:
+        """``label`` with the member it belongs to, for a stage that differs between members."""
+        return f"{label} [{self.member.label}]" if self.member.label else label
+
+    def score(self, encoder: str, output: StageOutput) -> None:
+        """Keep the metrics of an evaluate or align output of ``encoder`` (none from a stage only planned)."""
+        if output.stage == "evaluate" and output.record:
+            metrics = {name: value for suite in read_results(output)["suites"].values() for name, value in suite.items()}
+        else:
+            metrics = output.metrics
+        if metrics:
+            self.scores.append(Score(self.member.point_label, encoder, output.key, metrics))
 
 
-def evaluate_step(run: ExperimentRun, section: EvaluateSection) -> None:
-    encoders = {"pixels": PIXELS} if section.pixels else {}
-    encoders |= {label: str(output.path) for label, output in run.encoders.items()}
-    for label, encoder in encoders.items():
-        train, test = (run.track(features_task(str(run.shards.path), encoder, split, return_state=True))
-                       for split in (section.train_split, section.test_split))
-        evaluated = run.track(evaluate_task(str(train.path), str(test.path), list(section.suites),
-                                            list(section.knn_k), linear_options=section.linear.model_dump(exclude_defaults=True),
-                                            return_state=True), ("*.png", RESULTS_FILE))
-        run.add_results(label, {name: value for suite in read_results(evaluated)["suites"].values()
-                                for name, value in suite.items()})
+Members = list[tuple[MemberRun, Any]]  # each member with its section of the step's kind
 
 
-def align_step(run: ExperimentRun, section: AlignSection) -> None:
-    for label, encoder in run.encoders.items():
-        overrides = section.overrides(encoder.path, run.experiment.data)
-        state = align_task(str(section.config), overrides, run.parent.run_id, return_state=True)
-        run.add_results(label, run.track_self_logging(state, label, ALIGN_ARTIFACTS).metrics)
+def shard_step(stages: Stages, runs: list[MemberRun]) -> None:
+    futures = [stages.submit(shard_task, str(run.experiment.data), artifacts=(MANIFEST,)) for run in runs]
+    for run, future in zip(runs, futures):
+        run.shards = stages.result(future)
 
 
-STEPS: dict[str, Callable[[ExperimentRun, Any], None]] = {
+def precompute_step(stages: Stages, members: Members) -> None:
+    captions = {run: stages.submit(embed_captions_task, str(run.shards.path))
+                for run, section in members if section.captions}
+    wordnet = [stages.submit(wordnet_task, str(run.experiment.data), measure,
+                             artifacts=(CLASSES_FILE, SIMILARITY_FILE, HEAT_MAP_FILE))
+               for run, section in members for measure in section.wordnet]
+    for run, future in captions.items():
+        run.captions = stages.result(future)
+    neighbors = [stages.submit(neighbors_task, str(run.captions.path), k=section.neighbors, index=section.index)
+                 for run, section in members if section.neighbors]
+    for future in [*wordnet, *neighbors]:
+        stages.result(future)
+
+
+def train_step(stages: Stages, members: Members) -> None:
+    futures = [(run, method.label, stages.submit(train_task, str(method.config),
+                                                 section.overrides(method, run.experiment.data),
+                                                 stages.parent_run_id, section.launch,
+                                                 artifacts=TRAIN_ARTIFACTS, label=run.tag(method.label)))
+               for run, section in members for method in section.methods]
+    for run, label, future in futures:
+        run.encoders[label] = stages.result(future)
+
+
+def evaluate_step(stages: Stages, members: Members) -> None:
+    sections = dict(members)
+    encoders = [(run, label, tag, encoder) for run, section in members
+                for label, tag, encoder in _encoders(run, section.pixels)]
+    features = {(run, label): [stages.submit(features_task, str(run.shards.path), encoder, split, label=f"{tag} {split}")
+                               for split in (sections[run].train_split, sections[run].test_split)]
+                for run, label, tag, encoder in encoders}
+    evaluations = {(run, label): stages.submit(
+        evaluate_task, *(str(stages.result(future).path) for future in features[run, label]),
+        list(sections[run].suites), list(sections[run].knn_k),
+        linear_options=sections[run].linear.model_dump(exclude_defaults=True), artifacts=("*.png", RESULTS_FILE),
+        label=tag) for run, label, tag, encoder in encoders}
+    for (run, label), future in evaluations.items():
+        run.score(label, stages.result(future))
+
+
+def _encoders(run: MemberRun, pixels: bool) -> list[tuple[str, str, str]]:
+    """(label, label shown with the member when it differs between members, encoder) of each encoder to evaluate."""
+    trained = [(label, run.tag(label), str(output.path)) for label, output in run.encoders.items()]
+    return [("pixels", "pixels", PIXELS)] * pixels + trained
+
+
+def align_step(stages: Stages, members: Members) -> None:
+    futures = [(run, label, stages.submit(align_task, str(section.config),
+                                          section.overrides(encoder.path, run.experiment.data),
+                                          stages.parent_run_id, artifacts=ALIGN_ARTIFACTS, label=run.tag(label)))
+               for run, section in members for label, encoder in run.encoders.items()]
+    for run, label, future in futures:
+        run.score(label, stages.result(future))
+
+
+STEPS: dict[str, Callable[[Stages, Members], None]] = {
     "precompute": precompute_step, "train": train_step, "evaluate": evaluate_step, "align": align_step}
 
 
-@flow(name="experiment")
+def run_steps(stages: Stages | Planner, experiment: Experiment, members: list[Member]) -> list[MemberRun]:
+    """Every member through the shard step and the experiment's section steps, section by section."""
+    runs = [MemberRun(member) for member in members]
+    shard_step(stages, runs)
+    for position, section in enumerate(experiment.stages):
+        STEPS[section.kind](stages, [(run, run.experiment.stages[position]) for run in runs])
+    return runs
+
+
+def plan_experiment(experiment: Experiment, force: Sequence[str] = ()) -> dict[str, Any]:
+    """What :func:`experiment_flow` would run, without running it: ``{"members": [labels], "stages":
+    [one summary per distinct stage: stage, detail, key, status (cached, runs, runs after its inputs)]}``."""
+    members = check_experiment(experiment)
+    planner = Planner()
+    with rebuilding(force):
+        run_steps(planner, experiment, members)
+    return {"members": [member.label for member in members], "stages": planner.summaries}
+
+
+def publish(parent: StageRun, rows: list[Row], columns: dict[str, str], name: str) -> str:
+    """The result table on the parent MLflow run (a table artifact, and each row's means as metrics)
+    and on the Prefect flow run (a markdown artifact); its markdown."""
+    table = markdown(rows, columns)
+    parent.client.log_table(parent.run_id, data=as_columns(rows), artifact_file=RESULTS_TABLE)
+    points = list(dict.fromkeys(row.point for row in rows))
+    for row in rows:
+        prefix = f"point{points.index(row.point)}." if row.point else ""
+        parent.log_metrics({f"{prefix}{row.encoder}.{metric}": value for metric, value in row.mean.items()}
+                           | {f"{prefix}{row.encoder}.{metric}.std": row.std[metric]
+                              for metric in row.mean if row.n[metric] > 1})
+    parent.log_params({f"point{index}": point for index, point in enumerate(points) if point})
+    create_markdown_artifact(table, key="results", description=f"experiment {name}: mean ± std (n) over seeds")
+    create_table_artifact(as_columns(rows), key="results-table", description=f"experiment {name}, every metric")
+    return table
+
+
+@flow(name="experiment", task_runner=ThreadPoolTaskRunner(max_workers=concurrency()))
 def experiment_flow(experiment: Experiment, overrides: list[str] | None = None,
                     force: list[str] | None = None) -> dict[str, Any]:
     """Run ``experiment`` with ``overrides`` (``"train.settings.optim.lr=0.01"``), rebuilding the
     outputs of the stages named in ``force`` (e.g. ``["train"]``) even when they are cached.
 
-    Returns ``{"name", "stages": [one summary per stage: stage, detail, key, path, cached],
-    "results": {encoder label: {metric: value}}}``; the parent MLflow run carries every result.
+    Returns ``{"name", "stages": [one summary per distinct stage: stage, detail, key, path, cached],
+    "rows": [one result row per grid point and encoder], "columns": {title: headline metric},
+    "table": the rows as markdown}``; the parent MLflow run carries the table.
     """
     experiment = with_overrides(experiment, overrides or [])
-    check_experiment(experiment)
+    members = check_experiment(experiment)
     tracker = Tracker()
     params = {"experiment": experiment.model_dump(mode="json"), "overrides": list(overrides or []),
-              "force": list(force or [])}
+              "force": list(force or []), "members": len(members)}
     with rebuilding(force or []), tracker.flow_run("experiment", params) as parent:
-        run = ExperimentRun(experiment, tracker, parent)
-        run.shards = run.track(shard_task(str(experiment.data), return_state=True), (MANIFEST,))
-        for section in experiment.stages:
-            STEPS[section.kind](run, section)
-    return {"name": experiment.name, "stages": run.summaries, "results": run.results}
-
+        stages = Stages(tracker, parent)
+        runs = run_steps(stages, experiment, members)
+        rows = aggregate(score for run in runs for score in run.scores)
+        evaluate = experiment.section("evaluate")
+        columns = headline_metrics(rows, evaluate.knn_k[0] if evaluate is not None else None)
+        table = publish(parent, rows, columns, experiment.name) if rows else ""
+    return {"name": experiment.name, "stages": stages.summaries, "rows": rows, "columns": columns, "table": table}

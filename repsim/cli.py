@@ -135,20 +135,40 @@ def cmd_run(args: argparse.Namespace) -> None:
 
     experiment = load_experiment(args.experiment, args.overrides)
     check_experiment(experiment)  # validate before orchestration
-    from repsim.flows.experiment import experiment_flow
+    if args.plan:
+        from repsim.flows.experiment import plan_experiment
+
+        _print_plan(plan_experiment(experiment, args.force))
+        return
+    from repsim.flows.experiment import experiment_flow  # first: it sets Prefect's embedded defaults
+
+    from prefect.task_runners import ThreadPoolTaskRunner
 
     _start_orchestration()
-    outcome = experiment_flow(experiment=experiment, force=args.force)
+    flow = experiment_flow if args.concurrency is None else experiment_flow.with_options(
+        task_runner=ThreadPoolTaskRunner(max_workers=args.concurrency))
+    outcome = flow(experiment=experiment, force=args.force)
     print(_table(["stage", "detail", "cached", "output"], [
         [s["stage"], s["detail"], "yes" if s["cached"] else "no", s["path"]] for s in outcome["stages"]]))
-    evaluate = experiment.section("evaluate")
-    k = evaluate.knn_k[0] if evaluate is not None else None
-    columns = {f"kNN@{k}": f"knn_top1_k{k}", "linear probe": "linear_top1", "zero-shot": "zeroshot_top1"}
+    from repsim.results import cell
+
+    rows, columns = outcome["rows"], outcome["columns"]
+    swept = any(row.point for row in rows)
     print()
-    print(_table(["method", *columns], [[label, *(f"{metrics[name]:.4f}" if name in metrics else "-"
-                                                 for name in columns.values())]
-                                        for label, metrics in outcome["results"].items()]))
+    print(_table([*(["grid point"] if swept else []), "method", *columns],
+                 [[*([row.point] if swept else []), row.encoder, *(cell(row, name) for name in columns.values())]
+                  for row in rows]))
     print(f"\n{_where_to_look()}")
+
+
+def _print_plan(plan: dict) -> None:
+    stages = plan["stages"]
+    print(_table(["stage", "detail", "status", "key"], [[s["stage"], s["detail"], s["status"], s["key"] or "-"]
+                                                        for s in stages]))
+    cached = sum(s["status"] == "cached" for s in stages)
+    members = plan["members"]
+    print(f"\n{len(members)} member{'s' * (len(members) != 1)}{': ' + ', '.join(members) if members[0] else ''}")
+    print(f"{len(stages)} stages: {cached} cached, {len(stages) - cached} to run")
 
 
 def _where_to_look() -> str:
@@ -194,6 +214,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     _start_orchestration()
     serve_deployments(args.deployments)
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return int(text)
 
 
 DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -299,6 +325,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="override an experiment field, e.g. --set train.settings.optim.lr=0.01 (repeatable)")
     run.add_argument("--force", action="append", default=[], metavar="STAGE", choices=FORCEABLE,
                      help=f"rebuild this stage's outputs even if cached, repeatable ({', '.join(FORCEABLE)})")
+    run.add_argument("--plan", action="store_true",
+                     help="print the stages (each member's, shared ones once), which are cached, and their count; run nothing")
+    run.add_argument("--concurrency", type=_positive_int, metavar="N",
+                     help="stages run at once (default: $REPSIM_CONCURRENCY, else one per GPU, else 1)")
     run.set_defaults(run=cmd_run)
     stages = commands.add_parser("stages", help="list stage outputs: key, status (complete/incomplete/locked), path")
     stages.add_argument("stages", nargs="*", metavar="STAGE", help="only these stages (default: all)")

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -75,3 +77,27 @@ def torch_threads(threads: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+_free_gpus: queue.Queue[int] | None = None
+_free_gpus_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def gpu_slot() -> Iterator[torch.device | None]:
+    """A GPU of this machine for the block alone, among stages that run at once in this process
+    (waits while every GPU is taken); None without CUDA, where each stage takes its default device."""
+    global _free_gpus
+    if not torch.cuda.device_count():
+        yield None
+        return
+    with _free_gpus_lock:
+        if _free_gpus is None:
+            _free_gpus = queue.Queue()
+            for index in range(torch.cuda.device_count()):
+                _free_gpus.put(index)
+    index = _free_gpus.get()
+    try:
+        yield torch.device("cuda", index)
+    finally:
+        _free_gpus.put(index)

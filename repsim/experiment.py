@@ -7,17 +7,23 @@ encoder) and ``align`` (a GeRA config aligning image and text embeddings, then z
 spec is always sharded first. A new stage kind is one more section model in :data:`Section` and one
 more step in the experiment flow.
 
+``seeds`` and a ``sweep`` grid expand one experiment into members (:func:`expand`), one per grid point
+and seed; stages that members share run once (see :mod:`repsim.flows.experiment`).
+
 Overrides (``--set``) address a top-level field (``name=...``) or a section by its kind
-(``train.settings.optim.lr=0.01``, ``evaluate.suites=[knn]``); values parse as YAML. Relative paths
-resolve against the experiment file's folder; paths given in overrides against the working
-directory. Every error is one line naming the file (or the overrides), the field and the fix.
+(``train.settings.optim.lr=0.01``, ``evaluate.suites=[knn]``), and one method of the train section
+by its label (``train.methods.xclr.settings.method.target_temperature=0.05``); values parse as
+YAML. Relative paths resolve against the experiment file's folder; paths given in overrides against
+the working directory. Every error is one line naming the file (or the overrides), the field and the fix.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -180,12 +186,32 @@ class AlignSection(_Section):
 Section = Annotated[PrecomputeSection | TrainSection | EvaluateSection | AlignSection, Field(discriminator="kind")]
 
 
+SEED_KEYS = {"train": ("settings.optim.seed",),  # what one of an experiment's ``seeds`` sets, by section
+             "align": ("settings.optim.seed", "settings.pairing.seed", "settings.text.seed")}
+
+
 class Experiment(_Strict):
-    """A data spec and the stage sections to run on it, in order (the data is always sharded first)."""
+    """A data spec and the stage sections to run on it, in order (the data is always sharded first);
+    with ``seeds`` and a ``sweep`` grid, once per seed and grid point."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     data: ResolvedPath = Field(description="data spec YAML")
     stages: list[Section] = Field(min_length=1)
+    seeds: list[int] = Field([], description="run once per seed (the seeds of SEED_KEYS); results: mean ± std")
+    sweep: dict[str, Annotated[list[Any], Field(min_length=1)]] = Field(
+        {}, description="--set key -> values, e.g. {train.settings.method.target_temperature: [0.05, 0.1]}; "
+                        "every combination runs")
+
+    @model_validator(mode="after")
+    def _distinct_seeds_and_values(self) -> Experiment:
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds {self.seeds} repeat; list each seed once")
+        for key, values in self.sweep.items():
+            if key.split(".")[0] in ("seeds", "sweep"):
+                raise ValueError(f"sweep key {key!r} sweeps the sweep; list seeds under seeds:")
+            if len({yaml.safe_dump(value) for value in values}) != len(values):
+                raise ValueError(f"sweep values {values} of {key!r} repeat; list each value once")
+        return self
 
     @model_validator(mode="after")
     def _order(self) -> Experiment:
@@ -200,6 +226,50 @@ class Experiment(_Strict):
 
     def section(self, kind: str) -> Section | None:
         return next((section for section in self.stages if section.kind == kind), None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Seeds and sweeps
+
+@dataclass(frozen=True)
+class Member:
+    """One grid point and seed of an experiment, as an experiment of its own (no seeds, no sweep)."""
+
+    point: tuple[tuple[str, Any], ...]  # (sweep key, value) in the sweep's order
+    seed: int | None
+    experiment: Experiment
+
+    @property
+    def point_label(self) -> str:
+        """The grid point as ``key=value`` pairs with each key's last part (``target_temperature=0.05``)."""
+        return " ".join(f"{key.rsplit('.', 1)[-1]}={_inline(value)}" for key, value in self.point)
+
+    @property
+    def label(self) -> str:
+        return " ".join(filter(None, [self.point_label, "" if self.seed is None else f"seed={self.seed}"]))
+
+
+def expand(experiment: Experiment) -> list[Member]:
+    """Every grid point of ``experiment.sweep`` (in the order its keys and values are listed) times every
+    seed; an experiment with neither is its only member. SpecError in one line for a sweep key or value
+    that the experiment refuses."""
+    single = experiment.model_copy(update={"seeds": [], "sweep": {}})
+    points = [tuple(zip(experiment.sweep, values)) for values in itertools.product(*experiment.sweep.values())]
+    return [Member(point, seed, _member(single, point, seed)) for point in points for seed in experiment.seeds or [None]]
+
+
+def _member(single: Experiment, point: tuple[tuple[str, Any], ...], seed: int | None) -> Experiment:
+    kinds = [section.kind for section in single.stages]
+    seeds = [] if seed is None else [f"{kind}.{key}={seed}" for kind in kinds for key in SEED_KEYS.get(kind, ())]
+    sweep = [f"{key}={_inline(value)}" for key, value in point]
+    try:
+        return with_overrides(single, [*sweep, *seeds], origin=f"experiment {single.name}")
+    except SpecError as err:
+        raise SpecError(f"sweep {', '.join(sweep) or f'seed {seed}'}: {err.what}", err.fix) from None
+
+
+def _inline(value: Any) -> str:
+    return yaml.safe_dump(value, default_flow_style=True, width=1 << 16).strip().removesuffix("\n...")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,8 +315,23 @@ def _apply(values: dict[str, Any], override: str) -> dict[str, Any]:
     if not rest:
         raise SpecError(f"{name} replaces a whole section", f"set one of its fields, e.g. {head}.<field>=...")
     stages = list(values["stages"])
-    stages[kinds.index(head)] = _set(stages[kinds.index(head)], rest, value)
+    section = stages[kinds.index(head)]
+    if head == "train" and rest[0] == "methods" and len(rest) > 2:
+        section = {**section, "methods": _set_method(section["methods"], rest[1], rest[2:], value, name)}
+    else:
+        section = _set(section, rest, value)
+    stages[kinds.index(head)] = section
     return {**values, "stages": stages}
+
+
+def _set_method(methods: list[dict[str, Any]], label: str, keys: Sequence[str], value: Any,
+                name: str) -> list[dict[str, Any]]:
+    """``methods`` with ``keys`` set in the run labelled ``label`` (``train.methods.<label>.settings...``)."""
+    labels = [run.get("name") or Path(run["config"]).stem for run in methods]
+    if label not in labels:
+        raise SpecError(f"{name}: the train section has no method labelled {label!r}",
+                        f"use one of {', '.join(labels)} (a run's name, else its config's file name)")
+    return [_set(run, keys, value) if run_label == label else run for run, run_label in zip(methods, labels)]
 
 
 def _set(tree: dict[str, Any], keys: Sequence[str], value: Any) -> dict[str, Any]:
@@ -262,20 +347,29 @@ def dotted(settings: Settings, prefix: str = "") -> list[str]:
         if isinstance(value, dict) and value:
             flat += dotted(value, f"{prefix}{key}.")
         else:
-            flat.append(f"{prefix}{key}={yaml.safe_dump(value, default_flow_style=True, width=1 << 16).strip()}"
-                        .removesuffix("\n..."))
+            flat.append(f"{prefix}{key}={_inline(value)}")
     return flat
 
 
-def check_experiment(experiment: Experiment) -> None:
-    """Load the data spec and every method config (with their overrides): SpecError before any work."""
+def check_experiment(experiment: Experiment) -> list[Member]:
+    """Load the data spec and, for every member, every method and alignment config (with their
+    overrides): SpecError before any work. The members."""
+    from repsim.align.config import load_align_config
     from repsim.data import load_spec
     from repsim.methods.config import load_config
 
     load_spec(experiment.data)
-    train = experiment.section("train")
-    for run in train.methods if train is not None else ():
-        load_config(run.config, train.overrides(run, experiment.data))
+    members = expand(experiment)
+    for member in members:
+        try:
+            train, align = member.experiment.section("train"), member.experiment.section("align")
+            for run in train.methods if train is not None else ():
+                load_config(run.config, train.overrides(run, member.experiment.data))
+            if align is not None:
+                load_align_config(align.config, align.overrides(Path("encoder"), member.experiment.data))
+        except SpecError as err:
+            raise SpecError(f"sweep member {member.label}: {err.what}" if member.label else err.what, err.fix) from None
+    return members
 
 
 # ---------------------------------------------------------------------------------------------

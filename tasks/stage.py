@@ -3,6 +3,8 @@ to MLflow as a nested run, whether it ran or was served from cache."""
 
 from __future__ import annotations
 
+import hashlib
+
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,18 +21,24 @@ Plan = Callable[..., tuple[Stage, Path]]
 def stage_cache_key(plan: Plan) -> Callable[[TaskRunContext, dict[str, Any]], str | None]:
     """A Prefect ``cache_key_fn`` for a task whose parameters ``plan`` turns into (stage, out_dir).
 
-    The key is the stage key once the output directory is complete, and None (no cache) before or
-    while it is being rebuilt (:func:`repsim.stage.rebuilding`), so a deleted or forced output is
-    built again rather than served stale from Prefect's result store.
+    The key is the stage key and the output directory once that directory is complete, and None
+    (no cache) before or while it is being rebuilt (:func:`repsim.stage.rebuilding`), so a deleted or
+    forced output is built again rather than served stale from Prefect's result store, and a result
+    is never served for another directory (another ``REPSIM_HOME`` sharing the Prefect store).
     """
 
     def key(_: TaskRunContext, parameters: dict[str, Any]) -> str | None:
         stage, out = plan(**parameters)
-        record = read_record(out) if out.is_dir() else None
-        fresh = record is not None and record.get("key") == stage.key and not is_stale(record)
-        return f"{stage.name}-{stage.key}" if fresh else None
+        where = hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:12]
+        return f"{stage.name}-{stage.key}-{where}" if current_record(stage, out) is not None else None
 
     return key
+
+
+def current_record(stage: Stage, out: Path) -> dict[str, Any] | None:
+    """The ``stage.json`` record of ``out`` if it is a complete output of ``stage`` not to be rebuilt."""
+    record = read_record(out) if out.is_dir() else None
+    return record if record is not None and record.get("key") == stage.key and not is_stale(record) else None
 
 
 def log_stage(tracker: Tracker, parent: StageRun, path: Path, state: State,

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from prefect import task
 
+from repsim.device import gpu_slot
 from repsim.experiment import TorchrunLaunch
 from repsim.methods.config import Config, load_config
 from repsim.methods.stage import CHECKPOINT_FILE, METRICS_FILE, train, train_stage_of
@@ -44,7 +45,8 @@ def train_task(config: str, overrides: list[str], parent_run_id: str,
     def produce(log: LogFn) -> StageOutput:
         if launch is not None and launch.distributed:
             return _train_with_torchrun(resolved, launch.command(config, overrides), log)
-        return train(resolved, log=log)
+        with gpu_slot() as device:  # trainings that run at once each get a GPU of their own
+            return train(resolved, log=log, device=device)
 
     return run_streamed(parent_run_id, train_stage_of(resolved), produce, ARTIFACTS)
 

@@ -1,8 +1,13 @@
-"""How a training process splits its cores between torch threads and loader workers."""
+"""How a training process splits its cores between torch threads and loader workers, and how stages
+that run at once share the GPUs."""
+
+import threading
+import time
 
 import pytest
 import torch
 
+from repsim import device as devices
 from repsim.device import cores_per_process, cpu_plan, torch_threads
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)
@@ -47,3 +52,33 @@ def test_torch_threads_restores_the_previous_number():
     with torch_threads(1):
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == before
+
+
+def test_concurrent_stages_each_hold_a_gpu_of_their_own(monkeypatch):
+    monkeypatch.setattr(devices, "_free_gpus", None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    held, release, third = [], threading.Event(), []
+
+    def hold():
+        with devices.gpu_slot() as gpu:
+            held.append(gpu)
+            release.wait(10)
+
+    holders = [threading.Thread(target=hold) for _ in range(2)]
+    for thread in holders:
+        thread.start()
+    while len(held) < 2:
+        time.sleep(0.01)
+    waiting = threading.Thread(target=lambda: third.append(devices.gpu_slot().__enter__()))
+    waiting.start()
+    waiting.join(0.3)
+    assert sorted(str(gpu) for gpu in held) == ["cuda:0", "cuda:1"] and third == []  # the third waits
+    release.set()
+    waiting.join(10)
+    assert third and third[0].type == "cuda"
+
+
+def test_without_cuda_a_stage_takes_its_default_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with devices.gpu_slot() as gpu:
+        assert gpu is None

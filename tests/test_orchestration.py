@@ -109,3 +109,21 @@ def test_large_outputs_are_tagged_by_path_small_ones_logged(tmp_path, monkeypatc
     logged = tracker.client.get_run(run.run_id)
     assert [a.path for a in tracker.client.list_artifacts(run.run_id)] == ["metrics.jsonl"]
     assert logged.data.tags["repsim.file.checkpoint.pt"] == str(large.resolve())
+
+
+def test_prefect_cache_key_names_the_output_directory(make_image_folder, write_spec, tmp_path, monkeypatch):
+    """One Prefect store shared by two REPSIM_HOMEs never serves one home's output to the other."""
+    from repsim.data import shard
+    from repsim.tasks.shard import plan_shard
+    from repsim.tasks.stage import stage_cache_key
+
+    spec = write_spec({"name": "pets", "source": {"type": "image_folder", "root": str(make_image_folder({"cat": 2}))},
+                       "classes": {"cat": "cat.n.01"}, "split": {"type": "random", "fractions": {"train": 1.0}}})
+    key = stage_cache_key(plan_shard)
+    keys = []
+    for home in ("a", "b"):
+        monkeypatch.setenv("REPSIM_HOME", str(tmp_path / home))
+        assert key(None, {"spec_path": str(spec)}) is None  # not built in this home yet
+        shard(spec, progress=False)
+        keys.append(key(None, {"spec_path": str(spec)}))
+    assert None not in keys and keys[0] != keys[1] and keys[0].split("-")[:2] == keys[1].split("-")[:2]

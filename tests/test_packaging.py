@@ -47,7 +47,8 @@ def test_a_bare_name_with_or_without_yaml_is_the_shipped_file(tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)
     for name in ("animal-mnist", "animal-mnist.yaml"):
         assert locate(name, "data spec").resolve() == (REPO / "data_specs" / "animal-mnist.yaml").resolve()
-    assert set(shipped("experiment")) == {"default", "deployments"}
+    assert set(shipped("experiment")) == {path.stem for path in (REPO / "experiments").glob("*.yaml")} >= {
+        "default", "deployments", "reproduce-xclr"}
 
 
 def test_an_existing_path_wins_over_a_shipped_name(tmp_path, monkeypatch):

@@ -1,0 +1,86 @@
+"""An experiment's result table: one row per grid point and encoder, each metric's mean ± standard
+deviation over the seeds.
+
+Members of a sweep share the stages that their overrides do not reach, so one stage output (the raw
+pixels' evaluation, say) can score several seeds; it counts once, and ``n`` says how many distinct
+stage outputs a row averages.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Score:
+    """The metrics that one stage output (``source``: its stage key) gave one encoder of one member."""
+
+    point: str  # the member's grid point, "" without a sweep
+    encoder: str
+    source: str
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One grid point and encoder: each metric's mean, sample standard deviation (0 for one value) and count."""
+
+    point: str
+    encoder: str
+    mean: dict[str, float] = field(default_factory=dict)
+    std: dict[str, float] = field(default_factory=dict)
+    n: dict[str, int] = field(default_factory=dict)
+
+
+def aggregate(scores: Iterable[Score]) -> list[Row]:
+    """Rows in the order their grid point and encoder first appear; each stage output counted once."""
+    values: dict[tuple[str, str], dict[str, dict[str, float]]] = {}
+    for score in scores:
+        metrics = values.setdefault((score.point, score.encoder), {})
+        for name, value in score.metrics.items():
+            metrics.setdefault(name, {})[score.source] = value
+    return [Row(point, encoder, {name: statistics.fmean(v.values()) for name, v in metrics.items()},
+                {name: statistics.stdev(v.values()) if len(v) > 1 else 0.0 for name, v in metrics.items()},
+                {name: len(v) for name, v in metrics.items()})
+            for (point, encoder), metrics in values.items()]
+
+
+def headline_metrics(rows: Sequence[Row], knn_k: int | None) -> dict[str, str]:
+    """The columns a comparison shows, those that some row has: {column title: metric name}."""
+    columns = {f"kNN@{knn_k}": f"knn_top1_k{knn_k}", "linear probe": "linear_top1", "zero-shot": "zeroshot_top1"}
+    return {title: name for title, name in columns.items() if any(name in row.mean for row in rows)}
+
+
+def cell(row: Row, metric: str) -> str:
+    """``0.8123`` for one value, ``0.8123 ± 0.0041 (3)`` over several, ``-`` when the row lacks it."""
+    if metric not in row.mean:
+        return "-"
+    if row.n[metric] == 1:
+        return f"{row.mean[metric]:.4f}"
+    return f"{row.mean[metric]:.4f} ± {row.std[metric]:.4f} ({row.n[metric]})"
+
+
+def as_columns(rows: Sequence[Row]) -> dict[str, list]:
+    """Every metric's mean, std and n as columns (for an MLflow table): {"point", "encoder", "<metric>",
+    "<metric>.std", "<metric>.n", ...}; None where a row lacks the metric."""
+    names = list(dict.fromkeys(name for row in rows for name in row.mean))
+    table: dict[str, list] = {"point": [row.point for row in rows], "encoder": [row.encoder for row in rows]}
+    for name in names:
+        table[name] = [row.mean.get(name) for row in rows]
+        table[f"{name}.std"] = [row.std.get(name) for row in rows]
+        table[f"{name}.n"] = [row.n.get(name) for row in rows]
+    return table
+
+
+def markdown(rows: Sequence[Row], columns: dict[str, str]) -> str:
+    """The rows as a markdown table of the ``columns`` ({title: metric name}), with the grid point
+    when there is one."""
+    swept = any(row.point for row in rows)
+    header = [*(["grid point"] if swept else []), "encoder", *columns]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * (len(header) - len(columns)) + "---:|" * len(columns)]
+    for row in rows:
+        cells = [*([row.point] if swept else []), row.encoder, *(cell(row, name) for name in columns.values())]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

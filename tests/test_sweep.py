@@ -1,0 +1,188 @@
+"""Seeds and sweeps: expansion into members, the result table's aggregation, the plan, and a swept
+experiment run end to end with shared stages built once and two stages at a time."""
+
+import json
+import statistics
+import subprocess
+import sys
+
+import pytest
+import yaml
+from e2e import REPO, flow_runs, isolated_env, repsim, tiny_experiment
+
+from repsim.errors import SpecError
+from repsim.experiment import SEED_KEYS, check_experiment, expand, load_experiment
+from repsim.results import Score, aggregate, cell, markdown
+from repsim.stage import read_record
+
+SWEEP = ["seeds=[0, 1]", "sweep={train.settings.optim.lr: [0.001, 0.002]}"]
+
+
+def test_seeds_times_grid_points_are_members_with_their_overrides():
+    experiment = load_experiment("default", SWEEP)
+    members = expand(experiment)
+    assert [member.label for member in members] == ["lr=0.001 seed=0", "lr=0.001 seed=1",
+                                                    "lr=0.002 seed=0", "lr=0.002 seed=1"]
+    for member, (lr, seed) in zip(members, [(0.001, 0), (0.001, 1), (0.002, 0), (0.002, 1)]):
+        train, align = member.experiment.section("train"), member.experiment.section("align")
+        assert train.settings["optim"]["lr"] == lr and train.settings["optim"]["seed"] == seed
+        assert [align.settings[part]["seed"] for part in ("optim", "pairing", "text")] == [seed] * 3
+        assert member.experiment.seeds == [] and member.experiment.sweep == {}
+        # everything the sweep and the seed do not set is the experiment's own
+        assert train.settings["optim"]["epochs"] == experiment.section("train").settings["optim"]["epochs"]
+    assert set(SEED_KEYS) == {"train", "align"}
+
+
+def test_an_experiment_without_seeds_or_sweep_is_its_only_member():
+    experiment = load_experiment("default")
+    [member] = expand(experiment)
+    assert member.label == "" and member.experiment == experiment
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["sweep={train.settings.optim.lrr: [0.1]}"], "sweep member lrr=0.1: override 'optim.lrr=0.1': unknown field"),
+    (["sweep={trainn.settings.optim.lr: [0.1]}"], "the experiment has no field or section 'trainn'"),
+    (["sweep={train.settings.optim.lr: []}"], "sweep"),
+    (["sweep={train.settings.optim.lr: [0.1, 0.1]}"], "repeat; list each value once"),
+    (["seeds=[1, 1]"], "seeds [1, 1] repeat"),
+    (["sweep={seeds: [[0], [1]]}"], "sweeps the sweep"),
+])
+def test_a_bad_sweep_is_refused_in_one_line(overrides, expected):
+    with pytest.raises(SpecError) as refused:
+        check_experiment(load_experiment("default", overrides))
+    assert expected in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_cli_refuses_an_unknown_sweep_key_with_exit_2(tmp_path):
+    done = repsim(tmp_path, "run", "default", "--plan", "--set", "sweep={train.settings.optim.lrr: [0.1]}")
+    assert done.returncode == 2 and done.stdout == ""
+    assert len(done.stderr.strip().splitlines()) == 1 and "lrr" in done.stderr
+
+
+def test_aggregate_is_mean_and_sample_std_over_distinct_outputs():
+    scores = [Score("lr=0.1", "simclr", "a", {"knn": 0.50, "linear": 0.60}),
+              Score("lr=0.1", "simclr", "b", {"knn": 0.54, "linear": 0.70}),
+              Score("lr=0.1", "simclr", "c", {"knn": 0.58}),
+              Score("lr=0.1", "pixels", "p", {"knn": 0.40}),
+              Score("lr=0.1", "pixels", "p", {"knn": 0.40}),  # one output shared by two seeds counts once
+              Score("lr=0.2", "simclr", "d", {"knn": 0.30})]
+    rows = aggregate(scores)
+    assert [(row.point, row.encoder) for row in rows] == [("lr=0.1", "simclr"), ("lr=0.1", "pixels"),
+                                                          ("lr=0.2", "simclr")]
+    simclr = rows[0]
+    assert simclr.mean["knn"] == pytest.approx((0.50 + 0.54 + 0.58) / 3)
+    assert simclr.std["knn"] == pytest.approx(((0.04 ** 2 + 0 + 0.04 ** 2) / 2) ** 0.5)
+    assert simclr.std["linear"] == pytest.approx(statistics.stdev([0.6, 0.7])) and simclr.n == {"knn": 3, "linear": 2}
+    assert rows[1].n == {"knn": 1} and rows[1].std == {"knn": 0.0}
+    assert cell(simclr, "knn") == "0.5400 ± 0.0400 (3)" and cell(rows[1], "knn") == "0.4000"
+    assert cell(rows[2], "linear") == "-"
+    table = markdown(rows, {"kNN": "knn"}).splitlines()
+    assert table[0] == "| grid point | encoder | kNN |" and table[3] == "| lr=0.1 | pixels | 0.4000 |"
+
+
+@pytest.fixture
+def swept(make_image_folder, write_spec, tmp_path):
+    """The tiny experiment with two seeds and two learning rates, and where its runs live."""
+    path = tiny_experiment(tmp_path, make_image_folder, write_spec)
+    experiment = yaml.safe_load(path.read_text())
+    experiment |= {"seeds": [0, 1], "sweep": {"train.settings.optim.lr": [0.001, 0.002]}}
+    path.write_text(yaml.safe_dump(experiment))
+    return str(path), tmp_path / "home"
+
+
+def plan_counts(stdout: str) -> str:
+    return stdout.strip().splitlines()[-1]
+
+
+def stage_counts(stdout: str) -> dict[str, int]:
+    rows = [line.split()[0] for line in stdout.split("\n\n")[0].splitlines()[2:]]
+    return {stage: rows.count(stage) for stage in dict.fromkeys(rows)}
+
+
+@pytest.mark.slow
+@pytest.mark.orchestration
+def test_sweep_shares_upstream_stages_runs_two_at_a_time_and_reruns_from_cache(swept):
+    experiment, home = swept
+    planned = repsim(home, "run", experiment, "--plan")
+    assert planned.returncode == 0, planned.stderr
+    # shard, wordnet; 4 trains; features: pixels 2 + 4 encoders x 2; evaluate: pixels + 4
+    assert plan_counts(planned.stdout) == "21 stages: 0 cached, 21 to run"
+
+    first = repsim(home, "run", experiment, "--concurrency", "2")
+    assert first.returncode == 0, first.stderr
+    assert stage_counts(first.stdout) == {"shard": 1, "wordnet": 1, "train": 4, "features": 10, "evaluate": 5}
+    assert len([path for path in (home / "artifacts" / "shard").iterdir() if path.is_dir()]) == 1
+    assert len([path for path in (home / "artifacts" / "train").iterdir() if path.is_dir()]) == 4
+    table = first.stdout.split("\n\n")[1].splitlines()
+    assert table[0].split() == ["grid", "point", "method", "kNN@3"]
+    assert [row.split()[:2] for row in table[2:]] == [["lr=0.001", "pixels"], ["lr=0.001", "supcon"],
+                                                      ["lr=0.002", "pixels"], ["lr=0.002", "supcon"]]
+    assert all(row.endswith("(2)") for row in table[2:] if "supcon" in row)  # mean ± std over 2 seeds
+    spans = sorted((record["started"], record["started"] + record["seconds"])
+                   for record in (read_record(path) for path in (home / "artifacts" / "train").iterdir() if path.is_dir()))
+    assert any(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:]))  # two trained at once
+
+    assert plan_counts(repsim(home, "run", experiment, "--plan").stdout) == "21 stages: 21 cached, 0 to run"
+    again = repsim(home, "run", experiment)
+    assert again.returncode == 0, again.stderr
+    assert {line.split()[-2] for line in again.stdout.split("\n\n")[0].splitlines()[2:]} == {"yes"}
+    assert again.stdout.split("\n\n")[1] == first.stdout.split("\n\n")[1]
+
+    [(parent, stages), _] = flow_runs(home, "experiment")
+    assert parent.info.status == "FINISHED" and len(stages) == 21
+    assert sum(run.data.tags["repsim.stage"] == "train" for run in stages) == 4
+    logged = _mlflow_table(home, parent.info.run_id)
+    supcon = [index for index, encoder in enumerate(logged["encoder"]) if encoder == "supcon"]
+    knn = {row.split()[0]: float(row.split()[2]) for row in table[2:] if "supcon" in row}
+    assert [round(logged["knn_top1_k3"][index], 4) for index in supcon] == [knn["lr=0.001"], knn["lr=0.002"]]
+    assert [logged["knn_top1_k3.n"][index] for index in supcon] == [2, 2]
+    assert parent.data.metrics["point0.supcon.knn_top1_k3"] == pytest.approx(logged["knn_top1_k3"][supcon[0]])
+    assert parent.data.params["point1"] == "lr=0.002"
+
+    markdown_artifacts = _prefect_artifacts(home)
+    assert len(markdown_artifacts) == 2 and all("| lr=0.002 | supcon |" in text for text in markdown_artifacts)
+
+
+def _mlflow_table(home, run_id: str) -> dict:
+    """The parent run's result table, read back through the MLflow client: {column: values}."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
+    assert json.loads(client.get_run(run_id).data.tags["mlflow.loggedArtifacts"]) == [
+        {"path": "results.json", "type": "table"}]  # what the MLflow UI's table view lists
+    table = json.loads(open(client.download_artifacts(run_id, "results.json", str(home))).read())
+    return {column: [row[index] for row in table["data"]] for index, column in enumerate(table["columns"])}
+
+
+def _prefect_artifacts(home) -> list[str]:
+    """The markdown of every ``results`` artifact in the Prefect store under ``home``."""
+    script = ("import asyncio, json\n"
+              "from prefect.client.orchestration import get_client\n"
+              "from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey\n"
+              "async def main():\n"
+              "    async with get_client() as client:\n"
+              "        found = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=['results'])))\n"
+              "        print(json.dumps([artifact.data for artifact in found]))\n"
+              "asyncio.run(main())\n")
+    env = isolated_env(home) | {"PREFECT_HOME": str(home / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_sweep_over_one_methods_settings_leaves_the_others_shared():
+    experiment = load_experiment("default", ["sweep={train.methods.xclr.settings.method.target_temperature: [0.05, 0.2]}"])
+    members = check_experiment(experiment)
+    runs = [member.experiment.section("train").methods for member in members]
+    assert [member.label for member in members] == ["target_temperature=0.05", "target_temperature=0.2"]
+    assert [methods[1].settings["method"]["target_temperature"] for methods in runs] == [0.05, 0.2]
+    assert runs[0][1].settings["method"]["similarity"] == {"type": "wordnet", "measure": "wup"}  # kept
+    assert runs[0][0] == runs[1][0]  # simclr: the same call in both members, so one training
+    with pytest.raises(SpecError, match="no method labelled 'xclrr'; use one of simclr, xclr"):
+        load_experiment("default", ["train.methods.xclrr.settings.optim.lr=0.1"])
+
+
+@pytest.mark.parametrize("name, members", [("reproduce-xclr", 9), ("reproduce-xclr-full", 12)])
+def test_shipped_reproductions_are_valid_sweeps(name, members):
+    experiment = load_experiment(name)
+    assert len(check_experiment(experiment)) == members and experiment.seeds == [0, 1, 2]
