@@ -7,7 +7,7 @@ method; three seeds; the τ_s sweep); ``repsim run`` runs it as cached, tracked 
 script reads its result table back from MLflow and writes the report and its plot:
 
     repsim run reproduce-xclr
-    python benchmarks/reproduce_contrastive.py [--experiment reproduce-xclr] [--report benchmarks/REPORT.md]
+    python benchmarks/reproduce_contrastive.py [--experiment reproduce-xclr] [--report PATH]
 
 A rerun rewrites the report above its ``## Analysis`` heading and keeps the analysis below it.
 """
@@ -27,7 +27,7 @@ from _report import FinishedRun, finished_run, markdown, mean_std, write_report 
 from repsim.data.spec import load_spec  # noqa: E402
 from repsim.similarity.wordnet import class_similarity  # noqa: E402
 
-REPORT = Path(__file__).resolve().parent / "REPORT.md"
+BENCHMARKS = Path(__file__).resolve().parent
 NAMES = {"pixels": "raw pixels (floor)", "simclr": "SimCLR", "supcon": "SupCon", "xclr-wordnet": "X-CLR (WordNet)",
          "xclr-captions": "X-CLR (captions)", "clip": "CLIP"}
 SWEPT, DEFAULT_TAU = "xclr-wordnet", 0.1  # the encoder whose τ_s the sweep varies, and the config's τ_s
@@ -40,11 +40,9 @@ def tau(row: dict) -> float:
 
 def comparison(rows: list[dict]) -> list[dict]:
     """One row per encoder: the swept one at the config's τ_s, the others (the same at every point) once."""
-    chosen: dict[str, dict] = {}
-    for row in rows:
-        if row["encoder"] != SWEPT or tau(row) == DEFAULT_TAU:
-            chosen.setdefault(row["encoder"], row)
-    return list(chosen.values())
+    encoders = dict.fromkeys(row["encoder"] for row in rows)
+    return [next(row for row in rows if row["encoder"] == encoder and (encoder != SWEPT or tau(row) == DEFAULT_TAU))
+            for encoder in encoders]
 
 
 def other_class_share(spec: Path, target_temperature: float) -> str:
@@ -107,10 +105,11 @@ def report(run: FinishedRun, image: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--experiment", default="reproduce-xclr", help="the experiment's name (its `name:`)")
-    parser.add_argument("--report", type=Path, default=REPORT)
+    parser.add_argument("--report", type=Path, help="default: benchmarks/REPORT_<experiment>.md")
     args = parser.parse_args()
-    text = report(finished_run(args.experiment), args.report.with_suffix(".png"))
-    write_report(args.report, text)
+    path = args.report or BENCHMARKS / f"REPORT_{args.experiment}.md"
+    text = report(finished_run(args.experiment), path.with_suffix(".png"))
+    write_report(path, text)
     print(text)
 
 

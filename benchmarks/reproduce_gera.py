@@ -1,7 +1,7 @@
 """Reproduce GeRA's few-pairs comparison (Klebe et al., Figure 3) on Fashion-MNIST or Animal-MNIST.
 
 Image embeddings come from a label-free encoder repsim trains itself (SimCLR, ``configs/simclr.yaml``,
-a cached train stage on the CPU schedule of ``reproduce_contrastive.py``, so the two share it) or a
+a cached train stage on the CPU schedule that the SOP reproduction also uses) or a
 given train stage (``--encoder``); text embeddings from all-MiniLM-L6-v2 over captions varied by
 WordNet lemmas, glosses and hypernyms. For each number of pairs M and seed, GeRA
 (``configs/gera.yaml``) and contrastive alignment alone (``configs/align_contrastive.yaml``) are
@@ -34,7 +34,7 @@ from pathlib import Path
 
 from _report import markdown, write_report
 from matplotlib.figure import Figure
-from reproduce_contrastive import SPECS, subset_spec
+from _subsets import SPECS, subset_spec
 
 from repsim.align.config import load_align_config
 from repsim.align.stage import align

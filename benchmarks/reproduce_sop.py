@@ -44,7 +44,7 @@ from _report import markdown, write_report
 from repsim.data.sharding import ShardResult, shard
 from repsim.methods.config import load_config
 from repsim.methods.stage import METRICS_FILE, train
-from reproduce_contrastive import SPECS, Score, mean_std, score, subset_spec
+from _subsets import SPECS, Score, mean_std, score, subset_spec
 
 REPO = Path(__file__).resolve().parents[1]
 REPORT = REPO / "benchmarks" / "REPORT_SOP.md"

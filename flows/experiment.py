@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +29,7 @@ from prefect.futures import PrefectFuture
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from repsim.data.sharding import MANIFEST, ShardResult
-from repsim.errors import RepsimError
+from repsim.errors import RepsimError, StageError
 from repsim.eval.stages import PIXELS, RESULTS_FILE, read_results
 from repsim.experiment import Experiment, Member, check_experiment, with_overrides
 from repsim.results import Row, Score, aggregate, as_columns, headline_metrics, markdown
@@ -65,13 +67,15 @@ def _call(task: Task, args: tuple, kwargs: dict[str, Any]) -> str:
 @dataclass
 class Stages:
     """The stage tasks of one flow run: each distinct call submitted once, each finished stage tracked
-    once (a nested MLflow run under ``parent`` and one row of ``summaries``)."""
+    once (a nested MLflow run under ``parent`` and one row of ``summaries``, with how many members
+    submitted it: the first one's label names it)."""
 
     tracker: Tracker
     parent: StageRun
     summaries: list[dict] = field(default_factory=list)
     _futures: dict[str, PrefectFuture] = field(default_factory=dict)
-    _tracking: dict[Any, tuple[tuple[str, ...], str | None]] = field(default_factory=dict)
+    _uses: Counter[str] = field(default_factory=Counter)
+    _tracking: dict[Any, tuple[str, tuple[str, ...], str | None]] = field(default_factory=dict)
     _outputs: dict[Any, StageOutput] = field(default_factory=dict)
 
     @property
@@ -83,9 +87,11 @@ class Stages:
         """``task.submit(*args, **kwargs)``, or the future of the same call made before. ``artifacts``:
         glob patterns of output files to log; ``label``: what the stage is for, in the summary."""
         call = _call(task, args, kwargs)
+        self._uses[call] += 1
         if call not in self._futures:
-            future = self._futures[call] = task.submit(*args, **kwargs)
-            self._tracking[future.task_run_id] = (tuple(artifacts), label)
+            named = task.with_options(task_run_name=f"{task.name} {label}") if label else task
+            future = self._futures[call] = named.submit(*args, **kwargs)
+            self._tracking[future.task_run_id] = (call, tuple(artifacts), label)
         return self._futures[call]
 
     def result(self, future: PrefectFuture) -> StageOutput:
@@ -96,14 +102,14 @@ class Stages:
             self._outputs[run_id] = self._track(future.state, *self._tracking[run_id])
         return self._outputs[run_id]
 
-    def _track(self, state: Any, artifacts: tuple[str, ...], label: str | None) -> Any:
+    def _track(self, state: Any, call: str, artifacts: tuple[str, ...], label: str | None) -> Any:
         output = state.result()
         record = read_record(output.path)
         if record["stage"] not in SELF_LOGGING or state.name == "Cached":  # a Prefect cache hit logged nothing
             log_stage(self.tracker, self.parent, output.path, state,
-                      sorted(path for pattern in artifacts for path in output.path.glob(pattern)))
+                      sorted(path for pattern in artifacts for path in output.path.glob(pattern)), label)
         self.summaries.append({"stage": record["stage"], "detail": ": ".join(filter(None, [label, describe(record)])),
-                               "key": output.key, "path": str(output.path),
+                               "key": output.key, "path": str(output.path), "members": self._uses[call],
                                "cached": output.cached or state.name == "Cached"})
         return output
 
@@ -121,30 +127,35 @@ class Planner:
 
     parent_run_id: str = "plan"
     summaries: list[dict] = field(default_factory=list)
-    _outputs: dict[str, Any] = field(default_factory=dict)
+    _outputs: dict[str, tuple[Any, dict]] = field(default_factory=dict)
 
     def submit(self, task: Task, *args: Any, artifacts: Sequence[str] = (), label: str | None = None,
                **kwargs: Any) -> str:
         call = _call(task, args, kwargs)
         if call not in self._outputs:
             self._outputs[call] = self._plan(task.name, call, label, args, kwargs)
+        self._outputs[call][1]["members"] += 1
         return call
 
     def result(self, call: str) -> Any:
-        return self._outputs[call]
+        return self._outputs[call][0]
 
-    def _plan(self, name: str, call: str, label: str | None, args: tuple, kwargs: dict[str, Any]) -> Any:
+    def _plan(self, name: str, call: str, label: str | None, args: tuple,
+              kwargs: dict[str, Any]) -> tuple[Any, dict]:
+        """The call's output (found, or a stand-in for one not built) and its summary."""
         try:
             stage, out = PLANS[name](*args, **kwargs)
         except (RepsimError, OSError):  # an input is not built yet
             stage, out = None, None
         record = current_record(stage, out) if stage is not None else None
-        self.summaries.append({"stage": name, "detail": label or "", "key": stage.key if stage else "",
-                               "status": "cached" if record else "runs" if stage else "runs after its inputs"})
+        summary = {"stage": name, "detail": label or "", "key": stage.key if stage else "", "members": 0,
+                   "status": "cached" if record else "runs" if stage else "runs after its inputs"}
+        self.summaries.append(summary)
         if record is None:
             unbuilt = Path(f"<{name} {hashlib.sha256(call.encode()).hexdigest()[:8]}, not built>")
-            return StageOutput(name, stage.key if stage else "", unbuilt, False, {})
-        return ShardResult.from_dir(out) if name == "shard" else StageOutput(name, stage.key, out, True, record)
+            return StageOutput(name, stage.key if stage else "", unbuilt, False, {}), summary
+        found = ShardResult.from_dir(out) if name == "shard" else StageOutput(name, stage.key, out, True, record)
+        return found, summary
 
 
 @dataclass(eq=False)
@@ -201,7 +212,7 @@ def precompute_step(stages: Stages, members: Members) -> None:
 def train_step(stages: Stages, members: Members) -> None:
     futures = [(run, method.label, stages.submit(train_task, str(method.config),
                                                  section.overrides(method, run.experiment.data),
-                                                 stages.parent_run_id, section.launch,
+                                                 stages.parent_run_id, section.launch, run_name=method.label,
                                                  artifacts=TRAIN_ARTIFACTS, label=run.tag(method.label)))
                for run, section in members for method in section.methods]
     for run, label, future in futures:
@@ -233,7 +244,8 @@ def _encoders(run: MemberRun, pixels: bool) -> list[tuple[str, str, str]]:
 def align_step(stages: Stages, members: Members) -> None:
     futures = [(run, label, stages.submit(align_task, str(section.config),
                                           section.overrides(encoder.path, run.experiment.data),
-                                          stages.parent_run_id, artifacts=ALIGN_ARTIFACTS, label=run.tag(label)))
+                                          stages.parent_run_id, run_name=label, artifacts=ALIGN_ARTIFACTS,
+                                          label=run.tag(label)))
                for run, section in members for label, encoder in run.encoders.items()]
     for run, label, future in futures:
         run.score(label, stages.result(future))
@@ -262,6 +274,29 @@ def plan_experiment(experiment: Experiment, force: Sequence[str] = ()) -> dict[s
     return {"members": [member.label for member in members], "stages": planner.summaries}
 
 
+def run_members_on(deployment: str, members: list[Member], force: Sequence[str], poll_seconds: float = 5) -> None:
+    """Run every member as a flow run of ``deployment`` (``experiment/<name>``), all at once, so that the
+    processes serving it (``repsim serve`` on several machines, or a work pool's workers) share them
+    out; wait for all. Their outputs land in the ``$REPSIM_HOME`` they share with this process.
+    StageError naming the members that did not complete."""
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+
+    started = {member.label: run_deployment(deployment, timeout=0, flow_run_name=f"{member.experiment.name} {member.label}",
+                                            parameters={"experiment": member.experiment.model_dump(mode="json"),
+                                                        "force": list(force)})
+               for member in members}
+    with get_client(sync_client=True) as client:
+        states = {label: client.read_flow_run(run.id).state for label, run in started.items()}
+        while not all(state.is_final() for state in states.values()):
+            time.sleep(poll_seconds)
+            states = {label: client.read_flow_run(run.id).state for label, run in started.items()}
+    failed = [f"{label} ({state.name})" for label, state in states.items() if not state.is_completed()]
+    if failed:
+        raise StageError(f"members {', '.join(failed)} of the run on {deployment} did not complete",
+                         "see their flow runs in the Prefect UI, then run again: completed stages are cached")
+
+
 def publish(parent: StageRun, rows: list[Row], columns: dict[str, str], name: str) -> str:
     """The result table on the parent MLflow run (a table artifact, and each row's means as metrics)
     and on the Prefect flow run (a markdown artifact); its markdown."""
@@ -281,9 +316,11 @@ def publish(parent: StageRun, rows: list[Row], columns: dict[str, str], name: st
 
 @flow(name="experiment", task_runner=ThreadPoolTaskRunner(max_workers=concurrency()))
 def experiment_flow(experiment: Experiment, overrides: list[str] | None = None,
-                    force: list[str] | None = None) -> dict[str, Any]:
+                    force: list[str] | None = None, spread: str | None = None) -> dict[str, Any]:
     """Run ``experiment`` with ``overrides`` (``"train.settings.optim.lr=0.01"``), rebuilding the
-    outputs of the stages named in ``force`` (e.g. ``["train"]``) even when they are cached.
+    outputs of the stages named in ``force`` (e.g. ``["train"]``) even when they are cached. With
+    ``spread`` (a deployment of this flow, ``experiment/<name>``), the members run first as flow runs
+    of that deployment (:func:`run_members_on`), and this run then finds every stage cached.
 
     Returns ``{"name", "stages": [one summary per distinct stage: stage, detail, key, path, cached],
     "rows": [one result row per grid point and encoder], "columns": {title: headline metric},
@@ -293,8 +330,10 @@ def experiment_flow(experiment: Experiment, overrides: list[str] | None = None,
     members = check_experiment(experiment)
     tracker = Tracker()
     params = {"experiment": experiment.model_dump(mode="json"), "overrides": list(overrides or []),
-              "force": list(force or []), "members": len(members)}
+              "force": list(force or []), "members": len(members), "spread": spread or ""}
     with rebuilding(force or []), tracker.flow_run("experiment", params) as parent:
+        if spread:
+            run_members_on(spread, members, force or [])
         stages = Stages(tracker, parent)
         runs = run_steps(stages, experiment, members)
         rows = aggregate(score for run in runs for score in run.scores)

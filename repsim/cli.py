@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from repsim.errors import RepsimError
+from repsim.errors import RepsimError, SpecError
 
 EXIT_USER_ERROR = 2
 FORCEABLE = ("shard", "captions", "wordnet", "neighbors", "train", "features", "evaluate", "align")
@@ -135,6 +135,9 @@ def cmd_run(args: argparse.Namespace) -> None:
 
     experiment = load_experiment(args.experiment, args.overrides)
     check_experiment(experiment)  # validate before orchestration
+    if args.spread and not os.environ.get("PREFECT_API_URL"):
+        raise SpecError("--spread runs members on the workers of a Prefect server, and none is configured",
+                        "set PREFECT_API_URL (make servers; source .repsim/servers/env.sh) or leave out --spread")
     if args.plan:
         from repsim.flows.experiment import plan_experiment
 
@@ -147,24 +150,29 @@ def cmd_run(args: argparse.Namespace) -> None:
     _start_orchestration()
     flow = experiment_flow if args.concurrency is None else experiment_flow.with_options(
         task_runner=ThreadPoolTaskRunner(max_workers=args.concurrency))
-    outcome = flow(experiment=experiment, force=args.force)
-    print(_table(["stage", "detail", "cached", "output"], [
-        [s["stage"], s["detail"], "yes" if s["cached"] else "no", s["path"]] for s in outcome["stages"]]))
+    _print_outcome(flow(experiment=experiment, force=args.force, spread=args.spread))
+    print(f"\n{_where_to_look()}")
+
+
+def _print_outcome(outcome: dict) -> None:
+    """One row per stage (with how many members share it, when there are several), then the results."""
     from repsim.results import cell
 
-    rows, columns = outcome["rows"], outcome["columns"]
-    swept = any(row.point for row in rows)
+    stages, rows, columns = outcome["stages"], outcome["rows"], outcome["columns"]
+    shared, swept = any(s["members"] > 1 for s in stages), any(row.point for row in rows)
+    print(_table(["stage", "detail", *(["members"] if shared else []), "cached", "output"], [
+        [s["stage"], s["detail"], *([s["members"]] if shared else []), "yes" if s["cached"] else "no", s["path"]]
+        for s in stages]))
     print()
     print(_table([*(["grid point"] if swept else []), "method", *columns],
                  [[*([row.point] if swept else []), row.encoder, *(cell(row, name) for name in columns.values())]
                   for row in rows]))
-    print(f"\n{_where_to_look()}")
 
 
 def _print_plan(plan: dict) -> None:
     stages = plan["stages"]
-    print(_table(["stage", "detail", "status", "key"], [[s["stage"], s["detail"], s["status"], s["key"] or "-"]
-                                                        for s in stages]))
+    print(_table(["stage", "detail", "members", "status", "key"],
+                 [[s["stage"], s["detail"], s["members"], s["status"], s["key"] or "-"] for s in stages]))
     cached = sum(s["status"] == "cached" for s in stages)
     members = plan["members"]
     print(f"\n{len(members)} member{'s' * (len(members) != 1)}{': ' + ', '.join(members) if members[0] else ''}")
@@ -329,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print the stages (each member's, shared ones once), which are cached, and their count; run nothing")
     run.add_argument("--concurrency", type=_positive_int, metavar="N",
                      help="stages run at once (default: $REPSIM_CONCURRENCY, else one per GPU, else 1)")
+    run.add_argument("--spread", metavar="DEPLOYMENT",
+                     help="run each member as a flow run of this deployment of the experiment flow "
+                          "(e.g. experiment/sweep-worker), on whichever processes serve it; needs a Prefect server")
     run.set_defaults(run=cmd_run)
     stages = commands.add_parser("stages", help="list stage outputs: key, status (complete/incomplete/locked), path")
     stages.add_argument("stages", nargs="*", metavar="STAGE", help="only these stages (default: all)")

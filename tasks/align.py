@@ -16,14 +16,17 @@ from repsim.tasks.stage import run_streamed, stage_cache_key
 ARTIFACTS = (RESULTS_FILE, LOSS_PLOT_FILE, METRICS_FILE, ALIGNMENT_FILE)
 
 
-def plan_align(config: str, overrides: list[str], parent_run_id: str | None = None) -> tuple[Stage, Path]:
+def plan_align(config: str, overrides: list[str], parent_run_id: str | None = None,
+               run_name: str | None = None) -> tuple[Stage, Path]:
     """The align stage of a config file with ``--set`` overrides (its shards must exist)."""
     stage = align_stage_of(load_align_config(config, overrides))
     return stage, stage.default_dir()
 
 
 @task(name="align", cache_key_fn=stage_cache_key(plan_align), persist_result=True)
-def align_task(config: str, overrides: list[str], parent_run_id: str) -> StageOutput:
-    """Align (or find cached) the config, logging to a nested MLflow run under ``parent_run_id``."""
+def align_task(config: str, overrides: list[str], parent_run_id: str, run_name: str | None = None) -> StageOutput:
+    """Align (or find cached) the config, logging to a nested MLflow run under ``parent_run_id``
+    (``align <run_name>``)."""
     resolved = load_align_config(config, overrides)
-    return run_streamed(parent_run_id, align_stage_of(resolved), lambda log: align(resolved, log=log), ARTIFACTS)
+    return run_streamed(parent_run_id, align_stage_of(resolved), lambda log: align(resolved, log=log), ARTIFACTS,
+                        run_name)

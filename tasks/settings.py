@@ -19,6 +19,7 @@ def embedded_defaults() -> dict[str, str]:
         "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
         "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}",
+        "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",  # a line per stage on a server; repsim says where to look
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
     }

@@ -42,11 +42,11 @@ def current_record(stage: Stage, out: Path) -> dict[str, Any] | None:
 
 
 def log_stage(tracker: Tracker, parent: StageRun, path: Path, state: State,
-              artifacts: Iterable[Path] = ()) -> None:
+              artifacts: Iterable[Path] = (), label: str | None = None) -> None:
     """Log a finished stage (its ``stage.json`` at ``path``) as a nested run under ``parent``."""
     record = read_record(path)
     cached = state.name == "Cached" or bool(getattr(state.result(), "cached", False))
-    with tracker.stage_run(parent.run_id, record["stage"], record["key"], path) as run:
+    with tracker.stage_run(parent.run_id, record["stage"], record["key"], path, label) as run:
         run.log_stage_output(path, cached, artifacts)
 
 
@@ -86,12 +86,12 @@ def describe(record: dict) -> str:
 
 def run_streamed(parent_run_id: str, stage: Stage, produce: Callable[[Callable[[dict[str, float], int], None]],
                                                                       StageOutput],
-                 artifacts: Sequence[str]) -> StageOutput:
-    """``produce(log)`` inside a nested run for ``stage`` under ``parent_run_id``: the curves it
-    passes to ``log(metrics, step)`` stream to MLflow; then the output is logged with the files
-    ``artifacts`` of its directory (those that exist)."""
+                 artifacts: Sequence[str], label: str | None = None) -> StageOutput:
+    """``produce(log)`` inside a nested run for ``stage`` (named with ``label``) under ``parent_run_id``:
+    the curves it passes to ``log(metrics, step)`` stream to MLflow; then the output is logged with the
+    files ``artifacts`` of its directory (those that exist)."""
     streamed: set[str] = set()
-    with Tracker().stage_run(parent_run_id, stage.name, stage.key, stage.default_dir()) as run:
+    with Tracker().stage_run(parent_run_id, stage.name, stage.key, stage.default_dir(), label) as run:
 
         def log(metrics: dict[str, float], step: int) -> None:
             streamed.update(metrics)

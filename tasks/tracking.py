@@ -120,8 +120,10 @@ class Tracker:
             run.log_params(params)
             yield run
 
-    def stage_run(self, parent_run_id: str, stage: str, key: str,
-                  path: Path) -> contextlib.AbstractContextManager[StageRun]:
-        """A nested run for one stage under the parent run ``parent_run_id``."""
-        return self._run(stage, {MLFLOW_PARENT_RUN_ID: parent_run_id, "repsim.stage": stage,
-                                 "repsim.stage_key": key, "repsim.output": str(path)})
+    def stage_run(self, parent_run_id: str, stage: str, key: str, path: Path,
+                  label: str | None = None) -> contextlib.AbstractContextManager[StageRun]:
+        """A nested run for one stage under the parent run ``parent_run_id``, named ``<stage> <label>``
+        (``train simclr``, ``features pixels test``) when the stage is for something in particular."""
+        tags = {MLFLOW_PARENT_RUN_ID: parent_run_id, "repsim.stage": stage, "repsim.stage_key": key,
+                "repsim.output": str(path)} | ({"repsim.label": label} if label else {})
+        return self._run(f"{stage} {label}" if label else stage, tags)

@@ -29,7 +29,7 @@ ARTIFACTS = (METRICS_FILE, ENCODER_FILE, CHECKPOINT_FILE, TARGET_HISTOGRAM_FILE)
 
 
 def plan_train(config: str, overrides: list[str], parent_run_id: str | None = None,
-               launch: TorchrunLaunch | None = None) -> tuple[Stage, Path]:
+               launch: TorchrunLaunch | None = None, run_name: str | None = None) -> tuple[Stage, Path]:
     """The train stage of a config file with ``--set`` overrides (its shards must exist)."""
     stage = train_stage_of(load_config(config, overrides))
     return stage, stage.default_dir()
@@ -37,9 +37,9 @@ def plan_train(config: str, overrides: list[str], parent_run_id: str | None = No
 
 @task(name="train", cache_key_fn=stage_cache_key(plan_train), persist_result=True)
 def train_task(config: str, overrides: list[str], parent_run_id: str,
-               launch: TorchrunLaunch | None = None) -> StageOutput:
-    """Train (or find cached) the config, logging to a nested MLflow run under ``parent_run_id``;
-    with a distributed ``launch``, through torchrun."""
+               launch: TorchrunLaunch | None = None, run_name: str | None = None) -> StageOutput:
+    """Train (or find cached) the config, logging to a nested MLflow run under ``parent_run_id``
+    (``train <run_name>``); with a distributed ``launch``, through torchrun."""
     resolved = load_config(config, overrides)
 
     def produce(log: LogFn) -> StageOutput:
@@ -48,7 +48,7 @@ def train_task(config: str, overrides: list[str], parent_run_id: str,
         with gpu_slot() as device:  # trainings that run at once each get a GPU of their own
             return train(resolved, log=log, device=device)
 
-    return run_streamed(parent_run_id, train_stage_of(resolved), produce, ARTIFACTS)
+    return run_streamed(parent_run_id, train_stage_of(resolved), produce, ARTIFACTS, run_name)
 
 
 def _train_with_torchrun(resolved: Config, command: list[str], log: LogFn) -> StageOutput:

@@ -179,3 +179,29 @@ def screenshots(servers: dict[str, str], flow_run: FlowRun, parent: dict, defaul
     finally:
         browser.quit()
     print(f"screenshots of the Prefect and MLflow run pages: {folder}")
+
+
+def test_sweep_members_run_on_the_deployments_workers_and_the_table_collects_them(served, tmp_path):
+    """`repsim run --spread` hands each member to the processes serving the deployment; the sweep's
+    own run then finds every stage cached in the shared REPSIM_HOME and aggregates the seeds."""
+    experiment = yaml.safe_load((tmp_path / "tiny.yaml").read_text()) | {"seeds": [0, 1]}
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(experiment))
+    env = served | {"REPSIM_HOME": str(tmp_path / "worker-home")}
+    done = subprocess.run([sys.executable, "-m", "repsim.cli", "run", str(tmp_path / "sweep.yaml"),
+                           "--spread", DEPLOYMENT], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    stages, table = done.stdout.split("\n\n")[:2]  # no MLflow "View run" lines before them
+    assert {line.split()[-2] for line in stages.splitlines()[2:]} == {"yes"}, done.stdout  # built by the members
+    assert [line.split()[0] for line in table.splitlines()[2:]] == ["pixels", "supcon"]
+    assert table.splitlines()[3].endswith("(2)")  # two seeds
+    runs = api(served["PREFECT_API_URL"], "/flow_runs/filter",
+               {"deployments": {"id": {"any_": [deployment_id(served)]}}})
+    assert sorted((run["name"], run["state_type"]) for run in runs if run["state_type"] != "SCHEDULED") == [
+        ("tiny seed=0", "COMPLETED"), ("tiny seed=1", "COMPLETED")]  # not the nightly runs the cron scheduled
+
+
+def test_spread_without_a_server_is_one_line(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "repsim.cli", "run", "default", "--spread", DEPLOYMENT],
+                          env=isolated_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--spread runs members on the workers of a Prefect server" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1

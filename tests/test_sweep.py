@@ -131,6 +131,9 @@ def test_sweep_shares_upstream_stages_runs_two_at_a_time_and_reruns_from_cache(s
     [(parent, stages), _] = flow_runs(home, "experiment")
     assert parent.info.status == "FINISHED" and len(stages) == 21
     assert sum(run.data.tags["repsim.stage"] == "train" for run in stages) == 4
+    names = [run.data.tags["mlflow.runName"] for run in stages]  # named for what they are
+    assert names.count("train supcon") == 4 and {"features pixels test", "evaluate pixels",
+                                                 "evaluate supcon [lr=0.002 seed=1]"} <= set(names)
     logged = _mlflow_table(home, parent.info.run_id)
     supcon = [index for index, encoder in enumerate(logged["encoder"]) if encoder == "supcon"]
     knn = {row.split()[0]: float(row.split()[2]) for row in table[2:] if "supcon" in row}
@@ -182,7 +185,24 @@ def test_a_sweep_over_one_methods_settings_leaves_the_others_shared():
         load_experiment("default", ["train.methods.xclrr.settings.optim.lr=0.1"])
 
 
-@pytest.mark.parametrize("name, members", [("reproduce-xclr", 9), ("reproduce-xclr-full", 12)])
+@pytest.mark.parametrize("name, members", [("reproduce-xclr", 9), ("reproduce-xclr-full", 12), ("reproduce-gera", 24)])
 def test_shipped_reproductions_are_valid_sweeps(name, members):
     experiment = load_experiment(name)
     assert len(check_experiment(experiment)) == members and experiment.seeds == [0, 1, 2]
+
+
+def test_plan_counts_each_shared_stage_once_with_the_members_that_need_it():
+    from repsim.flows.experiment import plan_experiment
+
+    experiment = load_experiment("default", ["seeds=[0, 1]",
+                                             "sweep={train.methods.xclr.settings.method.target_temperature: [0.05, 0.2]}"])
+    stages = plan_experiment(experiment)["stages"]
+    trains = {stage["detail"]: stage["members"] for stage in stages if stage["stage"] == "train"}
+    assert trains == {"simclr [target_temperature=0.05 seed=0]": 2, "xclr [target_temperature=0.05 seed=0]": 1,
+                      "simclr [target_temperature=0.05 seed=1]": 2, "xclr [target_temperature=0.05 seed=1]": 1,
+                      "xclr [target_temperature=0.2 seed=0]": 1, "xclr [target_temperature=0.2 seed=1]": 1}
+    assert [(stage["stage"], stage["members"]) for stage in stages[:4]] == [
+        ("shard", 4), ("captions", 4), ("wordnet", 4), ("neighbors", 4)]
+    # 4 upstream, 6 trains, features of pixels and 6 encoders x 2 splits, 7 evaluations, 6 alignments
+    assert len(stages) == 4 + 6 + 14 + 7 + 6
+    assert {stage["status"] for stage in stages[4:]} == {"runs after its inputs"}
