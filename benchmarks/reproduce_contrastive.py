@@ -45,6 +45,11 @@ def comparison(rows: list[dict]) -> list[dict]:
             for encoder in encoders]
 
 
+def below_floor(row: dict, floor: dict, metric: str) -> str:
+    """`` †`` when a learned encoder's mean is below the raw pixels' on ``metric``."""
+    return " †" if row["encoder"] != "pixels" and row[metric] < floor[metric] else ""
+
+
 def other_class_share(spec: Path, target_temperature: float) -> str:
     """The share (%) of a sample's X-CLR (WordNet, wup) target on other classes when every class has as
     many samples in the batch, ``1 - softmax(s / τ_s)[c, c]``: its mean and range over the classes."""
@@ -81,6 +86,7 @@ def plot(run: FinishedRun, table: list[dict], swept: list[dict], path: Path) -> 
 
 def report(run: FinishedRun, image: Path) -> str:
     table, swept = comparison(run.rows), sorted((row for row in run.rows if row["encoder"] == SWEPT), key=tau)
+    floor = next(row for row in table if row["encoder"] == "pixels")
     seeds = max(row["knn_top1_k20.n"] for row in table)
     plot(run, table, swept, image)
     return "\n".join([
@@ -92,12 +98,15 @@ def report(run: FinishedRun, image: Path) -> str:
          f"kNN and of a linear probe on frozen features of the train split; mean ± sample standard deviation "
          f"over {seeds} seeds."), "",
         markdown(["encoder", *METRICS], [[NAMES.get(row["encoder"], row["encoder"]),
-                                          *(mean_std(row, metric) for metric in METRICS.values())] for row in table]),
+                                          *(mean_std(row, metric) + below_floor(row, floor, metric)
+                                            for metric in METRICS.values())] for row in table]),
         "",
+        "†: below the raw-pixel floor, so not a result yet at this budget.", "",
         (f"τ_s of {NAMES[SWEPT]}, and the share of a sample's target on other classes at equal class counts "
          "(mean and range over the classes):"), "",
         markdown(["τ_s", *METRICS, "target on other classes (%)"],
-                 [[f"{tau(row):g}", *(mean_std(row, metric) for metric in METRICS.values()),
+                 [[f"{tau(row):g}", *(mean_std(row, metric) + below_floor(row, floor, metric)
+                                      for metric in METRICS.values()),
                    other_class_share(run.data, tau(row))] for row in swept]), "",
         f"![scores]({image.name})", ""])
 

@@ -34,14 +34,14 @@ from repsim.eval.stages import PIXELS, RESULTS_FILE, read_results
 from repsim.experiment import Experiment, Member, check_experiment, with_overrides
 from repsim.results import Row, Score, aggregate, as_columns, headline_metrics, markdown
 from repsim.similarity.stages import CLASSES_FILE, HEAT_MAP_FILE, SIMILARITY_FILE
-from repsim.stage import StageOutput, read_record, rebuilding
+from repsim.stage import StageOutput, rebuilding
 from repsim.tasks.align import ARTIFACTS as ALIGN_ARTIFACTS
 from repsim.tasks.align import align_task, plan_align
 from repsim.tasks.evaluate import evaluate_task, features_task, plan_evaluate, plan_features
 from repsim.tasks.precompute import (embed_captions_task, neighbors_task, plan_captions, plan_neighbors,
                                      plan_wordnet, wordnet_task)
 from repsim.tasks.shard import plan_shard, shard_task
-from repsim.tasks.stage import Plan, current_record, describe, log_stage
+from repsim.tasks.stage import Plan, current_record, track
 from repsim.tasks.tracking import StageRun, Tracker
 from repsim.tasks.train import ARTIFACTS as TRAIN_ARTIFACTS
 from repsim.tasks.train import plan_train, train_task
@@ -103,14 +103,9 @@ class Stages:
         return self._outputs[run_id]
 
     def _track(self, state: Any, call: str, artifacts: tuple[str, ...], label: str | None) -> Any:
-        output = state.result()
-        record = read_record(output.path)
-        if record["stage"] not in SELF_LOGGING or state.name == "Cached":  # a Prefect cache hit logged nothing
-            log_stage(self.tracker, self.parent, output.path, state,
-                      sorted(path for pattern in artifacts for path in output.path.glob(pattern)), label)
-        self.summaries.append({"stage": record["stage"], "detail": ": ".join(filter(None, [label, describe(record)])),
-                               "key": output.key, "path": str(output.path), "members": self._uses[call],
-                               "cached": output.cached or state.name == "Cached"})
+        output = track(self.tracker, self.parent, self.summaries, state, artifacts, label,
+                       self_logging=call.partition("(")[0] in SELF_LOGGING)
+        self.summaries[-1]["members"] = self._uses[call]
         return output
 
 

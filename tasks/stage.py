@@ -51,15 +51,19 @@ def log_stage(tracker: Tracker, parent: StageRun, path: Path, state: State,
 
 
 def track(tracker: Tracker, parent: StageRun, summaries: list[dict], state: State,
-          artifacts: Sequence[str] = ()) -> Any:
-    """Log a finished stage task as a nested run (with the files of its output matching the glob
-    patterns ``artifacts``), append its summary to ``summaries``, and return its result."""
+          artifacts: Sequence[str] = (), label: str | None = None, self_logging: bool = False) -> Any:
+    """Log a finished stage task as a nested run (named with ``label``, with the files of its output
+    matching the glob patterns ``artifacts``), append its summary to ``summaries``, and return its
+    result. A ``self_logging`` task (train, align) logged its run while it ran, unless Prefect served
+    it from its cache."""
     result = state.result()
-    log_stage(tracker, parent, result.path, state,
-              sorted(path for pattern in artifacts for path in result.path.glob(pattern)))
+    if not self_logging or state.name == "Cached":
+        log_stage(tracker, parent, result.path, state,
+                  sorted(path for pattern in artifacts for path in result.path.glob(pattern)), label)
     record = read_record(result.path)
-    summaries.append({"stage": record["stage"], "detail": describe(record), "key": result.key,
-                      "path": str(result.path), "cached": result.cached or state.name == "Cached"})
+    summaries.append({"stage": record["stage"], "detail": ": ".join(filter(None, [label, describe(record)])),
+                      "key": result.key, "path": str(result.path),
+                      "cached": result.cached or state.name == "Cached"})
     return result
 
 
