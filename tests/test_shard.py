@@ -23,6 +23,7 @@ import pytest
 from PIL import Image
 
 from repsim.data import ShardResult, load_spec, shard
+from repsim.data.sources import open_source
 from repsim.errors import DataError, StageError
 
 CLASSES = {"cat": "cat.n.01", "dog": "dog.n.01"}
@@ -40,6 +41,28 @@ def read_tar(path: Path) -> dict[str, dict[str, bytes]]:
             key, ext = member.name.split(".", 1)
             samples.setdefault(key, {})[ext] = archive.extractfile(member).read()
     return samples
+
+
+def write_webdataset_tar(path: Path, keys: list[str]) -> dict[str, tuple[str, str]]:
+    """A tar of img2dataset-style samples (jpg, txt, json with a label); returns {key: (caption, label)}."""
+    written = {}
+    with tarfile.open(path, "w") as archive:
+        for i, key in enumerate(keys):
+            jpeg = io.BytesIO()
+            Image.fromarray(np.full((6, 10, 3), 40 * i, np.uint8)).save(jpeg, format="JPEG")
+            written[key] = (f"caption {key}", ("cat", "dog")[i % 2])
+            members = {"jpg": jpeg.getvalue(), "txt": written[key][0].encode(),
+                       "json": json.dumps({"key": key, "label": written[key][1]}).encode()}
+            for ext, data in members.items():
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                archive.addfile(info, io.BytesIO(data))
+    return written
+
+
+def webdataset_spec(write_spec, urls: str, **extra) -> Path:
+    return write_spec({"name": "cc", "source": {"type": "webdataset", "urls": urls, "label_field": "label"},
+                       "classes": CLASSES, "image_format": "jpg", "split": {"type": "random"}, **extra})
 
 
 def read_samples(result: ShardResult) -> dict[str, dict[str, bytes]]:
@@ -217,8 +240,8 @@ def test_a_corrupt_image_fails_by_name_or_is_skipped_and_counted(make_image_fold
 def test_manifest_source_round_trips_labels_and_captions(make_image_folder, write_spec, tmp_path, table_format):
     make_image_folder({"cat": 2, "dog": 2}, mode="RGB", name="pics")
     table = pa.table({"path": ["cat/cat-0.png", "cat/cat-1.png", "dog/dog-0.png", "dog/dog-1.png"],
-                      "label": ["cat", "cat", "dog", None],
-                      "caption": ["a cat, on a mat", None, "a dog", "something unlabelled"]})
+                      "label": ["cat", "cat", "dog", "dog"],
+                      "caption": ["a cat, on a mat", None, "a dog", None]})
     manifest = tmp_path / "pics" / f"list.{table_format}"
     if table_format == "csv":
         pacsv.write_csv(table, manifest)
@@ -232,31 +255,30 @@ def test_manifest_source_round_trips_labels_and_captions(make_image_folder, writ
     assert rows["cat/cat-0.png"]["caption"] == "a cat, on a mat" and rows["dog/dog-0.png"]["class_name"] == "dog"
     templated = rows["cat/cat-1.png"]
     assert templated["caption"] == spec.caption_for(0, templated["index"])
-    unlabelled = rows["dog/dog-1.png"]
-    assert unlabelled["label"] is None and unlabelled["class_name"] is None
-    assert "cls" not in samples[unlabelled["key"]] and samples[unlabelled["key"]]["txt"] == b"something unlabelled"
     assert samples[rows["dog/dog-0.png"]["key"]]["cls"] == b"1"
+
+
+def test_a_caption_only_manifest_shards_unlabelled_samples(make_image_folder, write_spec, tmp_path):
+    make_image_folder({"cat": 1, "dog": 1}, name="pics")
+    manifest = tmp_path / "pics" / "list.parquet"
+    pq.write_table(pa.table({"path": ["cat/cat-0.png", "dog/dog-0.png"], "label": [float("nan"), None],
+                             "caption": ["a cat", "a dog"]}), manifest)
+    spec = write_spec({"name": "captioned", "source": {"type": "manifest", "path": str(manifest)},
+                       "split": {"type": "random", "stratify": False}})
+    result = shard(spec, progress=False)
+    samples = read_samples(result)
+    for row in manifest_rows(result):
+        assert row["label"] is None and row["class_name"] is None
+        assert "cls" not in samples[row["key"]] and samples[row["key"]]["txt"] == row["caption"].encode()
 
 
 def test_webdataset_source_round_trips_captions_and_json_labels(write_spec, tmp_path):
     expected = {}
     for tar_index in range(2):
-        with tarfile.open(tmp_path / f"cc-{tar_index:05d}.tar", "w") as archive:
-            for i in range(3):
-                key, label = f"{tar_index}{i:04d}", ("cat", "dog")[i % 2]
-                jpeg = io.BytesIO()
-                Image.fromarray(np.full((6, 10, 3), 40 * i, np.uint8)).save(jpeg, format="JPEG")
-                members = {"jpg": jpeg.getvalue(), "txt": f"caption {key}".encode(),
-                           "json": json.dumps({"key": key, "label": label}).encode()}
-                for ext, data in members.items():
-                    info = tarfile.TarInfo(f"{key}.{ext}")
-                    info.size = len(data)
-                    archive.addfile(info, io.BytesIO(data))
-                expected[f"cc-{tar_index:05d}.tar/{key}"] = (f"caption {key}", label)
-    spec = write_spec({"name": "cc", "source": {"type": "webdataset", "urls": "cc-{00000..00001}.tar",
-                                                "label_field": "label"},
-                       "classes": CLASSES, "image_format": "jpg", "split": {"type": "random"}})
-    result = shard(spec, progress=False)
+        name = f"cc-{tar_index:05d}.tar"
+        written = write_webdataset_tar(tmp_path / name, [f"{tar_index}{i:04d}" for i in range(3)])
+        expected.update({f"{name}/{key}": value for key, value in written.items()})
+    result = shard(webdataset_spec(write_spec, "cc-{00000..00001}.tar"), progress=False)
     rows, samples = manifest_rows(result), read_samples(result)
     assert {row["source_id"]: (row["caption"], row["class_name"]) for row in rows} == expected
     for row in rows:
@@ -267,3 +289,63 @@ def test_webdataset_source_round_trips_captions_and_json_labels(write_spec, tmp_
 def test_from_dir_refuses_a_directory_that_is_not_a_shard_output(tmp_path):
     with pytest.raises(StageError, match="not a completed shard output"):
         ShardResult.from_dir(tmp_path)
+
+
+# --- Damaged and inconsistent sources ---------------------------------------------------------------
+
+def test_under_skip_a_repeated_manifest_image_keeps_its_first_row_and_is_counted(make_image_folder, write_spec,
+                                                                                  tmp_path):
+    make_image_folder({"cat": 2, "dog": 1})
+    manifest = tmp_path / "images" / "list.csv"
+    manifest.write_text("path,label\ncat/cat-0.png,cat\ndog/dog-0.png,dog\ncat/cat-1.png,cat\n./cat/cat-0.png,dog\n")
+    spec = write_spec({"name": "listed", "source": {"type": "manifest", "path": str(manifest)}, "classes": CLASSES,
+                       "split": {"type": "random"}, "on_error": "skip"})
+    result = shard(spec, progress=False)
+    assert result.errors == 1 and result.num_samples == 3
+    assert {row["source_id"]: row["class_name"] for row in manifest_rows(result)} == {
+        "cat/cat-0.png": "cat", "dog/dog-0.png": "dog", "cat/cat-1.png": "cat"}
+    errors = json.loads((result.path / "errors.json").read_text())
+    assert errors == [{"source_id": "./cat/cat-0.png",
+                       "reason": f"manifest {manifest} rows 0 and 3 both give path ./cat/cat-0.png"}]
+
+
+def cut_points(tar: Path) -> dict[str, int]:
+    """Byte offsets in a tar of three samples, at or inside the first member of the third sample."""
+    with tarfile.open(tar) as archive:
+        third = archive.getmembers()[6]
+    return {"between samples": third.offset, "inside a header": third.offset + 100,
+            "inside an image": third.offset_data + third.size // 2}
+
+
+@pytest.mark.parametrize("cut", ["between samples", "inside a header", "inside an image"])
+def test_a_truncated_source_tar_is_refused_by_name(write_spec, tmp_path, cut):
+    tar = tmp_path / "cc-00000.tar"
+    write_webdataset_tar(tar, ["0000", "0001", "0002"])
+    os.truncate(tar, cut_points(tar)[cut])
+    with pytest.raises(DataError, match=r"cc-00000\.tar is (truncated|not a readable tar).*on_error: skip") as err:
+        shard(webdataset_spec(write_spec, "cc-00000.tar"), progress=False)
+    assert "\n" not in str(err.value)
+
+
+def test_under_skip_a_truncated_source_tar_is_counted_and_its_whole_samples_kept(write_spec, tmp_path):
+    write_webdataset_tar(tmp_path / "cc-00000.tar", ["0000", "0001", "0002"])
+    damaged = tmp_path / "cc-00001.tar"
+    write_webdataset_tar(damaged, ["1000", "1001", "1002"])
+    os.truncate(damaged, cut_points(damaged)["inside an image"])
+    result = shard(webdataset_spec(write_spec, "cc-{00000..00001}.tar", on_error="skip"), progress=False)
+    assert result.errors == 1
+    assert sorted(row["source_id"] for row in manifest_rows(result)) == [
+        "cc-00000.tar/0000", "cc-00000.tar/0001", "cc-00000.tar/0002", "cc-00001.tar/1000", "cc-00001.tar/1001"]
+    errors = json.loads((result.path / "errors.json").read_text())
+    assert [error["source_id"] for error in errors] == ["cc-00001.tar"]
+    assert errors[0]["reason"].startswith(f"{damaged} is not a readable tar")
+
+
+def test_a_source_tar_cut_after_listing_is_not_read_short(write_spec, tmp_path):
+    tar = tmp_path / "cc-00000.tar"
+    write_webdataset_tar(tar, ["0000", "0001", "0002"])
+    reader = open_source(load_spec(webdataset_spec(write_spec, "cc-00000.tar")))
+    last = reader.entries()[-1]
+    os.truncate(tar, cut_points(tar)["inside an image"])
+    with pytest.raises(DataError, match="ends inside sample cc-00000.tar/0002"):
+        reader.read(last)

@@ -142,13 +142,24 @@ def test_graph_pair_listed_twice_must_agree():
         GraphSource([1, 2], [2, 1], [0.5, 0.6], 4)
 
 
-@pytest.mark.parametrize("i, j, s, message", [([0], [9], [0.5], "outside 0..3"),
-                                              ([0], [1], [1.5], r"in \[0, 1\]"),
-                                              ([0], [1], [float("nan")], r"in \[0, 1\]"),
-                                              ([0, 1], [1], [0.5], "differ in length")])
-def test_graph_rejects_bad_pairs(i, j, s, message):
+@pytest.mark.parametrize("i, j, s, message", [
+    ([0, 2], [1, 9], [0.5, 0.5], r"graph row 1: \(i, j\) = \(2, 9\) falls outside 0..3"),
+    ([0, 1], [1, 3], [0.5, 1.5], r"graph row 1: s\(i = 1, j = 3\) = 1.5 is outside \[0, 1\]"),
+    ([0, 1], [1, 2], [-0.1, 0.5], r"graph row 0: s\(i = 0, j = 1\) = -0.1 is outside \[0, 1\]"),
+    ([0], [1], [float("nan")], r"graph row 0: s\(i = 0, j = 1\) is missing or not a number"),
+    ([0, 1], [1], [0.5], r"shapes \(2,\), \(1,\), \(1,\)"),
+    ([0], [1], [[0.5]], r"shapes \(1,\), \(1,\), \(1, 1\)"),
+])
+def test_graph_rejects_bad_pairs_naming_the_row(i, j, s, message):
     with pytest.raises(SimilarityError, match=message):
         GraphSource(i, j, s, 4)
+
+
+def test_graph_file_with_a_non_numeric_similarity_names_its_row(tmp_path):
+    path = tmp_path / "graph.csv"
+    path.write_text("key_i,key_j,s\na,b,0.5\nb,c,high\n")
+    with pytest.raises(SimilarityError, match=r"graph row 1: s\(i = 1, j = 2\) is missing or not a number"):
+        GraphSource.from_parquet(path, ["a", "b", "c"])
 
 
 def test_graph_from_parquet_maps_keys_to_indices(tmp_path):
@@ -218,6 +229,26 @@ def test_class_matrix_must_be_symmetric_unit_range_unit_diagonal(change, message
     matrix[row, column] = value
     with pytest.raises(SimilarityError, match=message):
         validate_class_matrix(matrix, CLASSES)
+
+
+@pytest.mark.parametrize("entry, message", [
+    ("high", r"class similarity \(dog, sneaker\) is missing or not a number"),
+    ("", r"class similarity \(dog, sneaker\) is missing or not a number"),
+    ("nan", r"class similarity \(dog, sneaker\) is missing or not a number"),
+    ("-0.2", r"class similarity \(dog, sneaker\) = -0.2 is outside \[0, 1\]"),
+])
+def test_a_bad_class_matrix_entry_is_one_line_naming_its_row_and_column(tmp_path, entry, message):
+    values = CLASS_MATRIX.tolist()
+    values[1][2] = entry
+    with pytest.raises(SimilarityError, match=message) as err:
+        load_class_matrix(write_class_csv(tmp_path / "m.csv", CLASSES, CLASSES, values), CLASSES)
+    assert "\n" not in str(err.value)
+
+
+def test_a_class_matrix_row_missing_a_column_is_one_line(tmp_path):
+    values = [row[:2] if name == "dog" else row for name, row in zip(CLASSES, CLASS_MATRIX.tolist())]
+    with pytest.raises(SimilarityError, match=r"m.csv is not a readable table \(.*Expected 4 columns, got 3: dog,"):
+        load_class_matrix(write_class_csv(tmp_path / "m.csv", CLASSES, CLASSES, values), CLASSES)
 
 
 def test_validation_makes_near_symmetry_exact():

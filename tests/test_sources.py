@@ -11,6 +11,8 @@ import tarfile
 from collections import Counter
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
@@ -25,6 +27,11 @@ CLASSES = {"cat": "cat.n.01", "dog": "dog.n.01"}
 def folder_spec(root, split=None, **extra) -> DataSpec:
     return DataSpec.model_validate({"name": "tiny", "source": {"type": "image_folder", "root": str(root)},
                                     "classes": CLASSES, "split": split or {"type": "random"}, **extra})
+
+
+def manifest_spec(manifest, classes=CLASSES, **extra) -> DataSpec:
+    return DataSpec.model_validate({"name": "m", "source": {"type": "manifest", "path": str(manifest)},
+                                    "classes": classes, **extra})
 
 
 def write_gzip(path, payload: bytes):
@@ -127,8 +134,7 @@ def test_animal_mnist_random_split_is_exact_per_class_and_seeded():
 def test_source_split_needs_a_source_with_splits(tmp_path):
     manifest = tmp_path / "list.csv"
     manifest.write_text("path,label\na.png,cat\n")
-    spec = DataSpec.model_validate({"name": "m", "source": {"type": "manifest", "path": str(manifest)},
-                                    "classes": CLASSES, "split": {"type": "source"}})
+    spec = manifest_spec(manifest, split={"type": "source"})
     with pytest.raises(DataError, match="has no splits of its own.*type: random"):
         assign_splits(open_source(spec).entries(), spec)
 
@@ -136,8 +142,7 @@ def test_source_split_needs_a_source_with_splits(tmp_path):
 def test_manifest_split_column_is_the_source_split(tmp_path):
     manifest = tmp_path / "list.csv"
     manifest.write_text("path,label,split\na.png,cat,train\nb.png,dog,val\n")
-    spec = DataSpec.model_validate({"name": "m", "source": {"type": "manifest", "path": str(manifest)},
-                                    "classes": CLASSES, "split": {"type": "source"}})
+    spec = manifest_spec(manifest, split={"type": "source"})
     assert assign_splits(open_source(spec).entries(), spec) == ["train", "val"]
 
 
@@ -194,9 +199,7 @@ def test_manifest_rows_keep_order_and_resolve_paths(make_image_folder, tmp_path)
     root = make_image_folder({"cat": 1, "dog": 1})
     manifest = tmp_path / "images" / "list.csv"
     manifest.write_text("path,label,caption\ndog/dog-0.png,dog,\ncat/cat-0.png,cat,\"a cat, sitting\"\n")
-    spec = DataSpec.model_validate({"name": "m", "source": {"type": "manifest", "path": str(manifest)},
-                                    "classes": CLASSES, "split": {"type": "random"}})
-    reader = open_source(spec)
+    reader = open_source(manifest_spec(manifest, split={"type": "random"}))
     entries = reader.entries()
     assert [(e.source_id, e.label, e.caption) for e in entries] == [
         ("dog/dog-0.png", 1, None), ("cat/cat-0.png", 0, "a cat, sitting")]
@@ -211,10 +214,29 @@ def test_manifest_rows_keep_order_and_resolve_paths(make_image_folder, tmp_path)
 def test_a_malformed_manifest_names_its_problem(tmp_path, table, classes, error):
     manifest = tmp_path / "list.csv"
     manifest.write_text(table)
-    spec = DataSpec.model_validate({"name": "m", "source": {"type": "manifest", "path": str(manifest)},
-                                    "classes": classes})
     with pytest.raises(DataError, match=error):
-        open_source(spec).entries()
+        open_source(manifest_spec(manifest, classes)).entries()
+
+
+def test_a_repeated_manifest_image_is_refused_naming_both_rows(tmp_path):
+    manifest = tmp_path / "list.csv"
+    manifest.write_text("path,label\na.png,cat\nb.png,dog\n./a.png,dog\n")
+    with pytest.raises(DataError, match=rf"manifest {manifest} rows 0 and 2 both give path \./a\.png; "
+                                        "keep one row per image, or set 'on_error: skip'"):
+        open_source(manifest_spec(manifest)).entries()
+
+
+@pytest.mark.parametrize("table_format", ["csv", "parquet"])
+def test_manifest_rows_without_a_label_are_refused_when_the_spec_lists_classes(tmp_path, table_format):
+    manifest = tmp_path / f"list.{table_format}"
+    if table_format == "csv":
+        manifest.write_text("path,label\n0.png,cat\n1.png,\n2.png,NaN\n3.png, \n4.png,dog\n")
+    else:
+        pq.write_table(pa.table({"path": [f"{k}.png" for k in range(5)], "label": ["cat", None, "", " ", "dog"]}),
+                       manifest)
+    with pytest.raises(DataError, match=r"has no label in rows 1, 2, 3, but the spec lists classes; .*"
+                                        r"or remove 'classes' for caption-only data"):
+        open_source(manifest_spec(manifest)).entries()
 
 
 def test_brace_and_glob_patterns_expand_in_order(tmp_path):

@@ -7,8 +7,9 @@ Output directory (``$REPSIM_HOME/artifacts/shard/<key>/`` unless given):
   else a template caption) and ``{key}.json`` (index, key, split, label, class_name, source_id).
 - ``manifest.parquet``: one row per sample, row number = ``index``; columns index, key, shard,
   split, label, class_name, caption, sha256 (of the image bytes in the tar), width, height, source_id.
-- ``shards.json``: the splits, their sample counts and tar names; ``errors.json``: unreadable
-  source images as ``{"source_id", "reason"}``; ``stage.json``: the stage record.
+- ``shards.json``: the splits, their sample counts and tar names; ``errors.json``: what ``on_error:
+  skip`` left out (unreadable images, repeated manifest rows, damaged source tars) as
+  ``{"source_id", "reason"}``; ``stage.json``: the stage record.
 
 Samples are grouped by split; within a split they keep the source order, permuted by
 ``shuffle_seed`` when set. Keys are the zero-padded global index. Every image is decoded and
@@ -38,7 +39,7 @@ from repsim.data.spec import DataSpec, load_spec
 from repsim.errors import DataError, StageError
 from repsim.stage import Stage, read_record, run_stage
 
-SHARD_VERSION = "1"
+SHARD_VERSION = "2"
 MANIFEST = "manifest.parquet"
 INDEX = "shards.json"
 ERRORS = "errors.json"
@@ -79,8 +80,9 @@ def shard(spec: DataSpec | str | Path, out_dir: str | Path | None = None, progre
     """Write ``spec``'s samples as WebDataset shards, or return the cached output at once.
 
     The stage key covers the spec and a fingerprint of the source files, so editing either re-shards.
-    Raises DataError for unreadable sources, and for the first unreadable image when
-    ``on_error: fail``; with ``on_error: skip`` such images are left out and counted in ``errors``.
+    Raises DataError for unreadable sources, and for the first unreadable image, repeated manifest row
+    or damaged source tar when ``on_error: fail``; with ``on_error: skip`` they are left out and
+    counted in ``errors``.
     """
     spec = spec if isinstance(spec, DataSpec) else load_spec(spec)
     reader = open_source(spec)
@@ -108,16 +110,16 @@ def _build(spec: DataSpec, reader: Reader, out: Path, progress: bool) -> dict[st
     order = _write_order(entries, assign_splits(entries, spec), spec)
     key_width = max(6, len(str(len(entries) - 1)))
     columns: dict[str, list[Any]] = {name: [] for name in MANIFEST_SCHEMA}
-    errors: list[dict[str, str]] = []
     with _TarShards(out, spec.shard_size) as tars, \
             tqdm(total=len(entries), desc=f"shard {spec.name}", unit="img", disable=not progress) as bar:
         for split, members in order:
             tars.start_split(split)
             for entry in members:
                 bar.update()
-                encoded = _encode_or_report(reader, entry, spec, errors)
+                encoded = _encode_or_report(reader, entry, spec)
                 if encoded is not None:
                     _write_sample(tars, columns, entry, split, encoded, spec, key_width)
+    errors = reader.skipped
     if not columns["key"]:
         raise DataError(f"none of the {len(entries)} images of {spec.name!r} is readable",
                         f"see the first failure: {errors[0]['source_id']}: {errors[0]['reason']}")
@@ -137,18 +139,15 @@ def _write_order(entries: list[Entry], splits: list[str], spec: DataSpec) -> lis
     return order
 
 
-def _encode_or_report(reader: Reader, entry: Entry, spec: DataSpec,
-                      errors: list[dict[str, str]]) -> tuple[bytes, int, int] | None:
-    """(encoded bytes, width, height), or None after recording why the image is unreadable."""
+def _encode_or_report(reader: Reader, entry: Entry, spec: DataSpec) -> tuple[bytes, int, int] | None:
+    """(encoded bytes, width, height), or None after the reader recorded why the image is unreadable."""
     try:
         return encode_image(reader.read(entry), spec.image_format, spec.jpeg_quality)
     except IMAGE_ERRORS as err:
         reason = "not an image format Pillow can read" if isinstance(err, UnidentifiedImageError) \
             else f"{type(err).__name__}: {err}"
-        if spec.on_error == "fail":
-            raise DataError(f"cannot read image {reader.locate(entry)} ({reason})",
-                            "fix or remove it, or set 'on_error: skip' in the data spec to leave it out") from None
-        errors.append({"source_id": entry.source_id, "reason": reason})
+        reader.skip_or_fail(entry.source_id, f"cannot read image {reader.locate(entry)} ({reason})",
+                            "fix or remove it, or set 'on_error: skip' in the data spec to leave it out")
         return None
 
 

@@ -16,6 +16,7 @@ import gzip
 import hashlib
 import importlib.util
 import json
+import os
 import pickle
 import re
 import tarfile
@@ -61,11 +62,13 @@ class Record:
 
 
 class Reader(ABC):
-    """Lists a source's samples and reads their images on demand."""
+    """Lists a source's samples and reads their images on demand; :attr:`skipped` records what
+    ``on_error: skip`` left out, as ``{"source_id", "reason"}``."""
 
     def __init__(self, spec: DataSpec):
         self.spec = spec
         self.label_ids = {name: label for label, name in enumerate(spec.class_names)}
+        self.skipped: list[dict[str, str]] = []
 
     @abstractmethod
     def fingerprint(self) -> str:
@@ -97,6 +100,13 @@ class Reader(ABC):
             raise DataError(f"{where}: class {class_name!r} is not in the spec's classes",
                             f"use one of {self.spec.class_names} or add it to 'classes'")
         return self.label_ids[class_name]
+
+    def skip_or_fail(self, source_id: str, what: str, fix: str) -> None:
+        """Raise DataError(what, fix) under ``on_error: fail``; under ``skip`` record the sample (or
+        file) left out in :attr:`skipped`, which the shard stage reports as its errors."""
+        if self.spec.on_error == "fail":
+            raise DataError(what, fix) from None
+        self.skipped.append({"source_id": source_id, "reason": what})
 
 
 def _require_file(path: Path, fix: str) -> Path:
@@ -348,6 +358,20 @@ def read_table(path: Path) -> dict[str, list[Any]]:
     return {name: table.column(name).to_pylist() for name in MANIFEST_COLUMNS if name in table.column_names}
 
 
+def _is_blank(value: Any) -> bool:
+    """An absent, NaN or empty table cell."""
+    return value is None or (isinstance(value, float) and np.isnan(value)) or (isinstance(value, str)
+                                                                                and not value.strip())
+
+
+def _name_rows(rows: list[int], shown: int = 5) -> str:
+    """``row 3`` or ``rows 3, 7, 9`` (the first ``shown``, then how many more), for messages."""
+    if len(rows) == 1:
+        return f"row {rows[0]}"
+    more = f" and {len(rows) - shown} more" if len(rows) > shown else ""
+    return f"rows {', '.join(map(str, rows[:shown]))}{more}"
+
+
 class ManifestReader(Reader):
     """A table of ``path`` plus ``label`` (class name) and/or ``caption``, optionally ``split``."""
 
@@ -361,6 +385,11 @@ class ManifestReader(Reader):
         return fingerprint_files([Path(self.spec.source.path)])
 
     def entries(self) -> list[Entry]:
+        return self._entries
+
+    @cached_property
+    def _entries(self) -> list[Entry]:
+        """The rows as entries, listed once (so that a duplicate is reported once)."""
         path = Path(self.spec.source.path)
         columns = read_table(path)
         if "path" not in columns or not ({"label", "caption"} & columns.keys()):
@@ -370,11 +399,36 @@ class ManifestReader(Reader):
             raise DataError(f"manifest {path} row {columns['path'].index(None)} has no path", "fill in every path")
         rows = len(columns["path"])
         labels, captions, splits = (columns.get(name, [None] * rows) for name in ("label", "caption", "split"))
-        return [Entry(str(image), self._label(label, path, row), caption, split, self.image_root / str(image))
-                for row, (image, label, caption, split) in enumerate(zip(columns["path"], labels, captions, splits))]
+        self._refuse_unlabelled(labels, path)
+        entries = [Entry(str(image), self._label(label, path, row), caption, split, self.image_root / str(image))
+                   for row, (image, label, caption, split) in enumerate(zip(columns["path"], labels, captions, splits))]
+        return self._first_of_each_image(entries, path)
+
+    def _refuse_unlabelled(self, labels: list[Any], path: Path) -> None:
+        """DataError naming the rows without a label when the spec lists classes (only caption-only data,
+        whose spec lists none, may be unlabelled)."""
+        unlabelled = [row for row, label in enumerate(labels) if _is_blank(label)]
+        if self.label_ids and unlabelled:
+            raise DataError(f"manifest {path} has no label in {_name_rows(unlabelled)}, but the spec lists classes",
+                            "give every row one of the spec's classes, or remove 'classes' for caption-only data")
 
     def _label(self, label: Any, path: Path, row: int) -> int | None:
-        return None if label is None else self.label_of(str(label), f"manifest {path} row {row}")
+        return None if _is_blank(label) else self.label_of(str(label), f"manifest {path} row {row}")
+
+    def _first_of_each_image(self, entries: list[Entry], path: Path) -> list[Entry]:
+        """``entries`` without the rows that repeat an earlier row's image: DataError, or under
+        ``on_error: skip`` the first row is kept and the others are reported."""
+        first_row: dict[str, int] = {}
+        kept = []
+        for row, entry in enumerate(entries):
+            first = first_row.setdefault(os.path.normpath(entry.ref), row)
+            if first == row:
+                kept.append(entry)
+            else:
+                self.skip_or_fail(entry.source_id, f"manifest {path} rows {first} and {row} both give path "
+                                  f"{entry.source_id}", "keep one row per image, or set 'on_error: skip' in "
+                                  "the data spec to keep the first")
+        return kept
 
     def read(self, entry: Entry) -> ImageData:
         return entry.ref.read_bytes()
@@ -406,6 +460,18 @@ def _split_member_name(name: str) -> tuple[str, str]:
     return (f"{folder}/{stem}" if folder else stem), ext
 
 
+def _end_block_at(tar: Path, offset: int) -> bool:
+    """Whether an end-of-archive (all-zero) block starts at ``offset``, where tarfile stopped listing.
+
+    tarfile also stops, silently, at the end of the file or at a header cut short or garbled, so
+    this tells a whole tar from one cut between or inside members.
+    """
+    with open(tar, "rb") as handle:
+        handle.seek(offset)
+        block = handle.read(tarfile.BLOCKSIZE)
+    return bool(block) and not block.strip(b"\0")
+
+
 class WebDatasetReader(Reader):
     """Samples of existing tars: ``{key}.{image_ext}``, caption ``{key}.txt``, metadata ``{key}.json``."""
 
@@ -417,10 +483,31 @@ class WebDatasetReader(Reader):
         return fingerprint_files(self.tars)
 
     def entries(self) -> list[Entry]:
+        return self._entries
+
+    @cached_property
+    def _entries(self) -> list[Entry]:
+        """Every tar's entries, listed once (so that a damaged tar is reported once)."""
         return [entry for tar in self.tars for entry in self._tar_entries(tar)]
 
     def _tar_entries(self, tar: Path) -> Iterator[Entry]:
-        """Entries of one tar; ``ref`` is (tar, data offset, size) of the image member or None."""
+        """Entries of one tar; ``ref`` is (tar, data offset, size) of the image member or None.
+
+        A tar that cannot be read to its end-of-archive block is a DataError or, under ``on_error: skip``,
+        reported; then the samples before the last one read are kept (that one may be incomplete).
+        """
+        samples, damage = self._tar_samples(tar)
+        if damage:
+            self.skip_or_fail(tar.name, f"{tar} {damage}", "re-create or re-download it, or set 'on_error: skip' "
+                              "in the data spec to keep the samples before the damage")
+            samples = dict(list(samples.items())[:-1])
+        for key, members in samples.items():
+            where = f"{tar}:{key}"
+            yield Entry(f"{tar.name}/{key}", self._label(members.get("json"), where), members.get("txt"),
+                        None, members.get(self.spec.source.image_ext))
+
+    def _tar_samples(self, tar: Path) -> tuple[dict[str, dict[str, Any]], str | None]:
+        """{key: {extension: value}} in member order, and why the tar is damaged (None when it is whole)."""
         samples: dict[str, dict[str, Any]] = {}
         try:
             with tarfile.open(tar, "r:") as archive:
@@ -428,12 +515,10 @@ class WebDatasetReader(Reader):
                     if member.isfile():
                         key, ext = _split_member_name(member.name)
                         samples.setdefault(key, {})[ext] = self._member_value(archive, member, ext, tar)
-        except tarfile.TarError as err:
-            raise DataError(f"{tar} is not a readable tar ({err})", "re-create or remove that shard") from None
-        for key, members in samples.items():
-            where = f"{tar}:{key}"
-            yield Entry(f"{tar.name}/{key}", self._label(members.get("json"), where), members.get("txt"),
-                        None, members.get(self.spec.source.image_ext))
+                ends = _end_block_at(tar, archive.offset)
+        except (tarfile.TarError, OSError) as err:
+            return samples, f"is not a readable tar ({err})"
+        return samples, None if ends else "is truncated (no end-of-archive block after its last member)"
 
     def _member_value(self, archive: tarfile.TarFile, member: tarfile.TarInfo, ext: str, tar: Path) -> Any:
         if ext == self.spec.source.image_ext:
@@ -460,7 +545,10 @@ class WebDatasetReader(Reader):
         tar, offset, size = entry.ref
         with open(tar, "rb") as handle:
             handle.seek(offset)
-            return handle.read(size)
+            data = handle.read(size)
+        if len(data) != size:
+            raise DataError(f"{tar} ends inside sample {entry.source_id}", "re-create or re-download it")
+        return data
 
     def locate(self, entry: Entry) -> str:
         return f"{entry.ref[0]} sample {entry.source_id}" if entry.ref else entry.source_id

@@ -152,7 +152,7 @@ class GraphSource(SimilaritySource):
         if pc.count_distinct(key_set).as_py() != len(key_set):
             raise SimilarityError("the sample keys given for the graph repeat", "pass each sample's key once")
         i, j = (_key_indices(table[column], key_set, path) for column in ("key_i", "key_j"))
-        return cls(i, j, table["s"].to_numpy(), len(key_set))
+        return cls(i, j, _numbers(table["s"]), len(key_set))
 
     def __call__(self, indices: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         codes, values = self._codes.on(indices.device), self._values.on(indices.device)
@@ -168,15 +168,40 @@ def _one_for_same_sample(indices: torch.Tensor, similarity: torch.Tensor) -> tor
 
 
 def _check_graph(i: np.ndarray, j: np.ndarray, s: np.ndarray, num_samples: int) -> None:
-    if not len(i) == len(j) == len(s):
-        raise SimilarityError(f"graph columns differ in length ({len(i)}, {len(j)}, {len(s)})",
-                              "give one i, j and s per pair")
-    if len(i) and (min(i.min(), j.min()) < 0 or max(i.max(), j.max()) >= num_samples):
-        raise SimilarityError(f"graph sample indices fall outside 0..{num_samples - 1}",
+    """SimilarityError naming the first bad pair (row, i, j) of a graph given as columns i, j, s."""
+    if not (i.ndim == j.ndim == s.ndim == 1 and len(i) == len(j) == len(s)):
+        raise SimilarityError(f"graph columns i, j, s have shapes {i.shape}, {j.shape}, {s.shape}",
+                              "give one i, j and s per pair, as three 1-D columns")
+    outside = (np.minimum(i, j) < 0) | (np.maximum(i, j) >= num_samples)
+    if outside.any():
+        row = int(np.argmax(outside))
+        raise SimilarityError(f"graph row {row}: (i, j) = ({i[row]}, {j[row]}) falls outside 0..{num_samples - 1}",
                               "index pairs by sample position")
-    if not np.all((s >= 0) & (s <= 1)):
-        raise SimilarityError("graph similarities must lie in [0, 1] (NaN is not allowed)",
-                              "rescale s to [0, 1]; pairs left out count as 0")
+    unfit = ~((s >= 0) & (s <= 1))
+    if unfit.any():
+        row = int(np.argmax(unfit))
+        raise SimilarityError(f"graph row {row}: s(i = {i[row]}, j = {j[row]}) {_unfit(s[row])}",
+                              "give every pair a number in [0, 1]; pairs left out count as 0")
+
+
+def _unfit(value: float) -> str:
+    """Why a similarity outside [0, 1] is refused, for messages."""
+    return "is missing or not a number" if np.isnan(value) else f"= {value} is outside [0, 1]"
+
+
+def _numbers(column: pa.ChunkedArray) -> np.ndarray:
+    """A table column as float64; entries that are missing or not numbers become NaN, which the checks
+    then refuse by row and column."""
+    if pa.types.is_integer(column.type) or pa.types.is_floating(column.type):
+        return column.to_numpy(zero_copy_only=False).astype(np.float64)
+    return np.array([_float_or_nan(value) for value in column.to_pylist()], dtype=np.float64)
+
+
+def _float_or_nan(value: object) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return np.nan
 
 
 def _unique_pairs(codes: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -203,17 +228,19 @@ def _key_indices(column: pa.ChunkedArray, key_set: pa.Array, path: str | Path) -
 
 
 def _read_table(path: Path) -> pa.Table:
+    import pyarrow.csv
+    import pyarrow.parquet
+
     if not path.is_file():
         raise SimilarityError(f"{path} does not exist", "check the path")
-    if path.suffix == ".csv":
-        import pyarrow.csv
-
-        return pyarrow.csv.read_csv(path)
-    if path.suffix in (".parquet", ".pq"):
-        import pyarrow.parquet
-
-        return pyarrow.parquet.read_table(path)
-    raise SimilarityError(f"{path} is neither .csv nor .parquet", "save it as CSV or Parquet")
+    readers = {".csv": pyarrow.csv.read_csv, ".parquet": pyarrow.parquet.read_table, ".pq": pyarrow.parquet.read_table}
+    if path.suffix not in readers:
+        raise SimilarityError(f"{path} is neither .csv nor .parquet", "save it as CSV or Parquet")
+    try:
+        return readers[path.suffix](path)
+    except (pa.ArrowInvalid, OSError) as err:
+        raise SimilarityError(f"{path} is not a readable table ({err})",
+                              "give every row the same columns, in valid CSV or Parquet") from None
 
 
 def load_class_matrix(path: str | Path, class_names: Sequence[str]) -> np.ndarray:
@@ -229,8 +256,7 @@ def load_class_matrix(path: str | Path, class_names: Sequence[str]) -> np.ndarra
     _check_class_names(rows, columns, class_names, path)
     position = {name: k for k, name in enumerate(rows)}
     order = [position[name] for name in class_names]
-    matrix = np.stack([table[name].to_numpy(zero_copy_only=False).astype(np.float64)[order]
-                       for name in class_names], axis=1)
+    matrix = np.stack([_numbers(table[name])[order] for name in class_names], axis=1)
     return validate_class_matrix(matrix, class_names)
 
 
@@ -250,17 +276,19 @@ def _check_class_names(rows: list[str], columns: list[str], class_names: Sequenc
 def validate_class_matrix(matrix: np.ndarray, class_names: Sequence[str] | None = None) -> np.ndarray:
     """Check a (C, C) class similarity and return it exactly symmetric with an exact unit diagonal.
 
-    Symmetry and the diagonal are checked to within 1e-6; values must be finite and in [0, 1].
+    Symmetry and the diagonal are checked to within 1e-6; values must be numbers in [0, 1]. Errors name
+    the (row, column) classes.
     """
     matrix = np.asarray(matrix, dtype=np.float64)
     names = list(class_names) if class_names is not None else [str(k) for k in range(len(matrix))]
     if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1] or len(names) != len(matrix):
         raise SimilarityError(f"a class similarity must be C x C for {len(names)} classes, "
                               f"not {matrix.shape}", "give one row and one column per class")
-    if not np.all((matrix >= 0) & (matrix <= 1)):
-        r, c = np.argwhere(~((matrix >= 0) & (matrix <= 1)))[0]
-        raise SimilarityError(f"class similarity ({names[r]}, {names[c]}) = {matrix[r, c]} is outside [0, 1]",
-                              "rescale the matrix to [0, 1]")
+    unfit = ~((matrix >= 0) & (matrix <= 1))
+    if unfit.any():
+        r, c = np.argwhere(unfit)[0]
+        raise SimilarityError(f"class similarity ({names[r]}, {names[c]}) {_unfit(matrix[r, c])}",
+                              "give every pair of classes a number in [0, 1]")
     asymmetry = np.abs(matrix - matrix.T)
     if asymmetry.max(initial=0) > TOLERANCE:
         r, c = np.unravel_index(asymmetry.argmax(), asymmetry.shape)
