@@ -213,6 +213,32 @@ def cmd_clean(args: argparse.Namespace) -> None:
                                                if len(removed) < len(doomed) else ""))
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from repsim.doctor import OK, PROBLEM, Check, checks
+    from repsim.tasks.servers import health_urls, server_fix, unreachable
+
+    found = checks()
+    for variable, url in health_urls().items():
+        reason = unreachable(url)
+        found.append(Check(variable, OK, f"{url} answers") if reason is None else
+                     Check(variable, PROBLEM, f"{url} does not answer ({reason})", server_fix(variable)))
+    print(_table(["check", "status", "found", "fix"], [[c.name, c.status, c.detail, c.fix] for c in found]))
+    return int(any(check.status == PROBLEM for check in found))
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: repsim's version with torch's and FAISS's, and the GPUs each sees."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help="print repsim's, torch's and FAISS's versions and GPUs")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from repsim.doctor import version_line
+
+        print(version_line())
+        parser.exit()
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     from repsim.experiment import check_experiment, load_deployments
 
@@ -287,6 +313,7 @@ def _start_orchestration() -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="repsim", description="Learn visual representations from relations between samples.")
+    parser.add_argument("--version", action=_VersionAction)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     shard = commands.add_parser("shard", help="shard data specs into WebDataset tars + manifest (cached)")
     shard.add_argument("specs", nargs="+", metavar="SPEC",
@@ -357,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     synsets = commands.add_parser("synsets", help="list WordNet noun synsets for class names (to write specs)")
     synsets.add_argument("names", nargs="+", metavar="NAME", help='a class name, e.g. "Ankle boot"')
     synsets.set_defaults(run=cmd_synsets)
+    doctor = commands.add_parser("doctor", help="what this installation has: torch and its GPUs, which FAISS build, "
+                                 "offline data and model, where runs are tracked (exit 1 on a problem)")
+    doctor.set_defaults(run=cmd_doctor)
     return parser
 
 
@@ -383,16 +413,15 @@ def _add_precompute_options(parser: argparse.ArgumentParser, stages: str) -> Non
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    run: Callable[[argparse.Namespace], None] = args.run
+    run: Callable[[argparse.Namespace], int | None] = args.run
     try:
-        run(args)
+        return run(args) or 0
     except RepsimError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("interrupted; run the same command again to resume", file=sys.stderr)
         return 130
-    return 0
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 # Check the wheel as users get it: build it from a copy of what the build reads (pyproject.toml,
 # README.md and the folders of its package-dir; tracked and untracked files, not ignored ones),
 # install it apart from the source tree (the venv's dependencies, none of the checkout), and from
-# outside the repository import every repsim module, find every shipped YAML file by name, and
-# load the default experiment and the xclr config by name.
+# outside the repository import every repsim module, find every shipped YAML file by name, load
+# the default experiment and the xclr config by name, and plan the default experiment.
 #   scripts/check_wheel.sh                 the whole check
 #   scripts/check_wheel.sh --build DIR     only build the wheel into DIR
 set -euo pipefail
@@ -63,3 +63,5 @@ config = load_config("xclr")
 assert config.data.spec.is_relative_to(site), config.data.spec
 print("check_wheel: the default experiment and the xclr config load by name")
 EOF
+REPSIM_HOME="$work/home" PYTHONPATH="$work/site" "$PY" -m repsim.cli run default --plan | tail -n 1 |
+  sed 's/^/check_wheel: repsim run default --plan: /'

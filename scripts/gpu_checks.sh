@@ -4,7 +4,7 @@
 # flat index (benchmarks/faiss_gpu.py: 1M × 768, k = 800, extrapolated to 6M), X-CLR training on
 # ResNet-50 at 224 px with batched augmentation on the GPU against a bare loop, with the share of
 # time waiting for data (benchmarks/train_step.py), repsim's kNN
-# evaluation on the GPU, the CUDA tests, training throughput and MFU (benchmarks/gpu_train.py), the
+# evaluation on the GPU, repsim's neighbor lists (neighbors.knn) on FAISS's GPU index against its CPU one, the CUDA tests, training throughput and MFU (benchmarks/gpu_train.py), the
 # X-CLR loss overhead and SOP's step cost on the GPU. Each step has its own time limit and log; a
 # failing step does not stop the others; all steps together stay within $BUDGET_S seconds (a step
 # gets what is left when that is less than its own limit, and is skipped when under 15 s are left),
@@ -34,7 +34,7 @@ OUT=${OUT:-benchmarks/results/gpu}
 WHEELS=${WHEELS:-.gpu-wheels}     # from scripts/gpu_wheels.sh
 PYTHON=${PYTHON:-python3}         # the Python that holds torch
 DEVICE=${DEVICE:-cuda}            # for faiss_gpu and knn_eval; cpu shrinks them to a rehearsal
-STEPS=${STEPS:-install environment faiss_gpu train_step knn_eval cuda_tests gpu_train loss_overhead sop_cost}
+STEPS=${STEPS:-install environment faiss_gpu train_step knn_eval neighbors_gpu cuda_tests gpu_train loss_overhead sop_cost}
 BUDGET_S=${BUDGET_S:-510}         # all steps together
 SITE=${SITE:-/tmp/gpu-checks-site}  # only if pip cannot install into $PYTHON's environment
 mkdir -p "$OUT"
@@ -175,6 +175,28 @@ text = (f"# repsim.eval.knn.knn_accuracy on {name}\n\n"
 Path(os.environ["OUT"], "knn_eval.md").write_text(text)
 print(text)
 '
+NEIGHBORS_GPU='
+import os, time
+from pathlib import Path
+import numpy as np
+from repsim.similarity.neighbors import gpu_available, knn, recall_at_k
+
+on_gpu = os.environ["DEVICE"] == "cuda"
+n, dim, k = (200_000, 384, 100) if on_gpu else (20_000, 64, 20)
+base = np.random.default_rng(0).standard_normal((n, dim), dtype=np.float32).astype(np.float16)
+name = {False: "CPU", True: "GPU"}
+rows = []
+for use_gpu in sorted({False, on_gpu}):
+    started = time.perf_counter()
+    ids, _ = knn(base, k, index="flat", use_gpu=use_gpu)
+    rows.append((name[use_gpu], time.perf_counter() - started, recall_at_k(ids, rows[0][3] if rows else ids), ids))
+text = (f"# repsim.similarity.neighbors.knn on FAISS flat indexes\n\n{n:,} float16 points × {dim}, "
+        f"each point its {k} nearest others (cosine); gpu_available() = {gpu_available()}.\n\n"
+        f"| index | seconds | recall@{k} vs the CPU index |\n| --- | --- | --- |\n"
+        + "".join(f"| {index} flat | {spent:.2f} | {recall:.4f} |\n" for index, spent, recall, _ in rows))
+Path(os.environ["OUT"], "neighbors_gpu.md").write_text(text)
+print(text)
+'
 if [ "$DEVICE" = cuda ]; then
   FAISS_ARGS=${FAISS_ARGS:-"--n 1000000 --dim 768 --k 800 --max-seconds 30"}
 else
@@ -195,6 +217,7 @@ step train_step 150 env REPSIM_HOME=/tmp/repsim-gpu-checks "$PYTHON" benchmarks/
     --set method.similarity.type=labels --set model.backbone=resnet50 --set data.image_size=224 \
     --set optim.precision=bf16 --set optim.channels_last=true --set optim.compile=true --out "$OUT/train_step.md"
 step knn_eval 60 "$PYTHON" -c "$KNN_EVAL"
+step neighbors_gpu 90 "$PYTHON" -c "$NEIGHBORS_GPU"
 step cuda_tests 120 "$PYTHON" -m pytest -q -p no:cacheprovider -k "cuda or gpu" tests/test_models.py \
     tests/test_trainer.py tests/test_methods.py tests/test_eval_knn.py tests/test_eval_linear.py \
     tests/test_eval_retrieval.py tests/test_eval_diagnostics.py

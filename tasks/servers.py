@@ -30,14 +30,24 @@ def health_urls() -> dict[str, str]:
     return urls
 
 
+def unreachable(url: str, timeout: float = HEALTH_TIMEOUT_S) -> str | None:
+    """Why ``url`` does not answer within ``timeout``; None when it does."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            response.read()
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        return str(getattr(err, "reason", err))
+    return None
+
+
+def server_fix(variable: str) -> str:
+    return f"start the server (make servers), or unset {variable} to use the embedded default"
+
+
 def check_servers(timeout: float = HEALTH_TIMEOUT_S) -> None:
     """ServerUnreachable unless every configured server answers its health check within ``timeout``."""
     for variable, url in health_urls().items():
-        try:
-            with urllib.request.urlopen(url, timeout=timeout) as response:
-                response.read()
-        except (urllib.error.URLError, OSError, ValueError) as err:
-            reason = getattr(err, "reason", err)
-            raise ServerUnreachable(
-                f"{variable}={os.environ[variable]} does not answer at {url} ({reason})",
-                f"start the server (make servers), or unset {variable} to use the embedded default") from None
+        reason = unreachable(url, timeout)
+        if reason is not None:
+            raise ServerUnreachable(f"{variable}={os.environ[variable]} does not answer at {url} ({reason})",
+                                    server_fix(variable))

@@ -1,12 +1,17 @@
-"""The wheel holds every module and the shipped YAML files; shipped files are found by name."""
+"""The wheel holds every module and the shipped YAML files, shipped files are found by name, FAISS comes
+from one of two extras, and the environment is the tested set of versions in constraints.txt."""
 
+import importlib.metadata
+import re
 import subprocess
+import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
 import yaml
 
+import repsim
 from repsim.cli import main
 from repsim.errors import SpecError
 from repsim.experiment import load_experiment
@@ -21,11 +26,16 @@ TREE = {  # folder of the checkout: (its place in the wheel, the files it ships)
 
 
 @pytest.fixture(scope="module")
-def wheel_files(tmp_path_factory) -> set[str]:
+def wheel(tmp_path_factory) -> zipfile.ZipFile:
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(["bash", str(REPO / "scripts" / "check_wheel.sh"), "--build", str(out)], check=True)
-    (wheel,) = out.glob("repsim-*.whl")
-    return set(zipfile.ZipFile(wheel).namelist())
+    (path,) = out.glob("repsim-*.whl")
+    return zipfile.ZipFile(path)
+
+
+@pytest.fixture(scope="module")
+def wheel_files(wheel) -> set[str]:
+    return set(wheel.namelist())
 
 
 def test_the_wheel_holds_every_module_and_shipped_file(wheel_files):
@@ -38,6 +48,44 @@ def test_the_wheel_holds_every_module_and_shipped_file(wheel_files):
 def test_the_wheel_claims_no_generic_top_level_names(wheel_files):
     top_level = {name.split("/")[0] for name in wheel_files}
     assert {name for name in top_level if not name.endswith(".dist-info")} == {"repsim"}
+
+
+def test_faiss_comes_from_exactly_one_extra_of_two(wheel):
+    metadata = wheel.read(f"repsim-{repsim.__version__}.dist-info/METADATA").decode()
+    faiss = [line.removeprefix("Requires-Dist: ") for line in metadata.splitlines()
+             if line.startswith("Requires-Dist: faiss")]
+    assert sorted(faiss) == ['faiss-cpu>=1.8; extra == "cpu"', 'faiss-gpu-cu12>=1.8; extra == "gpu"']
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert not [need for need in project["dependencies"] + project["optional-dependencies"]["dev"] if "faiss" in need]
+
+
+# ---------------------------------------------------------------------------------------------
+# The tested set of versions
+
+def pins() -> dict[str, str]:
+    lines = (REPO / "constraints.txt").read_text().splitlines()
+    return dict(line.split("==") for line in lines if line and not line.startswith("#"))
+
+
+def test_the_environment_is_the_tested_set_of_versions():
+    installed = {canonical(dist.metadata["Name"]): dist.version for dist in importlib.metadata.distributions()}
+    wrong = {name: (version, installed[canonical(name)]) for name, version in pins().items()
+             if canonical(name) in installed and installed[canonical(name)].split("+")[0] != version.split("+")[0]}
+    assert not wrong, f"installed versions differ from constraints.txt (pinned, installed): {wrong}"
+    assert {"torch", "torchvision", "prefect", "mlflow", "faiss-cpu", "faiss-gpu-cu12"} <= set(pins())
+
+
+def test_setup_and_the_worker_image_install_from_the_same_constraints():
+    setup = (REPO / "scripts" / "setup.sh").read_text()
+    assert "CONSTRAINTS=${CONSTRAINTS:-constraints.txt}" in setup
+    assert setup.count('-c "$CONSTRAINTS"') == 3  # torch, repsim with its extras, animal-mnist
+    for dockerfile in ("repsim.Dockerfile", "mlflow.Dockerfile"):
+        text = (REPO / "docker" / dockerfile).read_text()
+        assert "COPY constraints.txt /tmp/constraints.txt" in text and "-c /tmp/constraints.txt" in text
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 # ---------------------------------------------------------------------------------------------

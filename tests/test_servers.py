@@ -59,13 +59,16 @@ def servers(tmp_path) -> Iterator[dict[str, str]]:
 
 @pytest.fixture
 def served(servers, tmp_path, make_image_folder, write_spec) -> Iterator[dict[str, str]]:
-    """`repsim serve` of a deployment of a tiny experiment (with a nightly cron schedule)."""
+    """`repsim serve` of a deployment of a tiny experiment (with a nightly cron schedule), its runner's
+    health endpoint on (as the compose worker's health check reads it) at ``RUNNER_HEALTH``."""
     folder = tmp_path
     experiment = tiny_experiment(folder, make_image_folder, write_spec)
     deployments = folder / "deployments.yaml"
     deployments.write_text(yaml.safe_dump({"deployments": [
         {"name": "tiny", "experiment": str(experiment), "cron": "0 3 * * *", "description": "tiny"}]}))
-    env = servers | {"REPSIM_HOME": str(folder / "worker-home")}
+    runner_port = free_port()
+    env = servers | {"REPSIM_HOME": str(folder / "worker-home"), "PREFECT_RUNNER_SERVER_ENABLE": "true",
+                     "PREFECT_RUNNER_SERVER_PORT": str(runner_port)}
     with open(folder / "serve.log", "w") as log:
         serve = subprocess.Popen([sys.executable, "-m", "repsim.cli", "serve", str(deployments)], env=env,
                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -74,7 +77,7 @@ def served(servers, tmp_path, make_image_folder, write_spec) -> Iterator[dict[st
             while not deployment_id(servers):
                 assert serve.poll() is None and time.time() < deadline, (folder / "serve.log").read_text()
                 time.sleep(2)
-            yield servers
+            yield servers | {"RUNNER_HEALTH": f"http://127.0.0.1:{runner_port}/health"}
         finally:
             os.killpg(serve.pid, signal.SIGINT)
             try:
@@ -90,6 +93,19 @@ def api(base: str, path: str, body: dict | None = None) -> dict | list:
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=30) as response:
         return json.loads(response.read())
+
+
+def answers(url: str, seconds: float = 60) -> int:
+    """The status ``url`` answers with, once it answers within ``seconds``."""
+    deadline = time.time() + seconds
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as response:
+                return response.status
+        except urllib.error.URLError:
+            if time.time() > deadline:
+                raise
+            time.sleep(1)
 
 
 def deployment_id(servers: dict[str, str]) -> str | None:
@@ -120,6 +136,7 @@ def mlflow_runs(servers: dict[str, str], flow_run_id: str) -> tuple[dict, list[d
 
 
 def test_triggered_runs_are_tracked_and_then_cached(served, tmp_path):
+    assert answers(served["RUNNER_HEALTH"]) == 200  # what the compose worker's health check reads
     first = trigger(served)
     assert first.state.is_completed(), first.state
     parent, stages = mlflow_runs(served, str(first.id))

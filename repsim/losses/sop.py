@@ -88,7 +88,9 @@ def nearest_supports(anchors: torch.Tensor, anchor_ids: torch.Tensor, memory: to
 def _faiss_supports(anchors: torch.Tensor, anchor_ids: torch.Tensor, memory: torch.Tensor,
                     memory_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`nearest_supports` by FAISS: the k + 1 nearest, less the anchor itself (else the last)."""
-    import faiss
+    from repsim.similarity.neighbors import require_faiss
+
+    faiss = require_faiss()
 
     def host(x: torch.Tensor) -> np.ndarray:
         return x.detach().to("cpu", torch.float32).contiguous().numpy()

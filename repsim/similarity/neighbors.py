@@ -52,17 +52,19 @@ RERANK_BYTES = 1 << 28  # candidate vectors gathered at a time when re-ranking
 IVFPQ_RERANK = 10  # enough for recall@10 >= 0.8 on 96-d image embeddings (tests/test_neighbors.py)
 
 
-def _faiss():
+def require_faiss():
+    """The ``faiss`` module; a one-line SimilarityError saying how to install it when it is missing."""
     try:
         import faiss
     except ImportError:
-        raise SimilarityError("FAISS is not installed", "`pip install faiss-cpu` (or faiss-gpu-cu12)") from None
+        raise SimilarityError("FAISS is not installed", "pip install 'repsim[cpu]' (faiss-cpu), or 'repsim[gpu]' "
+                              "(faiss-gpu-cu12) on a CUDA 12 machine; `repsim doctor` shows what is there") from None
     return faiss
 
 
 def gpu_available() -> bool:
     """Whether the installed FAISS can use a GPU."""
-    return _faiss().get_num_gpus() > 0
+    return require_faiss().get_num_gpus() > 0
 
 
 def descending(metric: str) -> bool:
@@ -134,7 +136,7 @@ def build_index(points: np.ndarray, kind: str = "flat", metric: str = "cosine", 
     ``use_gpu``: None uses the GPU when FAISS has one and the kind supports it; ``gpu_float16``
     halves a GPU index's memory. Index position i is ``rows[i]`` (or row i).
     """
-    faiss = _faiss()
+    faiss = require_faiss()
     if kind not in INDEX_KINDS or metric not in METRICS:
         raise SimilarityError(f"unknown index {kind!r} / metric {metric!r}",
                               f"index is one of {', '.join(INDEX_KINDS)}; metric one of {', '.join(METRICS)}")
@@ -191,7 +193,7 @@ def _resolve_gpu(use_gpu: bool | None, kind: str) -> bool:
         raise SimilarityError("FAISS has no GPU HNSW index", "use index='ivf', 'ivfpq' or 'flat' on the GPU")
     if use_gpu and not gpu_available():
         raise SimilarityError("use_gpu=True but the installed FAISS sees no GPU",
-                              "install faiss-gpu-cu12 on a GPU machine, or leave use_gpu unset")
+                              "install repsim[gpu] (faiss-gpu-cu12) on a GPU machine, or leave use_gpu unset")
     return use_gpu
 
 
