@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -209,3 +211,19 @@ def test_truncated_or_corrupt_tars_are_reported(gray, tmp_path):
         (tmp_path / name).write_bytes(data)
         with pytest.raises(DataError, match="is not a readable tar|holds 1 samples but its manifest lists"):
             list(read_samples(str(tmp_path / name), gray.splits["test"]))
+
+
+@pytest.mark.parametrize("augment", ["sample", "batch"])
+def test_a_damaged_shard_is_the_same_one_line_error_with_or_without_workers(gray, tmp_path, augment):
+    copy = tmp_path / "copy"
+    shutil.copytree(gray.path, copy)
+    tar = sorted(copy.glob("test-*.tar"))[0]
+    os.truncate(tar, tar.stat().st_size // 2 // 512 * 512)  # cut at a block boundary after its first sample
+    messages = []
+    for workers in (0, 2):
+        loader = make_loader(copy, "simclr", 4, split="test", num_workers=workers, augment=augment)
+        with pytest.raises(DataError) as raised:
+            list(loader)
+        messages.append(str(raised.value))
+    assert messages[0] == messages[1] and "\n" not in messages[1]
+    assert messages[1].startswith(f"{tar} holds ") and "but its manifest lists" in messages[1]

@@ -231,14 +231,30 @@ def test_label_methods_refuse_unlabelled_data(animals, method, needs):
 def test_the_stage_key_ignores_settings_that_do_not_change_the_result(animals):
     spec, shards = animals
     key = train_stage_of(tiny_config(spec), shards).key
-    assert train_stage_of(tiny_config(spec, optim={"num_workers": 2, "threads": 1, "checkpoint_every": 7}),
-                          shards).key == key
+    assert train_stage_of(tiny_config(spec, optim={"threads": 1, "checkpoint_every": 7}), shards).key == key
+    workers = {count: train_stage_of(tiny_config(spec, optim={"num_workers": count}), shards).key for count in (0, 2)}
+    assert len({key, *workers.values()}) == 3  # the worker count changes the batches: keyed when set
     assert train_stage_of(tiny_config(spec, data={"augment": "batch"}), shards).key != key
     assert train_stage_of(tiny_config(spec, monitor={"batch_size": 7}), shards).key == key
     assert train_stage_of(tiny_config(spec, optim={"lr": 0.1}), shards).key != key
     wup, path = (tiny_config(spec, {"name": "xclr", "similarity": {"type": "wordnet", "measure": measure}})
                  for measure in ("wup", "path"))
     assert train_stage_of(wup, shards).inputs["upstream"] != train_stage_of(path, shards).inputs["upstream"]
+
+
+@pytest.mark.slow
+def test_zero_and_two_loader_workers_train_apart_to_different_weights(animals):
+    """The worker count changes the batches, so the weights: neither training is served to the other."""
+    spec, shards = animals
+    outputs = {count: train(tiny_config(spec, optim={"num_workers": count, "epochs": 1}, monitor={"knn": False}),
+                            shards=shards, device="cpu", progress=False) for count in (0, 2)}
+    assert outputs[0].key != outputs[2].key and not outputs[2].cached
+    assert {count: output.metrics["loader_workers"] for count, output in outputs.items()} == {0: 0, 2: 2}
+    weights = [torch.cat([p.flatten() for p in load_encoder(output.path).parameters()]) for output in outputs.values()]
+    assert not torch.allclose(*weights)
+    again = train(tiny_config(spec, optim={"num_workers": 2, "epochs": 1}, monitor={"knn": False}), shards=shards,
+                  device="cpu", progress=False)
+    assert again.cached and again.path == outputs[2].path
 
 
 def test_training_lowers_the_loss_and_writes_a_loadable_encoder(animals):

@@ -68,7 +68,7 @@ from repsim.data.augment import Views, make_views
 from repsim.data.batch_augment import BatchViews, make_batch_views
 from repsim.data.sharding import MANIFEST, ShardResult
 from repsim.device import torch_threads
-from repsim.errors import DataError, SpecError
+from repsim.errors import DataError, RepsimError, SpecError
 
 IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp")
 SHARD_NUMBER = "[0-9]" * 5
@@ -288,7 +288,7 @@ class ShardStream(IterableDataset):
             stages.append(wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer, seed=seed))
         stages += [wds.batched(self.batch_size, collation_fn=None, partial=not self.drop_last),
                    wds.map(self.decode_batch)]
-        return iter(wds.DataPipeline(*stages))
+        return _passing_errors_on(iter(wds.DataPipeline(*stages)))
 
     def decode_batch(self, samples: list[dict[str, Any]]) -> Batch:
         """Raw samples → a batch: all images decoded first, then each augmented under its own seed
@@ -323,6 +323,29 @@ class ShardStream(IterableDataset):
         rounds, leftover = divmod(len(sizes), self.world_size)
         fewest_samples = sum(sizes[:rounds]) + sum(size // self.world_size for size in sizes[:leftover])
         return max(0, fewest_samples // self.batch_size - max(1, self.num_workers) + 1)
+
+
+@dataclass(frozen=True)
+class WorkerError:
+    """A RepsimError raised while making batches, yielded in place of a batch: from a DataLoader
+    worker it reaches the main process as it was (torch would re-raise it wrapped in the worker's
+    traceback), and the loader raises it there, the same one line as without workers."""
+
+    error: RepsimError
+
+
+def _passing_errors_on(batches: Iterator[Batch]) -> Iterator[Batch | WorkerError]:
+    try:
+        yield from batches
+    except RepsimError as err:
+        yield WorkerError(err)
+
+
+def _raising_errors(batches: Iterator[Batch | WorkerError]) -> Iterator[Batch]:
+    for batch in batches:
+        if isinstance(batch, WorkerError):
+            raise batch.error
+        yield batch
 
 
 def _batch_count(samples: int, batch_size: int, drop_last: bool) -> int:
@@ -435,7 +458,7 @@ class ShardLoader:
         pin_memory = self.pin_memory or (self.batch_views is not None and self.device.type == "cuda")
         loader = DataLoader(epoch_stream, batch_size=None, num_workers=epoch_stream.num_workers,
                             pin_memory=pin_memory, generator=torch.Generator().manual_seed(epoch_stream.seed))
-        batches = islice(loader, steps)
+        batches = _raising_errors(islice(loader, steps))
         return batches if self.batch_views is None else self.augmented(batches, epoch_stream)
 
     def augmented(self, batches: Iterator[Batch], stream: ShardStream) -> Iterator[Batch]:

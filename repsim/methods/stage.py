@@ -51,8 +51,9 @@ from repsim.stage import Stage, StageOutput, read_record, repsim_home, run_stage
 VERSION = "1"
 CHECKPOINT_FILE = "checkpoint.pt"
 METRICS_FILE = "metrics.jsonl"
-KEY_NEUTRAL = (("optim", "num_workers"), ("optim", "threads"), ("optim", "checkpoint_every"),
-               ("monitor", "batch_size"), ("data", "spec"), ("method", "similarity", "path"))
+KEY_NEUTRAL = (("optim", "threads"), ("optim", "checkpoint_every"), ("monitor", "batch_size"), ("data", "spec"),
+               ("method", "similarity", "path"))  # settings that never change the result
+MACHINE_CHOSEN = ("optim", "num_workers")  # changes the batches; keyed when set, not when left to the machine
 DIGEST_CHUNK = 1 << 20
 
 __all__ = ["TrainingData", "Upstream", "file_digest", "load_encoder", "prepare", "train", "train_loader",
@@ -115,7 +116,16 @@ def train_stage_of(config: Config, shards: ShardResult | str | Path | None = Non
 
 def _stage(config: Config, shards: ShardResult, upstream: Upstream | None) -> Stage:
     inputs = {"shards": shards.key} | ({"upstream": upstream.key} if upstream is not None else {})
-    return Stage("train", VERSION, _without(config.model_dump(mode="json"), KEY_NEUTRAL), inputs)
+    return Stage("train", VERSION, _recipe(config), inputs)
+
+
+def _recipe(config: Config) -> dict[str, Any]:
+    """What the train key hashes: the config less its key-neutral settings. The loader deals shards
+    to one shuffle stream per worker, so ``optim.num_workers`` changes the batches and enters the key
+    when it is set; left to the machine (None, :func:`repsim.device.cpu_plan`), the key is the same on
+    every machine, and the count used is recorded in the stage's metrics (``loader_workers``)."""
+    neutral = KEY_NEUTRAL + ((MACHINE_CHOSEN,) if config.optim.num_workers is None else ())
+    return _without(config.model_dump(mode="json"), neutral)
 
 
 def _without(values: dict[str, Any], fields: tuple[tuple[str, ...], ...]) -> dict[str, Any]:
@@ -233,7 +243,7 @@ def _builder(config: Config, data: TrainingData, scratch: Path, log: LogFn | Non
         shutil.copyfile(metrics.path, out / METRICS_FILE)
         save_encoder(method.encoder, out / ENCODER_FILE)
         _write_figures(config, method, out)
-        return summarise(out / METRICS_FILE, trainer.steps_per_epoch)
+        return summarise(out / METRICS_FILE, trainer.steps_per_epoch) | {"loader_workers": plan.workers}
     return build
 
 
