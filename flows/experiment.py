@@ -34,7 +34,7 @@ from repsim.eval.stages import PIXELS, RESULTS_FILE, read_results
 from repsim.experiment import Experiment, Member, check_experiment, with_overrides
 from repsim.results import Row, Score, aggregate, as_columns, headline_metrics, markdown
 from repsim.similarity.stages import CLASSES_FILE, HEAT_MAP_FILE, SIMILARITY_FILE
-from repsim.stage import StageOutput, rebuilding
+from repsim.stage import StageOutput, rebuilding, verifying
 from repsim.tasks.align import ARTIFACTS as ALIGN_ARTIFACTS
 from repsim.tasks.align import align_task, plan_align
 from repsim.tasks.evaluate import evaluate_task, features_task, plan_evaluate, plan_features
@@ -264,7 +264,7 @@ def plan_experiment(experiment: Experiment, force: Sequence[str] = ()) -> dict[s
     [one summary per distinct stage: stage, detail, key, status (cached, runs, runs after its inputs)]}``."""
     members = check_experiment(experiment)
     planner = Planner()
-    with rebuilding(force):
+    with rebuilding(force), verifying(experiment.verify):
         run_steps(planner, experiment, members)
     return {"members": [member.label for member in members], "stages": planner.summaries}
 
@@ -313,7 +313,8 @@ def publish(parent: StageRun, rows: list[Row], columns: dict[str, str], name: st
 def experiment_flow(experiment: Experiment, overrides: list[str] | None = None,
                     force: list[str] | None = None, spread: str | None = None) -> dict[str, Any]:
     """Run ``experiment`` with ``overrides`` (``"train.settings.optim.lr=0.01"``), rebuilding the
-    outputs of the stages named in ``force`` (e.g. ``["train"]``) even when they are cached. With
+    outputs of the stages named in ``force`` (e.g. ``["train"]``) even when they are cached; with
+    ``experiment.verify``, cache hits are checked by the sha256 of their files (always by size). With
     ``spread`` (a deployment of this flow, ``experiment/<name>``), the members run first as flow runs
     of that deployment (:func:`run_members_on`), and this run then finds every stage cached.
 
@@ -326,7 +327,7 @@ def experiment_flow(experiment: Experiment, overrides: list[str] | None = None,
     tracker = Tracker()
     params = {"experiment": experiment.model_dump(mode="json"), "overrides": list(overrides or []),
               "force": list(force or []), "members": len(members), "spread": spread or ""}
-    with rebuilding(force or []), tracker.flow_run("experiment", params) as parent:
+    with rebuilding(force or []), verifying(experiment.verify), tracker.flow_run("experiment", params) as parent:
         if spread:
             run_members_on(spread, members, force or [])
         stages = Stages(tracker, parent)

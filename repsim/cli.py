@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 
@@ -192,9 +193,9 @@ def _where_to_look() -> str:
 def cmd_stages(args: argparse.Namespace) -> None:
     from repsim.stage import list_outputs
 
-    outputs = [output for output in list_outputs() if not args.stages or output.stage in args.stages]
+    outputs = [output for output in list_outputs(hashes=args.verify) if not args.stages or output.stage in args.stages]
     print(_table(["stage", "key", "status", "age", "output"], [
-        [output.stage, output.key, output.status, _age(output.modified), output.path] for output in outputs]))
+        [output.stage, output.key, output.shown, _age(output.modified), output.path] for output in outputs]))
 
 
 def cmd_clean(args: argparse.Namespace) -> None:
@@ -203,14 +204,14 @@ def cmd_clean(args: argparse.Namespace) -> None:
     doomed = unreferenced_outputs(args.older_than)
     if not args.yes:
         for output in doomed:
-            print(f"would remove {output.stage} {output.key} ({output.status}, {_age(output.modified)}): {output.path}")
+            print(f"would remove {output.stage} {output.key} ({output.shown}, {_age(output.modified)}): {output.path}")
         print(f"{len(doomed)} outputs to remove; run again with --yes to remove them")
         return
     removed = [output for output in doomed if remove_output(output)]
     for output in removed:
         print(f"removed {output.stage} {output.key}: {output.path}")
-    print(f"removed {len(removed)} outputs" + (f"; {len(doomed) - len(removed)} were being written, and stay"
-                                               if len(removed) < len(doomed) else ""))
+    print(f"removed {len(removed)} outputs" + (f"; {len(doomed) - len(removed)} are in use (being written or read), "
+                                               "and stay" if len(removed) < len(doomed) else ""))
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -257,18 +258,16 @@ def _positive_int(text: str) -> int:
 
 
 DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)([smhdw])")
 
 
 def duration(text: str) -> float:
-    """Seconds in ``30m``, ``12h``, ``7d``, ``2w`` (units s, m, h, d, w)."""
-    number, unit = text[:-1], text[-1:]
-    try:
-        seconds = float(number) * DURATION_UNITS[unit]
-    except (KeyError, ValueError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 30m, 12h, 7d or 2w") from None
-    if seconds < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is negative")
-    return seconds
+    """Seconds in ``30m``, ``12h``, ``7d``, ``2w``, ``1.5d``: a positive number and a unit (s, m, h, d, w)."""
+    match = DURATION.fullmatch(text)
+    if match is None or float(match[1]) == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 30m, 12h, 7d or 2w "
+                                         "(a positive number, then s, m, h, d or w)")
+    return float(match[1]) * DURATION_UNITS[match[2]]
 
 
 def _age(timestamp: float) -> str:
@@ -368,8 +367,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run each member as a flow run of this deployment of the experiment flow "
                           "(e.g. experiment/sweep-worker), on whichever processes serve it; needs a Prefect server")
     run.set_defaults(run=cmd_run)
-    stages = commands.add_parser("stages", help="list stage outputs: key, status (complete/incomplete/locked), path")
+    stages = commands.add_parser("stages", help="list stage outputs: key, status (complete/damaged/incomplete/"
+                                 "locked/in use), path")
     stages.add_argument("stages", nargs="*", metavar="STAGE", help="only these stages (default: all)")
+    stages.add_argument("--verify", action="store_true",
+                        help="also compare every output file's sha256 with its record (default: sizes only)")
     stages.set_defaults(run=cmd_stages)
     clean = commands.add_parser("clean", help="remove old stage outputs that no newer complete output depends on")
     clean.add_argument("--older-than", required=True, type=duration, metavar="DURATION",

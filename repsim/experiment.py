@@ -201,6 +201,8 @@ class Experiment(_Strict):
     sweep: dict[str, Annotated[list[Any], Field(min_length=1)]] = Field(
         {}, description="--set key -> values, e.g. {train.settings.method.target_temperature: [0.05, 0.1]}; "
                         "every combination runs")
+    verify: bool = Field(False, description="a cache hit also checks the sha256 of every output file against "
+                                            "its record (always: their sizes); a damaged output is rebuilt")
 
     @model_validator(mode="after")
     def _distinct_seeds_and_values(self) -> Experiment:

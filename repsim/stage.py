@@ -3,8 +3,9 @@
 A stage's output lives in ``$REPSIM_HOME/artifacts/<stage>/<key>/`` where ``key`` hashes the stage
 name, its resolved config, the keys of its inputs and the stage version. The directory is built
 under a temporary name and renamed when complete, so an interrupted stage leaves nothing that looks
-done; ``stage.json`` inside records config, input keys, timings, metrics and library versions.
-Running a stage whose directory is complete returns at once.
+done; ``stage.json`` inside records config, input keys, timings, metrics, library versions and
+every output file with its size and sha256. Running a stage whose directory is complete and still
+matches that list returns at once; a damaged one is reported and built again.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import platform
 import shutil
@@ -28,6 +30,7 @@ from repsim.errors import StageError
 
 STAGE_FILE = "stage.json"
 TRACKED_LIBRARIES = ("repsim", "torch", "torchvision", "numpy", "webdataset", "pyarrow")
+log = logging.getLogger(__name__)
 
 
 def repsim_home() -> Path:
@@ -114,18 +117,35 @@ def library_versions() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
-    """Serialise concurrent runs of the same stage output (across processes)."""
+def _locked(lock_path: Path, mode: int) -> Iterator[None]:
+    """Hold the stage lock at ``lock_path`` (across processes) for the block: ``fcntl.LOCK_EX`` while
+    writing the output, ``fcntl.LOCK_SH`` while reading it as an input."""
     lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle, mode)
         try:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+@contextlib.contextmanager
+def _environment(name: str, value: str | None) -> Iterator[None]:
+    """Environment variable ``name`` set to ``value`` for the block (unchanged when ``value`` is None)."""
+    previous = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
+
+
 REBUILD_ENV = "REPSIM_REBUILD"
+VERIFY_ENV = "REPSIM_VERIFY"
 
 
 @contextlib.contextmanager
@@ -135,22 +155,67 @@ def rebuilding(stages: Iterable[str]) -> Iterator[None]:
     complete). An output built inside the block is reused. The setting travels in the environment
     variable ``REPSIM_REBUILD``, so subprocesses (e.g. torchrun ranks) see it too."""
     names = sorted(set(stages))
-    previous = os.environ.get(REBUILD_ENV)
-    if names:
-        os.environ[REBUILD_ENV] = f"{','.join(names)}@{time.time()!r}"
-    try:
+    with _environment(REBUILD_ENV, f"{','.join(names)}@{time.time()!r}" if names else None):
         yield
-    finally:
-        if previous is None:
-            os.environ.pop(REBUILD_ENV, None)
-        else:
-            os.environ[REBUILD_ENV] = previous
+
+
+@contextlib.contextmanager
+def verifying(enabled: bool = True) -> Iterator[None]:
+    """Within the block (if ``enabled``), a cache hit also compares the sha256 of every output file with
+    its record, not only its size. The setting travels in ``REPSIM_VERIFY``, so subprocesses see it too."""
+    with _environment(VERIFY_ENV, "1" if enabled else None):
+        yield
+
+
+def verification_requested() -> bool:
+    """Whether cache hits check hashes now (inside :func:`verifying`)."""
+    return os.environ.get(VERIFY_ENV) == "1"
 
 
 def is_stale(record: Mapping[str, Any]) -> bool:
     """Whether a completed output's ``stage.json`` record is to be rebuilt (see :func:`rebuilding`)."""
     names, _, since = os.environ.get(REBUILD_ENV, "").rpartition("@")
     return bool(since) and record.get("stage") in names.split(",") and record.get("started", 0) < float(since)
+
+
+def sha256_file(path: Path) -> str:
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def output_files(path: Path, details: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+    """Every file under the output directory ``path`` but ``stage.json`` (by relative path) with its
+    size, its sha256 and its entry in ``details``: what the record lists to verify cache hits by."""
+    entries = {}
+    for file in sorted(file for file in path.rglob("*") if file.is_file() and file.name != STAGE_FILE):
+        name = file.relative_to(path).as_posix()
+        entries[name] = {"bytes": file.stat().st_size, "sha256": sha256_file(file), **(details or {}).get(name, {})}
+    return entries
+
+
+def damage(path: Path, record: Mapping[str, Any], hashes: bool = False) -> str | None:
+    """How the output directory ``path`` differs from the files its ``record`` lists, naming the first
+    damaged file (``train-00000.tar: 1234 of 5678 bytes``, ``... missing``); None when it matches.
+    Sizes are checked for every file first, then (with ``hashes``) the sha256 of each. A record written
+    before files were listed lists none, so such an output counts as intact (unverifiable)."""
+    files = record.get("files", {})
+    for name, expected in files.items():
+        try:
+            size = (path / name).stat().st_size
+        except (FileNotFoundError, NotADirectoryError):
+            return f"{name}: missing"
+        if size != expected["bytes"]:
+            return f"{name}: {size} of {expected['bytes']} bytes"
+    for name, expected in files.items() if hashes else ():
+        if sha256_file(path / name) != expected["sha256"]:
+            return f"{name}: sha256 differs from its record"
+    return None
+
+
+def is_current(path: Path, record: Mapping[str, Any]) -> bool:
+    """Whether the complete output at ``path`` is to be served: it is not being rebuilt (see
+    :func:`rebuilding`) and its files match its ``record`` (hashes too, inside :func:`verifying`)."""
+    return not is_stale(record) and damage(path, record, verification_requested()) is None
 
 
 def _completed(stage: Stage, out: Path) -> StageOutput | None:
@@ -177,52 +242,85 @@ def _lock_path(out: Path) -> Path:
     return out.parent / f".{out.name}.lock"
 
 
+def _set_aside(path: Path) -> Path:
+    """Rename the output ``path`` to a hidden ``.old-`` name beside it, which never looks complete."""
+    aside = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+    os.rename(path, aside)
+    return aside
+
+
 def _move_into_place(tmp: Path, out: Path) -> None:
     """Rename the complete ``tmp`` to ``out``; an old ``out`` is moved aside first and removed only after."""
     if not out.exists():
         os.rename(tmp, out)
         return
-    old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-    os.rename(out, old)
+    old = _set_aside(out)
     os.rename(tmp, out)
     shutil.rmtree(old, ignore_errors=True)
 
 
-def run_stage(stage: Stage, build: Callable[[Path], Mapping[str, float] | None],
-              out_dir: str | Path | None = None) -> StageOutput:
-    """Build ``stage`` into its output directory unless it is already complete.
+@contextlib.contextmanager
+def _reading(keys: Iterable[str]) -> Iterator[None]:
+    """Hold shared the lock of every output under the artifact root whose key is among ``keys`` (a
+    stage's inputs), so that :func:`remove_output` leaves them alone and a rebuild of one waits."""
+    inputs = [folder / key for folder in _stage_folders(artifacts_root()) for key in set(keys)
+              if (folder / key).is_dir()]
+    with contextlib.ExitStack() as held:
+        for path in inputs:
+            held.enter_context(_locked(_lock_path(path), fcntl.LOCK_SH))
+        yield
+
+
+Build = Callable[[Path], Mapping[str, float] | None]
+FileDetails = Callable[[Path], Mapping[str, Mapping[str, Any]]]
+
+
+def run_stage(stage: Stage, build: Build, out_dir: str | Path | None = None,
+              file_details: FileDetails | None = None) -> StageOutput:
+    """Build ``stage`` into its output directory unless it is already complete and intact.
 
     ``build(tmp_dir)`` writes every output file into ``tmp_dir`` and may return metrics
-    (e.g. samples, bytes); they are stored in ``stage.json``. The directory becomes visible under
-    its final name only after ``build`` returns and ``stage.json`` is written. Inside
+    (e.g. samples, bytes); they are stored in ``stage.json``, with every file's size and sha256 (and
+    what ``file_details(tmp_dir)`` adds to a file's entry, by relative path). The directory becomes
+    visible under its final name only after ``build`` returns and ``stage.json`` is written. While
+    ``build`` runs, the stage holds its inputs' locks shared (see :func:`list_outputs`).
+
+    A complete output is served only if its files still have the recorded sizes (and, inside
+    :func:`verifying`, hashes); a damaged one is logged, removed and built again. Inside
     :func:`rebuilding`, a complete output of a stage being rebuilt is built again and then replaces
     the old one.
     """
     out = stage.output_dir(out_dir)
     done = _completed(stage, out)
-    if done is not None and not is_stale(done.record):
+    if done is not None and is_current(out, done.record):
         return done
     # The lock file stays: unlinking it would let a waiting and a new process lock different files.
-    with _exclusive(_lock_path(out)):
-        done = _completed(stage, out)  # another process may have finished it meanwhile
+    with _locked(_lock_path(out), fcntl.LOCK_EX):
+        done = _completed(stage, out)  # another process may have finished (or rebuilt) it meanwhile
         if done is not None and not is_stale(done.record):
-            return done
-        record = _build_atomically(stage, build, out)
+            found = damage(out, done.record, verification_requested())
+            if found is None:
+                return done
+            log.warning("%s output %s at %s is damaged (%s); building it again", stage.name, stage.key, out, found)
+            shutil.rmtree(_set_aside(out))
+        record = _build_atomically(stage, build, out, file_details)
     return StageOutput(stage.name, stage.key, out, False, record)
 
 
-def _build_atomically(stage: Stage, build: Callable[[Path], Mapping[str, float] | None], out: Path) -> dict[str, Any]:
+def _build_atomically(stage: Stage, build: Build, out: Path, file_details: FileDetails | None) -> dict[str, Any]:
     _remove_stale_temporaries(out)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
         started = time.time()
-        metrics = dict(build(tmp) or {})
+        with _reading(stage.inputs.values()):
+            metrics = dict(build(tmp) or {})
         record = {
             "stage": stage.name, "key": stage.key, "version": stage.version,
             "config": stage.config, "inputs": dict(stage.inputs), "metrics": metrics,
             "started": started, "seconds": round(time.time() - started, 3),
             "libraries": library_versions(),
+            "files": output_files(tmp, file_details(tmp) if file_details is not None else None),
         }
         (tmp / STAGE_FILE).write_text(json.dumps(record, indent=2, sort_keys=True, default=str))
         _move_into_place(tmp, out)
@@ -235,16 +333,20 @@ def _build_atomically(stage: Stage, build: Callable[[Path], Mapping[str, float] 
 # ---------------------------------------------------------------------------------------------
 # Listing and cleaning the artifact root
 
-COMPLETE, INCOMPLETE, LOCKED = "complete", "incomplete", "locked"
+COMPLETE, DAMAGED, INCOMPLETE, LOCKED, IN_USE = "complete", "damaged", "incomplete", "locked", "in use"
+UNVERIFIED = "unverified: its record lists no files"
 
 
 @dataclass(frozen=True)
 class StoredOutput:
     """One directory under the artifact root (or a train stage's scratch folder).
 
-    ``status``: ``complete`` (it has its ``stage.json``), ``incomplete`` (a partial build left by an
-    interrupted run, or a resumable training scratch folder) or ``locked`` (a process is writing
-    this stage now). ``modified``: when it was completed (or last written, when incomplete).
+    ``status``: ``complete`` (it has its ``stage.json`` and its files match it), ``damaged`` (a file
+    differs from the record: ``note`` names the first), ``incomplete`` (a partial build left by an
+    interrupted run, or a resumable training scratch folder), ``locked`` (a process is writing this
+    stage now) or ``in use`` (a running stage reads it as an input). A complete output recorded before
+    records listed files has the note ``unverified: ...``. ``modified``: when it was completed (or
+    last written, when incomplete).
     """
 
     stage: str
@@ -253,12 +355,19 @@ class StoredOutput:
     path: Path
     modified: float
     inputs: Mapping[str, str] = field(default_factory=dict)
+    note: str = ""
+
+    @property
+    def shown(self) -> str:
+        """The status as listed, e.g. ``damaged (train-00000.tar: 1234 of 5678 bytes)``."""
+        return f"{self.status} ({self.note})" if self.note else self.status
 
 
-def list_outputs() -> list[StoredOutput]:
-    """Every stage output under ``$REPSIM_HOME``, by stage then age (oldest first)."""
-    found = [output for folder in _stage_folders(artifacts_root()) for output in _outputs_in(folder)]
-    found += [_stored(folder.name, path.name, path, INCOMPLETE, artifacts_root() / folder.name / path.name)
+def list_outputs(hashes: bool = False) -> list[StoredOutput]:
+    """Every stage output under ``$REPSIM_HOME``, by stage then age (oldest first). A complete output
+    is checked against its record: file sizes, and with ``hashes`` their sha256 too."""
+    found = [output for folder in _stage_folders(artifacts_root()) for output in _outputs_in(folder, hashes)]
+    found += [_stored(folder.name, path.name, path, artifacts_root() / folder.name / path.name)
               for folder in _stage_folders(repsim_home() / "scratch") for path in folder.iterdir() if path.is_dir()]
     return sorted(found, key=lambda output: (output.stage, output.modified))
 
@@ -267,7 +376,7 @@ def unreferenced_outputs(older_than: float, now: float | None = None) -> list[St
     """What :func:`remove_output` may take: outputs last modified more than ``older_than`` seconds
     ago that no kept output depends on. Kept are the complete outputs modified since then and,
     transitively, every complete output whose key is among the ``inputs`` of a kept one. Locked
-    outputs (being written) are never returned."""
+    outputs (being written) and those in use (read by a running stage) are never returned."""
     outputs, cutoff = list_outputs(), (time.time() if now is None else now) - older_than
     complete = {output.key: output for output in outputs if output.status != INCOMPLETE}
     kept: set[str] = set()
@@ -278,18 +387,17 @@ def unreferenced_outputs(older_than: float, now: float | None = None) -> list[St
             kept.add(output.key)
             pending += [complete[key] for key in output.inputs.values() if key in complete]
     return [output for output in outputs
-            if output.status != LOCKED and output.modified < cutoff and output.key not in kept]
+            if output.status not in (LOCKED, IN_USE) and output.modified < cutoff and output.key not in kept]
 
 
 def remove_output(output: StoredOutput) -> bool:
-    """Remove ``output`` unless its stage is being written now (then return False). A complete
-    output is renamed aside first, so no half-removed directory ever looks complete."""
+    """Remove ``output`` unless a process holds its lock now, writing it or reading it as an input
+    (then return False). A complete output is renamed aside first, so no half-removed directory ever
+    looks complete."""
     with _try_exclusive(output.stage, output.key) as locked:
         if not locked or not output.path.exists():
             return False
-        doomed = output.path.parent / f".{output.path.name}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(output.path, doomed)
-        shutil.rmtree(doomed)
+        shutil.rmtree(_set_aside(output.path))
         return True
 
 
@@ -297,38 +405,51 @@ def _stage_folders(root: Path) -> list[Path]:
     return sorted(path for path in root.iterdir() if path.is_dir()) if root.is_dir() else []
 
 
-def _outputs_in(folder: Path) -> Iterator[StoredOutput]:
+def _outputs_in(folder: Path, hashes: bool) -> Iterator[StoredOutput]:
     for path in folder.iterdir():
         if not path.is_dir():
             continue
         if not path.name.startswith("."):
             record = read_record(path)
             if record is not None:
-                yield _stored(folder.name, path.name, path, COMPLETE, path, record.get("inputs", {}))
+                yield _stored(folder.name, path.name, path, path, record, hashes)
         elif ".tmp-" in path.name or ".old-" in path.name:  # a partial build, or a replaced output
             key = path.name[1:].split(".", 1)[0]
-            yield _stored(folder.name, key, path, INCOMPLETE, folder / key)
+            yield _stored(folder.name, key, path, folder / key)
 
 
-def _stored(stage: str, key: str, path: Path, status: str, output: Path,
-            inputs: Mapping[str, str] | None = None) -> StoredOutput:
-    marker = path / STAGE_FILE if status == COMPLETE else path
-    if _is_locked(_lock_path(output)):
-        status = LOCKED
-    return StoredOutput(stage, key, status, path, marker.stat().st_mtime, dict(inputs or {}))
+def _stored(stage: str, key: str, path: Path, output: Path, record: Mapping[str, Any] | None = None,
+            hashes: bool = False) -> StoredOutput:
+    """``path`` as listed: complete or damaged (with its ``record``) or incomplete (without), unless a
+    process holds the lock of ``output`` now."""
+    status, note = _lock_holder(_lock_path(output)), ""
+    if status is None:
+        status, note = _condition(path, record, hashes) if record is not None else (INCOMPLETE, "")
+    marker = path / STAGE_FILE if record is not None else path
+    return StoredOutput(stage, key, status, path, marker.stat().st_mtime, dict((record or {}).get("inputs", {})), note)
 
 
-def _is_locked(lock_path: Path) -> bool:
-    """Whether a process holds the stage lock at ``lock_path`` now."""
+def _condition(path: Path, record: Mapping[str, Any], hashes: bool) -> tuple[str, str]:
+    """(status, note) of a complete output: whether its files still match its record."""
+    if "files" not in record:
+        return COMPLETE, UNVERIFIED
+    found = damage(path, record, hashes)
+    return (COMPLETE, "") if found is None else (DAMAGED, found)
+
+
+def _lock_holder(lock_path: Path) -> str | None:
+    """``locked`` if a process holds the stage lock at ``lock_path`` exclusively now (writing the
+    output), ``in use`` if processes hold it shared (reading it), None if no one holds it."""
     if not lock_path.exists():
-        return False
-    with open(lock_path) as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(handle, fcntl.LOCK_UN)
-    return False
+        return None
+    with open(lock_path) as handle:  # closing it releases what this probe takes
+        for mode, holder in ((fcntl.LOCK_EX, None), (fcntl.LOCK_SH, IN_USE)):
+            try:
+                fcntl.flock(handle, mode | fcntl.LOCK_NB)
+                return holder
+            except BlockingIOError:
+                continue
+    return LOCKED
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ from typing import Any
 from prefect.context import TaskRunContext
 from prefect.states import State
 
-from repsim.stage import Stage, StageOutput, is_stale, read_record
+from repsim.stage import Stage, StageOutput, is_current, read_record
 from repsim.tasks.tracking import StageRun, Tracker
 
 Plan = Callable[..., tuple[Stage, Path]]
@@ -21,10 +21,11 @@ Plan = Callable[..., tuple[Stage, Path]]
 def stage_cache_key(plan: Plan) -> Callable[[TaskRunContext, dict[str, Any]], str | None]:
     """A Prefect ``cache_key_fn`` for a task whose parameters ``plan`` turns into (stage, out_dir).
 
-    The key is the stage key and the output directory once that directory is complete, and None
-    (no cache) before or while it is being rebuilt (:func:`repsim.stage.rebuilding`), so a deleted or
-    forced output is built again rather than served stale from Prefect's result store, and a result
-    is never served for another directory (another ``REPSIM_HOME`` sharing the Prefect store).
+    The key is the stage key and the output directory once that directory is complete and intact, and
+    None (no cache) before, while it is being rebuilt (:func:`repsim.stage.rebuilding`) or once it is
+    damaged, so a deleted, forced or damaged output is built again rather than served stale from
+    Prefect's result store, and a result is never served for another directory (another
+    ``REPSIM_HOME`` sharing the Prefect store).
     """
 
     def key(_: TaskRunContext, parameters: dict[str, Any]) -> str | None:
@@ -36,9 +37,10 @@ def stage_cache_key(plan: Plan) -> Callable[[TaskRunContext, dict[str, Any]], st
 
 
 def current_record(stage: Stage, out: Path) -> dict[str, Any] | None:
-    """The ``stage.json`` record of ``out`` if it is a complete output of ``stage`` not to be rebuilt."""
+    """The ``stage.json`` record of ``out`` if it is a complete output of ``stage`` not to be rebuilt:
+    its files match the record (their hashes too, inside :func:`repsim.stage.verifying`)."""
     record = read_record(out) if out.is_dir() else None
-    return record if record is not None and record.get("key") == stage.key and not is_stale(record) else None
+    return record if record is not None and record.get("key") == stage.key and is_current(out, record) else None
 
 
 def log_stage(tracker: Tracker, parent: StageRun, path: Path, state: State,

@@ -73,3 +73,20 @@ def test_experiment_mistake_is_one_line_before_any_orchestration(tmp_path, repsi
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and expected in err
     assert not (repsim_home / "prefect").exists()
+
+
+@pytest.mark.parametrize("text", ["nanh", "infd", "-1d", "0d", "0.0h", "1.5.d", "d", "1 d", "1", "7days", "1e3s"])
+def test_clean_refuses_anything_but_a_positive_number_and_a_unit(text, repsim_home, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["clean", f"--older-than={text}", "--yes"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"repsim clean: error: argument --older-than: {text!r} is not a duration like 30m, 12h, 7d or 2w "
+        "(a positive number, then s, m, h, d or w)")
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("30m", 1800), ("1.5d", 129600), ("2w", 1209600), ("45s", 45)])
+def test_durations_are_a_number_times_its_unit(text, seconds):
+    from repsim.cli import duration
+
+    assert duration(text) == seconds

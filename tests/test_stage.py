@@ -1,5 +1,6 @@
 """The stage/cache contract: content-addressed keys, atomic completion, cache hits, no clobbering."""
 
+import hashlib
 import json
 import os
 import signal
@@ -105,3 +106,23 @@ def test_stage_record_says_what_was_built(home):
     assert record["key"] == stage.key and record["version"] == "3"
     assert record["config"] == {"a": [1, 2]} and record["inputs"] == {"source": "abc"}
     assert record["seconds"] >= 0 and "torch" in record["libraries"]
+
+
+def test_record_lists_every_output_file_and_a_cache_hit_that_lost_one_is_rebuilt(home):
+    builds = []
+
+    def build(tmp):
+        builds.append(tmp)
+        (tmp / "part").mkdir()
+        (tmp / "part" / "rows.txt").write_text("abc")
+        (tmp / "answer.txt").write_text("42")
+
+    first = run_stage(Stage("s", "1", {}), build)
+    files = read_record(first.path)["files"]
+    assert {name: entry["bytes"] for name, entry in files.items()} == {"answer.txt": 2, "part/rows.txt": 3}
+    assert files["part/rows.txt"]["sha256"] == hashlib.sha256(b"abc").hexdigest()
+
+    assert run_stage(Stage("s", "1", {}), build).cached and len(builds) == 1
+    (first.path / "part" / "rows.txt").unlink()
+    again = run_stage(Stage("s", "1", {}), build)
+    assert not again.cached and len(builds) == 2 and (again.path / "part" / "rows.txt").read_text() == "abc"

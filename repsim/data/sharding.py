@@ -9,7 +9,8 @@ Output directory (``$REPSIM_HOME/artifacts/shard/<key>/`` unless given):
   split, label, class_name, caption, sha256 (of the image bytes in the tar), width, height, source_id.
 - ``shards.json``: the splits, their sample counts and tar names; ``errors.json``: what ``on_error:
   skip`` left out (unreadable images, repeated manifest rows, damaged source tars) as
-  ``{"source_id", "reason"}``; ``stage.json``: the stage record.
+  ``{"source_id", "reason"}``; ``stage.json``: the stage record, whose file list gives each tar's
+  size, sha256 and sample count.
 
 Samples are grouped by split; within a split they keep the source order, permuted by
 ``shuffle_seed`` when set. Keys are the zero-padded global index. Every image is decoded and
@@ -86,7 +87,8 @@ def shard(spec: DataSpec | str | Path, out_dir: str | Path | None = None, progre
     """
     spec = spec if isinstance(spec, DataSpec) else load_spec(spec)
     reader = open_source(spec)
-    output = run_stage(_stage(spec, reader), lambda tmp: _build(spec, reader, tmp, progress), out_dir)
+    output = run_stage(_stage(spec, reader), lambda tmp: _build(spec, reader, tmp, progress), out_dir,
+                       file_details=_tar_samples)
     return ShardResult.from_dir(output.path, cached=output.cached)
 
 
@@ -251,6 +253,14 @@ def _write_outputs(out: Path, spec: DataSpec, columns: dict[str, list[Any]], err
                         for split, names in shard_names.items()}}
     (out / INDEX).write_text(json.dumps(index, indent=2))
     (out / ERRORS).write_text(json.dumps(errors, indent=2))
+
+
+def _tar_samples(out: Path) -> dict[str, dict[str, int]]:
+    """Each tar's sample count (from the manifest), for its entry in the stage record."""
+    import pyarrow.parquet as pq
+
+    counts = pq.read_table(out / MANIFEST, columns=["shard"])["shard"].value_counts()
+    return {str(entry["values"]): {"samples": int(entry["counts"])} for entry in counts.to_pylist()}
 
 
 def _split_counts(columns: dict[str, list[Any]]) -> dict[str, int]:
