@@ -42,7 +42,7 @@ from repsim.tasks.precompute import (embed_captions_task, neighbors_task, plan_c
                                      plan_wordnet, wordnet_task)
 from repsim.tasks.shard import plan_shard, shard_task
 from repsim.tasks.stage import Plan, current_record, track
-from repsim.tasks.tracking import StageRun, Tracker
+from repsim.tasks.tracking import StageRun, Tracker, model_name
 from repsim.tasks.train import ARTIFACTS as TRAIN_ARTIFACTS
 from repsim.tasks.train import plan_train, train_task
 
@@ -89,7 +89,7 @@ class Stages:
         call = _call(task, args, kwargs)
         self._uses[call] += 1
         if call not in self._futures:
-            named = task.with_options(task_run_name=f"{task.name} {label}") if label else task
+            named = task.with_options(task_run_name=f"{task.name} {label}" if label else task.name)
             future = self._futures[call] = named.submit(*args, **kwargs)
             self._tracking[future.task_run_id] = (call, tuple(artifacts), label)
         return self._futures[call]
@@ -208,6 +208,7 @@ def train_step(stages: Stages, members: Members) -> None:
     futures = [(run, method.label, stages.submit(train_task, str(method.config),
                                                  section.overrides(method, run.experiment.data),
                                                  stages.parent_run_id, section.launch, run_name=method.label,
+                                                 model=model_name(run.experiment.name, method.label),
                                                  artifacts=TRAIN_ARTIFACTS, label=run.tag(method.label)))
                for run, section in members for method in section.methods]
     for run, label, future in futures:

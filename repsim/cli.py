@@ -66,6 +66,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
     spec = load_spec(args.spec)  # validate before starting any orchestration
     suites, knn_k = check_evaluation(args.suites or DEFAULT_SUITES, args.k or KNN_K, labelled=spec.classes is not None)
+    if args.encoder.startswith("models:/"):  # a registered encoder: its files, fetched once
+        from repsim.tasks.tracking import model_directory
+
+        args.encoder = str(model_directory(args.encoder))
     encoder_source(args.encoder)
     from repsim.flows.evaluate import evaluate_flow
 
@@ -331,8 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = commands.add_parser(
         "eval", help="evaluate an encoder on a data spec: kNN, linear probe, diagnostics, plots (cached)")
     evaluate.add_argument("spec", metavar="SPEC", help="data spec YAML file or shipped name, e.g. animal-mnist")
-    evaluate.add_argument("--encoder", default="pixels", metavar="pixels|PATH",
-                          help="'pixels' (raw-pixel baseline, default), a train stage directory or its encoder.pt")
+    evaluate.add_argument("--encoder", default="pixels", metavar="pixels|PATH|models:/NAME/VERSION",
+                          help="'pixels' (raw-pixel baseline, default), a train stage directory or its encoder.pt, "
+                          "or a registered encoder, e.g. models:/default-xclr/1")
     evaluate.add_argument("--suite", dest="suites", action="append",
                           choices=("knn", "linear", "map", "diagnostics", "plots"),
                           help="evaluation suite, repeatable (default: knn, linear, diagnostics, plots)")

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefect import task
-
 from repsim.align.config import load_align_config
 from repsim.align.stage import LOSS_PLOT_FILE, RESULTS_FILE, align, align_stage_of
 from repsim.align.train import ALIGNMENT_FILE
 from repsim.methods.stage import METRICS_FILE
 from repsim.stage import Stage, StageOutput
-from repsim.tasks.stage import run_streamed, stage_cache_key
+from repsim.tasks.stage import run_streamed, stage_task
 
 ARTIFACTS = (RESULTS_FILE, LOSS_PLOT_FILE, METRICS_FILE, ALIGNMENT_FILE)
 
@@ -23,7 +21,7 @@ def plan_align(config: str, overrides: list[str], parent_run_id: str | None = No
     return stage, stage.default_dir()
 
 
-@task(name="align", cache_key_fn=stage_cache_key(plan_align), persist_result=True)
+@stage_task("align", plan_align)
 def align_task(config: str, overrides: list[str], parent_run_id: str, run_name: str | None = None) -> StageOutput:
     """Align (or find cached) the config, logging to a nested MLflow run under ``parent_run_id``
     (``align <run_name>``)."""

@@ -8,12 +8,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from prefect import task
-
 from repsim.eval.stages import (DEFAULT_SUITES, KNN_K, PIXELS, TextEncoder, evaluate_features, evaluate_stage_of,
                                 extract_features, features_stage_of)
 from repsim.stage import Stage, StageOutput
-from repsim.tasks.stage import stage_cache_key
+from repsim.tasks.stage import stage_task
 
 
 def plan_features(shards_path: str, encoder: str = PIXELS, split: str = "test", batch_size: int = 512,
@@ -33,14 +31,14 @@ def plan_evaluate(train_path: str, test_path: str, suites: Sequence[str] = DEFAU
     return stage, stage.output_dir(out_dir)
 
 
-@task(name="features", cache_key_fn=stage_cache_key(plan_features), persist_result=True)
+@stage_task("features", plan_features)
 def features_task(shards_path: str, encoder: str = PIXELS, split: str = "test", batch_size: int = 512,
                   device: str | None = None, out_dir: str | None = None) -> StageOutput:
     """Features (N, F) of every sample of one split of a shard directory, under a frozen encoder."""
     return extract_features(shards_path, encoder, split, batch_size, device, out_dir=out_dir)
 
 
-@task(name="evaluate", cache_key_fn=stage_cache_key(plan_evaluate), persist_result=True)
+@stage_task("evaluate", plan_evaluate)
 def evaluate_task(train_path: str, test_path: str, suites: Sequence[str] = DEFAULT_SUITES,
                   knn_k: Sequence[int] = KNN_K, text_encoder: TextEncoder | None = None,
                   captions_path: str | None = None, device: str | None = None,

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefect import task
-
 from repsim.similarity.stages import (embed_captions_stage, embed_captions_stage_of, neighbors_stage,
                                       neighbors_stage_of, wordnet_similarity_stage, wordnet_similarity_stage_of)
 from repsim.stage import Stage, StageOutput
-from repsim.tasks.stage import stage_cache_key
+from repsim.tasks.stage import stage_task
 
 
 def plan_captions(shards_path: str, model: str | None = None, batch_size: int = 256,
@@ -35,20 +33,20 @@ def plan_neighbors(embeddings_path: str, k: int = 10, index: str = "flat", metri
     return stage, stage.output_dir(out_dir)
 
 
-@task(name="captions", cache_key_fn=stage_cache_key(plan_captions), persist_result=True)
+@stage_task("captions", plan_captions)
 def embed_captions_task(shards_path: str, model: str | None = None, batch_size: int = 256,
                         out_dir: str | None = None) -> StageOutput:
     """Embed every manifest caption of a shard directory with a frozen sentence-transformer."""
     return embed_captions_stage(shards_path, model, batch_size, out_dir=out_dir)
 
 
-@task(name="wordnet", cache_key_fn=stage_cache_key(plan_wordnet), persist_result=True)
+@stage_task("wordnet", plan_wordnet)
 def wordnet_task(spec_path: str, measure: str = "wup", out_dir: str | None = None) -> StageOutput:
     """The (C, C) WordNet class similarity of a data spec's classes."""
     return wordnet_similarity_stage(spec_path, measure, out_dir)
 
 
-@task(name="neighbors", cache_key_fn=stage_cache_key(plan_neighbors), persist_result=True)
+@stage_task("neighbors", plan_neighbors)
 def neighbors_task(embeddings_path: str, k: int = 10, index: str = "flat", metric: str = "cosine",
                    out_dir: str | None = None) -> StageOutput:
     """The k nearest neighbors of every embedding row, with a FAISS ``index``."""

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefect import task
-
 from repsim.data import ShardResult, load_spec, shard, shard_stage
 from repsim.stage import Stage
-from repsim.tasks.stage import stage_cache_key
+from repsim.tasks.stage import stage_task
 
 
 def plan_shard(spec_path: str, out_dir: str | None = None) -> tuple[Stage, Path]:
@@ -17,7 +15,7 @@ def plan_shard(spec_path: str, out_dir: str | None = None) -> tuple[Stage, Path]
     return stage, stage.output_dir(out_dir)
 
 
-@task(name="shard", cache_key_fn=stage_cache_key(plan_shard), persist_result=True)
+@stage_task("shard", plan_shard)
 def shard_task(spec_path: str, out_dir: str | None = None) -> ShardResult:
     """Shard the dataset that ``spec_path`` describes into WebDataset tars and a manifest."""
     return shard(load_spec(spec_path), out_dir)

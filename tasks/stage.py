@@ -1,21 +1,35 @@
-"""What every stage task shares: Prefect's cache key is the stage key, and each stage run is logged
-to MLflow as a nested run, whether it ran or was served from cache."""
+"""What every stage task shares (:func:`stage_task`): Prefect's cache key is the stage key, a built
+output's result is stored under that key at once, so the first rerun shows as *Cached*; each task
+logs one summary line through Prefect's run logger; only transient failures (a connection) are
+retried. Each stage run is logged to MLflow as a nested run spanning the stage's own start and end,
+whether it ran or was served from cache."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
-
+import inspect
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
+import requests
+from prefect import Task, task
 from prefect.context import TaskRunContext
+from prefect.logging import get_run_logger
+from prefect.results import get_result_store
+from prefect.runtime import task_run
 from prefect.states import State
 
+from repsim.errors import RepsimError
 from repsim.stage import Stage, StageOutput, is_current, read_record
-from repsim.tasks.tracking import StageRun, Tracker
+from repsim.tasks.tracking import StageRun, Tracker, stage_span
 
 Plan = Callable[..., tuple[Stage, Path]]
+RETRY_DELAYS_S = [5, 30]  # waits before the retries of a transient failure
+TRANSIENT = (ConnectionError, TimeoutError, httpx.TransportError, requests.ConnectionError,  # a server that did
+             requests.Timeout)  # not answer, or dropped the connection (Prefect's client, MLflow's)
 
 
 def stage_cache_key(plan: Plan) -> Callable[[TaskRunContext, dict[str, Any]], str | None]:
@@ -36,6 +50,56 @@ def stage_cache_key(plan: Plan) -> Callable[[TaskRunContext, dict[str, Any]], st
     return key
 
 
+def stage_task(name: str, plan: Plan) -> Callable[[Callable[..., StageOutput]], Task]:
+    """``@task`` for a stage whose parameters ``plan`` turns into (stage, out_dir): cached by
+    :func:`stage_cache_key`; once the output is built (or found complete by repsim) its result is
+    stored under that key too, so the next run is *Cached* in Prefect, not only the one after; one
+    summary line per run goes to the task's log; retried with backoff on :func:`transient` failures only."""
+
+    def decorate(produce: Callable[..., StageOutput]) -> Task:
+        key_of = stage_cache_key(plan)
+        signature = inspect.signature(produce)
+
+        @functools.wraps(produce)
+        def run(*args: Any, **kwargs: Any) -> StageOutput:
+            output = produce(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            key = key_of(None, dict(bound.arguments))
+            if key is not None:
+                get_result_store().write(output, key=key)
+            get_run_logger().info(summary_line(output, task_run.get_name()))
+            return output
+
+        return task(name=name, cache_key_fn=key_of, persist_result=True, retries=len(RETRY_DELAYS_S),
+                    retry_delay_seconds=RETRY_DELAYS_S, retry_condition_fn=retry_if_transient)(run)
+
+    return decorate
+
+
+def transient(error: BaseException | None) -> bool:
+    """Whether ``error``, or an error it was raised from, is a connection that failed or timed out
+    (worth retrying); never a RepsimError, which says what to fix and would fail again."""
+    while error is not None and not isinstance(error, RepsimError):
+        if isinstance(error, TRANSIENT):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def retry_if_transient(_: Task, __: Any, state: State) -> bool:
+    """Prefect's ``retry_condition_fn``: retry a failed stage task only after a :func:`transient` error."""
+    return transient(state.result(raise_on_failure=False))
+
+
+def summary_line(output: StageOutput, name: str | None = None) -> str:
+    """``train simclr: xclr, 186 steps, loss 4.120; built in 95.2 s -> /path``: what the stage task
+    ``name`` (default: the stage's name) did."""
+    record = read_record(output.path)
+    how = "found complete in the cache" if output.cached else f"built in {record.get('seconds', 0):.1f} s"
+    return f"{name or record['stage']}: {describe(record)}; {how} -> {output.path}"
+
+
 def current_record(stage: Stage, out: Path) -> dict[str, Any] | None:
     """The ``stage.json`` record of ``out`` if it is a complete output of ``stage`` not to be rebuilt:
     its files match the record (their hashes too, inside :func:`repsim.stage.verifying`)."""
@@ -48,7 +112,8 @@ def log_stage(tracker: Tracker, parent: StageRun, path: Path, state: State,
     """Log a finished stage (its ``stage.json`` at ``path``) as a nested run under ``parent``."""
     record = read_record(path)
     cached = state.name == "Cached" or bool(getattr(state.result(), "cached", False))
-    with tracker.stage_run(parent.run_id, record["stage"], record["key"], path, label) as run:
+    with tracker.stage_run(parent.run_id, record["stage"], record["key"], path, label,
+                           None if cached else stage_span(record)) as run:
         run.log_stage_output(path, cached, artifacts)
 
 
@@ -92,10 +157,11 @@ def describe(record: dict) -> str:
 
 def run_streamed(parent_run_id: str, stage: Stage, produce: Callable[[Callable[[dict[str, float], int], None]],
                                                                       StageOutput],
-                 artifacts: Sequence[str], label: str | None = None) -> StageOutput:
+                 artifacts: Sequence[str], label: str | None = None,
+                 then: Callable[[StageRun, StageOutput], Any] | None = None) -> StageOutput:
     """``produce(log)`` inside a nested run for ``stage`` (named with ``label``) under ``parent_run_id``:
     the curves it passes to ``log(metrics, step)`` stream to MLflow; then the output is logged with the
-    files ``artifacts`` of its directory (those that exist)."""
+    files ``artifacts`` of its directory (those that exist), and ``then(run, output)`` is called."""
     streamed: set[str] = set()
     with Tracker().stage_run(parent_run_id, stage.name, stage.key, stage.default_dir(), label) as run:
 
@@ -105,4 +171,6 @@ def run_streamed(parent_run_id: str, stage: Stage, produce: Callable[[Callable[[
 
         output = produce(log)
         run.log_stage_output(output.path, output.cached, [output.path / name for name in artifacts], streamed)
+        if then is not None:
+            then(run, output)
     return output

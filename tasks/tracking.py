@@ -1,14 +1,22 @@
 """MLflow tracking: one parent run per flow run, one nested run per stage.
 
 Nested runs are tagged with the stage name, the stage key, the output path, whether the stage was
-served from cache, and the Prefect flow-run id. Params are the stage's resolved config (flattened);
-metrics are the stage's metrics; small outputs are logged as artifacts, large ones by path.
+served from cache, and the Prefect flow-run id, and span the stage's own start and end. Params are
+the stage's resolved config (flattened); metrics are the stage's metrics; outputs are logged as
+artifacts (with an embedded store, files over SMALL_ARTIFACT_BYTES only by path: they lie on the same
+disk). A trained encoder is an MLflow model of its train run, registered once per stage key under
+``<experiment>-<method>`` (:meth:`StageRun.log_encoder`); ``models:/NAME/VERSION`` resolves to a
+directory repsim evaluates (:func:`model_directory`). The experiment is a model-training one, so the
+MLflow UI opens on its runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import math
+import shutil
+import tempfile
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -21,11 +29,16 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
 from prefect.runtime import flow_run
 
-from repsim.stage import read_record
+from repsim.errors import RepsimError
+from repsim.models.backbones import ENCODER_FILE
+from repsim.stage import STAGE_FILE, read_record, repsim_home
 from repsim.tasks.settings import mlflow_artifact_location
 
 EXPERIMENT = "repsim"
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}  # the UI opens on the runs, not on traces
 SMALL_ARTIFACT_BYTES = 50 * 2**20
+MODEL_FILES = (ENCODER_FILE, STAGE_FILE)  # what a registered encoder carries for repsim to load and key it
+MODEL_URI = "models:/"
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -76,14 +89,45 @@ class StageRun:
         self.log_artifacts([path / "stage.json", *artifacts])
 
     def log_artifacts(self, paths: Iterable[Path]) -> None:
-        """Files up to SMALL_ARTIFACT_BYTES as artifacts; larger ones as a tag holding their path."""
+        """Every file as an artifact; with an embedded store (a local path, not a server), files over
+        SMALL_ARTIFACT_BYTES only as a tag holding their path, since they already lie on its disk."""
+        embedded = not self.client.tracking_uri.startswith(("http://", "https://"))
         for path in paths:
             if not path.is_file():
                 continue
-            if path.stat().st_size <= SMALL_ARTIFACT_BYTES:
-                self.client.log_artifact(self.run_id, str(path))
-            else:
+            if embedded and path.stat().st_size > SMALL_ARTIFACT_BYTES:
                 self.client.set_tag(self.run_id, f"repsim.file.{path.name}", str(path.resolve()))
+            else:
+                self.client.log_artifact(self.run_id, str(path))
+
+    def log_encoder(self, train_dir: Path, registered: str) -> str:
+        """The encoder of the train stage at ``train_dir`` as an MLflow model of this run (the module
+        with a signature and an input example, and the files repsim loads it from), registered under
+        ``registered`` with its lineage as tags; one version per stage key, so a rerun registers
+        nothing new. Returns the version."""
+        import mlflow
+        import torch
+        from mlflow.models import infer_signature
+
+        from repsim.models.backbones import load_encoder
+
+        record = read_record(train_dir)
+        found = self.client.search_model_versions(f"name = '{registered}'")
+        for version in found:
+            if version.tags.get("repsim.stage_key") == record["key"]:
+                return version.version
+        encoder = load_encoder(train_dir)
+        example = torch.zeros(1, *_input_shape(record, encoder.recipe))
+        with torch.no_grad():
+            signature = infer_signature(example.numpy(), encoder(example).numpy())
+        logged = mlflow.pytorch.log_model(
+            encoder, name="encoder", run_id=self.run_id, signature=signature, input_example=example.numpy(),
+            extra_files=[str(train_dir / name) for name in MODEL_FILES],
+            pip_requirements=[f"{name}=={importlib.metadata.version(name)}" for name in ("torch", "repsim")])
+        lineage = {"repsim.stage_key": record["key"], "repsim.output": str(train_dir.resolve()),
+                   "repsim.method": record["config"]["method"]["name"], "repsim.run_id": self.run_id,
+                   **{f"repsim.input.{name}": key for name, key in record["inputs"].items()}}
+        return mlflow.register_model(logged.model_uri, registered, tags=lineage).version
 
 
 class Tracker:
@@ -95,23 +139,30 @@ class Tracker:
 
     def _experiment_id(self, name: str) -> str:
         found = self.client.get_experiment_by_name(name)
-        if found is not None:
-            return found.experiment_id
-        try:
-            return self.client.create_experiment(name, artifact_location=mlflow_artifact_location())
-        except MlflowException:  # created concurrently by another process
-            return self.client.get_experiment_by_name(name).experiment_id
+        if found is None:
+            try:
+                return self.client.create_experiment(name, artifact_location=mlflow_artifact_location(),
+                                                     tags=EXPERIMENT_KIND)
+            except MlflowException:  # created concurrently by another process
+                found = self.client.get_experiment_by_name(name)
+        for tag, value in EXPERIMENT_KIND.items():  # an experiment made before it was tagged
+            if found.tags.get(tag) != value:
+                self.client.set_experiment_tag(found.experiment_id, tag, value)
+        return found.experiment_id
 
     @contextlib.contextmanager
-    def _run(self, name: str, tags: Mapping[str, str]) -> Iterator[StageRun]:
+    def _run(self, name: str, tags: Mapping[str, str], span: tuple[float, float] | None = None) -> Iterator[StageRun]:
+        """A run named ``name``; with ``span`` (start and end, seconds since the epoch) it carries those
+        times instead of when it was opened and closed."""
         tags = {MLFLOW_RUN_NAME: name, "prefect.flow_run_id": str(flow_run.get_id() or ""), **tags}
-        run = self.client.create_run(self.experiment_id, run_name=name, tags=tags)
+        start, end = (int(1000 * moment) for moment in span) if span else (None, None)
+        run = self.client.create_run(self.experiment_id, run_name=name, tags=tags, start_time=start)
         status = "FAILED"
         try:
             yield StageRun(self.client, run.info.run_id)
             status = "FINISHED"
         finally:
-            self.client.set_terminated(run.info.run_id, status)
+            self.client.set_terminated(run.info.run_id, status, end_time=end)
 
     @contextlib.contextmanager
     def flow_run(self, flow_name: str, params: Mapping[str, Any]) -> Iterator[StageRun]:
@@ -120,10 +171,61 @@ class Tracker:
             run.log_params(params)
             yield run
 
-    def stage_run(self, parent_run_id: str, stage: str, key: str, path: Path,
-                  label: str | None = None) -> contextlib.AbstractContextManager[StageRun]:
+    def stage_run(self, parent_run_id: str, stage: str, key: str, path: Path, label: str | None = None,
+                  span: tuple[float, float] | None = None) -> contextlib.AbstractContextManager[StageRun]:
         """A nested run for one stage under the parent run ``parent_run_id``, named ``<stage> <label>``
-        (``train simclr``, ``features pixels test``) when the stage is for something in particular."""
+        (``train simclr``, ``features pixels test``) when the stage is for something in particular;
+        ``span``: the stage's start and end when it ran before its run is opened."""
         tags = {MLFLOW_PARENT_RUN_ID: parent_run_id, "repsim.stage": stage, "repsim.stage_key": key,
                 "repsim.output": str(path)} | ({"repsim.label": label} if label else {})
-        return self._run(f"{stage} {label}" if label else stage, tags)
+        return self._run(f"{stage} {label}" if label else stage, tags, span)
+
+
+def stage_span(record: Mapping[str, Any]) -> tuple[float, float]:
+    """(start, end) of a stage, seconds since the epoch, from its ``stage.json`` record."""
+    return record["started"], record["started"] + record.get("seconds", 0.0)
+
+
+def _input_shape(record: Mapping[str, Any], recipe: Mapping[str, Any]) -> tuple[int, int, int]:
+    """(C, H, W) of the images a train stage's encoder takes."""
+    metrics, data = record.get("metrics", {}), record["config"].get("data", {})
+    size = int(recipe.get("image_size") or metrics.get("image_size") or data.get("image_size") or 224)
+    return int(recipe.get("in_channels") or metrics.get("channels") or 3), size, size
+
+
+def _made(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def model_name(experiment: str, method: str) -> str:
+    """The registered model of one method of one experiment: ``default-xclr``."""
+    return f"{experiment}-{method}"
+
+
+def model_directory(uri: str) -> Path:
+    """The directory repsim evaluates for ``models:/NAME/VERSION``: the registered encoder's files
+    (``encoder.pt`` and its train stage's ``stage.json``, so it is keyed and normalised like the
+    train stage), downloaded once into ``$REPSIM_HOME/models/NAME/VERSION``."""
+    name, _, version = uri.removeprefix(MODEL_URI).partition("/")
+    if not name or not version:
+        raise RepsimError(f"{uri} names no model version", "write models:/NAME/VERSION, e.g. models:/default-xclr/1")
+    target = repsim_home() / "models" / name / version
+    if all((target / file).is_file() for file in MODEL_FILES):
+        return target
+    import mlflow
+
+    try:
+        with tempfile.TemporaryDirectory(dir=_made(target.parent)) as folder:
+            model = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=folder))
+            files = {file: next(model.rglob(file)) for file in MODEL_FILES}
+            staged = Path(folder) / "staged"
+            staged.mkdir()
+            for file, path in files.items():
+                shutil.copyfile(path, staged / file)
+            shutil.rmtree(target, ignore_errors=True)
+            staged.rename(target)  # whole or not at all
+    except (MlflowException, StopIteration) as err:
+        raise RepsimError(f"cannot fetch {uri} ({str(err).splitlines()[0] if str(err) else 'no encoder.pt'})",
+                          "check the model's name and version in the MLflow UI's Models page") from None
+    return target

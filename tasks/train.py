@@ -13,8 +13,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from prefect import task
-
 from repsim.device import gpu_slot
 from repsim.experiment import TorchrunLaunch
 from repsim.methods.config import Config, load_config
@@ -23,23 +21,27 @@ from repsim.methods.train import LogFn, TrainingError
 from repsim.methods.xclr import TARGET_HISTOGRAM_FILE
 from repsim.models.backbones import ENCODER_FILE
 from repsim.stage import Stage, StageOutput
-from repsim.tasks.stage import run_streamed, stage_cache_key
+from repsim.tasks.stage import run_streamed, stage_task
+from repsim.tasks.tracking import StageRun
 
 ARTIFACTS = (METRICS_FILE, ENCODER_FILE, CHECKPOINT_FILE, TARGET_HISTOGRAM_FILE)  # those that exist
 
 
 def plan_train(config: str, overrides: list[str], parent_run_id: str | None = None,
-               launch: TorchrunLaunch | None = None, run_name: str | None = None) -> tuple[Stage, Path]:
+               launch: TorchrunLaunch | None = None, run_name: str | None = None,
+               model: str | None = None) -> tuple[Stage, Path]:
     """The train stage of a config file with ``--set`` overrides (its shards must exist)."""
     stage = train_stage_of(load_config(config, overrides))
     return stage, stage.default_dir()
 
 
-@task(name="train", cache_key_fn=stage_cache_key(plan_train), persist_result=True)
+@stage_task("train", plan_train)
 def train_task(config: str, overrides: list[str], parent_run_id: str,
-               launch: TorchrunLaunch | None = None, run_name: str | None = None) -> StageOutput:
+               launch: TorchrunLaunch | None = None, run_name: str | None = None,
+               model: str | None = None) -> StageOutput:
     """Train (or find cached) the config, logging to a nested MLflow run under ``parent_run_id``
-    (``train <run_name>``); with a distributed ``launch``, through torchrun."""
+    (``train <run_name>``); with a distributed ``launch``, through torchrun. With ``model``, the
+    encoder is logged as an MLflow model and registered under that name (one version per stage key)."""
     resolved = load_config(config, overrides)
 
     def produce(log: LogFn) -> StageOutput:
@@ -48,7 +50,11 @@ def train_task(config: str, overrides: list[str], parent_run_id: str,
         with gpu_slot() as device:  # trainings that run at once each get a GPU of their own
             return train(resolved, log=log, device=device)
 
-    return run_streamed(parent_run_id, train_stage_of(resolved), produce, ARTIFACTS, run_name)
+    def register(run: StageRun, output: StageOutput) -> None:
+        run.log_encoder(output.path, model)
+
+    return run_streamed(parent_run_id, train_stage_of(resolved), produce, ARTIFACTS, run_name,
+                        register if model else None)
 
 
 def _train_with_torchrun(resolved: Config, command: list[str], log: LogFn) -> StageOutput:

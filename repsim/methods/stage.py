@@ -243,7 +243,8 @@ def _builder(config: Config, data: TrainingData, scratch: Path, log: LogFn | Non
         shutil.copyfile(metrics.path, out / METRICS_FILE)
         save_encoder(method.encoder, out / ENCODER_FILE)
         _write_figures(config, method, out)
-        return summarise(out / METRICS_FILE, trainer.steps_per_epoch) | {"loader_workers": plan.workers}
+        seen = {"loader_workers": plan.workers, "channels": data.channels, "image_size": data.image_size}
+        return summarise(out / METRICS_FILE, trainer.steps_per_epoch) | seen
     return build
 
 

@@ -1,0 +1,139 @@
+"""What the UIs show of a run: an MLflow experiment that opens on its runs, stage runs that span the
+stage's own time, trained encoders as registered MLflow models that `repsim eval` takes back, Prefect
+task runs that are *Cached* from the first rerun on with one summary line each in their logs, and
+retries for transient failures only."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow
+import pytest
+import requests
+import yaml
+from e2e import REPO, flow_runs, isolated_env, repsim, tiny_experiment
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from repsim.errors import DataError
+from repsim.stage import read_record
+from repsim.tasks.stage import transient
+from repsim.tasks.tracking import EXPERIMENT_KIND, StageRun
+
+
+def raised_from(cause: BaseException, error: BaseException) -> BaseException:
+    try:
+        try:
+            raise cause
+        except BaseException as inner:
+            raise error from inner
+    except BaseException as outer:
+        return outer
+
+
+@pytest.mark.parametrize(("error", "retried"), [
+    (ConnectionRefusedError("refused"), True),
+    (TimeoutError("timed out"), True),
+    (requests.ConnectionError("Max retries exceeded"), True),
+    (raised_from(requests.ConnectionError("no route"), MlflowException("API request failed")), True),
+    (DataError("shard x.tar is truncated", "re-run the shard stage"), False),
+    (raised_from(ConnectionError("refused"), DataError("cannot read", "fix it")), False),  # says what to fix
+    (FileNotFoundError("no such file"), False),
+    (ValueError("bad value"), False),
+    (None, False),
+])
+def test_only_transient_failures_are_retried(error, retried):
+    assert transient(error) is retried
+
+
+class RecordingClient:
+    """Stands in for MlflowClient: records what is logged, with a tracking URI of our choosing."""
+
+    def __init__(self, tracking_uri: str):
+        self.tracking_uri, self.logged, self.tags = tracking_uri, [], {}
+
+    def log_artifact(self, run_id, path):
+        self.logged.append(path)
+
+    def set_tag(self, run_id, key, value):
+        self.tags[key] = value
+
+
+@pytest.mark.parametrize("uri", ["http://mlflow:5000", "https://tracking.example"])
+def test_a_server_store_receives_large_files_too(tmp_path, uri, monkeypatch):
+    monkeypatch.setattr("repsim.tasks.tracking.SMALL_ARTIFACT_BYTES", 100)
+    large = tmp_path / "checkpoint.pt"
+    large.write_bytes(b"x" * 101)
+    client = RecordingClient(uri)
+    StageRun(client, "run").log_artifacts([large])
+    assert client.logged == [str(large)] and not client.tags
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end
+
+def prefect_task_runs(home) -> list[dict]:
+    """Every task run in the Prefect store under ``home``: name, flow run, state and log lines."""
+    script = ("import asyncio, json\n"
+              "from prefect.client.orchestration import get_client\n"
+              "from prefect.client.schemas.filters import LogFilter, LogFilterTaskRunId\n"
+              "async def main():\n"
+              "    async with get_client() as client:\n"
+              "        runs = await client.read_task_runs()\n"
+              "        found = []\n"
+              "        for run in runs:\n"
+              "            logs = await client.read_logs(LogFilter(task_run_id=LogFilterTaskRunId(any_=[run.id])))\n"
+              "            found.append({'name': run.name, 'flow_run': str(run.flow_run_id), 'state': run.state.name,\n"
+              "                          'start': run.expected_start_time.isoformat(), 'logs': [l.message for l in logs]})\n"
+              "        print(json.dumps(found))\n"
+              "asyncio.run(main())\n")
+    env = isolated_env(home) | {"PREFECT_HOME": str(home / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.orchestration
+def test_runs_models_and_cache_hits_are_what_the_uis_show(make_image_folder, write_spec, tmp_path, monkeypatch):
+    experiment, home = str(tiny_experiment(tmp_path, make_image_folder, write_spec)), tmp_path / "home"
+    spec = yaml.safe_load(Path(experiment).read_text())["data"]
+    for _ in range(2):
+        done = repsim(home, "run", experiment)
+        assert done.returncode == 0, done.stderr
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{home / 'mlflow.db'}")
+    client = MlflowClient()
+    assert client.get_experiment_by_name("repsim").tags.items() >= EXPERIMENT_KIND.items()
+    (first, stages), (second, _) = flow_runs(home, "experiment")
+    for run in stages:  # every stage ran in the first run: its MLflow run spans the stage's own time
+        record = read_record(Path(run.data.tags["repsim.output"]))
+        spent = (run.info.end_time - run.info.start_time) / 1000
+        assert spent >= 0.9 * record["seconds"], (run.info.run_name, spent, record["seconds"])
+
+    [train] = [run for run in stages if run.data.tags["repsim.stage"] == "train"]
+    [version] = client.search_model_versions("name = 'tiny-supcon'")  # one version, also after the rerun
+    assert version.tags["repsim.stage_key"] == train.data.tags["repsim.stage_key"]
+    assert version.tags["repsim.output"] == train.data.tags["repsim.output"]
+    model = mlflow.models.get_model_info(f"models:/tiny-supcon/{version.version}")
+    assert model.signature is not None and model.saved_input_example_info is not None
+
+    tasks = prefect_task_runs(home)
+    by_flow: dict[str, list[dict]] = {}
+    for task in sorted(tasks, key=lambda task: task["start"]):
+        by_flow.setdefault(task["flow_run"], []).append(task)
+    ran, rerun = by_flow[first.data.tags["prefect.flow_run_id"]], by_flow[second.data.tags["prefect.flow_run_id"]]
+    assert {task["state"] for task in ran} == {"Completed"} and {task["state"] for task in rerun} == {"Cached"}
+    assert "train supcon" in {task["name"] for task in ran} and "shard" in {task["name"] for task in ran}
+    for task in ran:
+        [summary] = [line for line in task["logs"] if line.startswith(f"{task['name']}: ")]
+        assert "; built in " in summary and " -> " in summary
+
+    evaluated = repsim(home, "eval", spec, "--encoder", f"models:/tiny-supcon/{version.version}", "--suite", "knn",
+                       "--k", "3")
+    assert evaluated.returncode == 0, evaluated.stderr
+    knn = [line.split()[-1] for line in evaluated.stdout.splitlines() if "knn_top1_k3" in line]
+    assert knn == [f"{first.data.metrics['supcon.knn_top1_k3']:.4g}"]  # the registered encoder is the trained one
