@@ -20,10 +20,8 @@ test: setup  ## the whole test suite, slow tests included
 test-fast: setup  ## the tests that take seconds
 	$(PY) -m pytest -m "not slow"
 
-ui: setup  ## the MLflow UI (http://127.0.0.1:5000) and the Prefect UI (http://127.0.0.1:4200) over the embedded stores
-	@trap 'kill $$mlflow 2>/dev/null' EXIT INT TERM; \
-	$(VENV)/bin/mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri sqlite:///$(REPSIM_HOME)/mlflow.db & mlflow=$$!; \
-	PREFECT_HOME=$(REPSIM_HOME)/prefect $(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200
+ui: setup  ## the MLflow UI (http://127.0.0.1:$MLFLOW_PORT, 5000) and the Prefect UI (:$PREFECT_PORT, 4200) over the embedded stores
+	@bash scripts/servers.sh ui
 
 servers: setup  ## a Prefect and an MLflow server on 127.0.0.1 (SQLite, or PostgreSQL at $REPSIM_DB_URL)
 	@bash scripts/servers.sh start

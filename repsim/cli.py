@@ -251,6 +251,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
         check_experiment(experiment)
     from repsim.flows.serve import serve_deployments
 
+    if not os.environ.get("PREFECT_API_URL"):
+        print("note: no Prefect server is configured, so these deployments live on a temporary API that the "
+              "Prefect UI and other processes cannot reach; for schedules and UI runs start servers first "
+              "(make servers; source .repsim/servers/env.sh)", file=sys.stderr)
     _start_orchestration()
     serve_deployments(args.deployments)
 

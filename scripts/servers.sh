@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# Start or stop a Prefect server and an MLflow server on 127.0.0.1 (`make servers`, `make servers-stop`).
+# Start or stop a Prefect server and an MLflow server on 127.0.0.1 (`make servers`, `make servers-stop`),
+# or serve both UIs over the embedded stores until interrupted (`make ui`).
 #
 #   scripts/servers.sh start   both servers in the background; pid files, logs and env.sh in
 #                              $REPSIM_HOME/servers; returns once both answer their health checks
 #   scripts/servers.sh stop    stops exactly the processes `start` wrote pid files for
+#   scripts/servers.sh ui      both UIs over $REPSIM_HOME's embedded stores (logs in $REPSIM_HOME/ui),
+#                              until Ctrl-C or until either stops, which stops the other
 #
 # Stores: SQLite under $REPSIM_HOME/servers by default. With REPSIM_DB_URL set to a PostgreSQL
 # server (postgresql://user:password@host:5432, no database name), Prefect uses its database
 # `prefect` and MLflow its database `mlflow` there (create both first). MLflow's artifacts go to
-# $REPSIM_HOME/servers/mlartifacts either way. Ports: PREFECT_PORT (4200), MLFLOW_PORT (5000).
+# $REPSIM_HOME/servers/mlartifacts either way. Ports: PREFECT_PORT (4200), MLFLOW_PORT (5000); a taken
+# port stops `start` and `ui` before anything starts, in one line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,6 +29,19 @@ healthy() { "$VENV/bin/python" -c "import sys, urllib.request; urllib.request.ur
 
 running() { [ -f "$DIR/$1.pid" ] && kill -0 "$(cat "$DIR/$1.pid")" 2>/dev/null; }
 
+require_free_ports() {  # one line and exit 1 if a port either server needs is taken
+  local name port variable
+  for name in prefect mlflow; do
+    running "$name" && continue
+    variable=$(echo "${name}_PORT" | tr a-z A-Z); port=${!variable}
+    if ! "$VENV/bin/python" -c "import socket, sys; socket.create_server((sys.argv[1], int(sys.argv[2]))).close()" \
+        "$HOST" "$port" 2>/dev/null; then
+      say "error: port $port for the $name UI is taken on $HOST; set $variable to a free port (e.g. $variable=$((port + 1)) make ${MODE:-ui})"
+      exit 1
+    fi
+  done
+}
+
 launch() {  # NAME HEALTH_URL COMMAND...: a new session (pid = process group), so stop ends all it spawned
   local name=$1 url=$2; shift 2
   if running "$name"; then say "$name is already running (pid $(cat "$DIR/$name.pid"))"; return; fi
@@ -39,6 +56,7 @@ launch() {  # NAME HEALTH_URL COMMAND...: a new session (pid = process group), s
 }
 
 start() {
+  MODE=servers require_free_ports
   mkdir -p "$DIR/prefect" "$DIR/mlartifacts"
   local prefect_db="sqlite+aiosqlite:///$DIR/prefect/prefect.db" mlflow_db="sqlite:///$DIR/mlflow.db"
   if [ -n "${REPSIM_DB_URL:-}" ]; then
@@ -76,8 +94,29 @@ stop() {
   rm -f "$DIR/env.sh"
 }
 
+ui() {  # both UIs over the embedded stores, in this terminal; stopping either stops the other
+  DIR="$REPSIM_HOME/ui"
+  mkdir -p "$DIR"
+  require_free_ports
+  trap 'stop >/dev/null' EXIT
+  trap 'exit 130' INT TERM
+  PREFECT_HOME="$REPSIM_HOME/prefect" PREFECT_SERVER_ANALYTICS_ENABLED=false \
+    PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT=false PREFECT_UI_API_URL="http://$HOST:$PREFECT_PORT/api" \
+    launch prefect "http://$HOST:$PREFECT_PORT/api/health" \
+    "$VENV/bin/prefect" server start --host "$HOST" --port "$PREFECT_PORT"
+  launch mlflow "http://$HOST:$MLFLOW_PORT/health" \
+    "$VENV/bin/mlflow" ui --host "$HOST" --port "$MLFLOW_PORT" --backend-store-uri "sqlite:///$REPSIM_HOME/mlflow.db"
+  say "MLflow UI http://$HOST:$MLFLOW_PORT (experiment repsim), Prefect UI http://$HOST:$PREFECT_PORT, over $REPSIM_HOME; Ctrl-C stops both"
+  while running prefect && running mlflow; do sleep 2; done
+  for name in prefect mlflow; do
+    running "$name" || say "error: the $name UI stopped (its log: $DIR/$name.log); stopping the other"
+  done
+  exit 1
+}
+
 case "${1:-}" in
   start) start ;;
   stop) stop ;;
-  *) echo "usage: $0 start|stop" >&2; exit 2 ;;
+  ui) ui ;;
+  *) echo "usage: $0 start|stop|ui" >&2; exit 2 ;;
 esac

@@ -57,6 +57,29 @@ def servers(tmp_path) -> Iterator[dict[str, str]]:
     assert not any(Path(f"/proc/{pid}").exists() for pid in pids), "a server outlived servers-stop"
 
 
+@pytest.mark.parametrize("command", ["ui", "start"])
+def test_a_taken_port_stops_both_uis_before_either_starts(tmp_path, command):
+    home = tmp_path / "home"
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        env = isolated_env(home) | {"MLFLOW_PORT": str(port), "PREFECT_PORT": str(free_port())}
+        done = subprocess.run(["bash", str(REPO / "scripts" / "servers.sh"), command], env=env, capture_output=True,
+                              text=True, timeout=60)
+    assert done.returncode == 1 and done.stdout.count("\n") == 1
+    assert f"port {port} for the mlflow UI is taken" in done.stdout and "set MLFLOW_PORT" in done.stdout
+    assert not list(home.rglob("*.pid"))  # neither server was started
+
+
+def test_serve_without_a_server_says_its_api_is_temporary(tmp_path, monkeypatch, capsys):
+    from repsim.cli import main
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.setattr("repsim.flows.serve.serve_deployments", lambda path: None)
+    assert main(["serve"]) == 0
+    err = capsys.readouterr().err
+    assert "temporary API that the Prefect UI and other processes cannot reach" in err and "make servers" in err
+
+
 @pytest.fixture
 def served(servers, tmp_path, make_image_folder, write_spec) -> Iterator[dict[str, str]]:
     """`repsim serve` of a deployment of a tiny experiment (with a nightly cron schedule), its runner's
