@@ -32,18 +32,55 @@ def parse_override(override: str, example: str) -> tuple[list[str], Any]:
 
 def read_yaml_mapping(path: Path, kind: str, example: str) -> dict[str, Any]:
     """The YAML mapping in the ``kind`` file at ``path`` (e.g. "data spec"); SpecError in one line when
-    the file is missing, is not valid YAML, or is not a mapping (the fix points at ``example``)."""
+    the file cannot be read as text (see :func:`read_text`), is not valid YAML, or its top level is not
+    a mapping of field names (the fix points at ``example``)."""
+    text = read_text(path, kind)
     try:
-        raw = yaml.safe_load(Path(path).read_text())
-    except FileNotFoundError:
-        raise SpecError(f"{kind} {path} does not exist", "check the path") from None
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         raise SpecError(f"{path}: not valid YAML{where}", "fix the YAML syntax") from None
+    except RecursionError:
+        raise SpecError(f"{path}: the YAML nests too deeply to read", f"start from {example}") from None
     if not isinstance(raw, dict):
-        raise SpecError(f"{path}: a {kind} is a YAML mapping", f"start from {example}")
+        raise SpecError(f"{path}: the top level is {_what_value(raw)}, not a mapping of fields",
+                        f"start from {example}")
+    names = [name for name in raw if not isinstance(name, str)]
+    if names:
+        raise SpecError(f"{path}: the top-level key {names[0]!r} is not a field name", f"start from {example}")
     return raw
+
+
+def read_text(path: Path, kind: str) -> str:
+    """The UTF-8 text of the ``kind`` file at ``path``; SpecError in one line when it does not exist, is
+    not a regular file (a directory, a device), cannot be read, is binary (holds NUL bytes) or is not
+    UTF-8."""
+    path = Path(path)
+    if not path.exists():
+        raise SpecError(f"{kind} {path} does not exist", "check the path")
+    if not path.is_file():
+        raise SpecError(f"{kind} {path} is {'a directory' if path.is_dir() else 'not a regular file'}",
+                        "give the path of a YAML file")
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise SpecError(f"{kind} {path} cannot be read ({err.strerror or err})", "check its permissions") from None
+    if b"\0" in data:
+        raise SpecError(f"{kind} {path} is a binary file (it holds NUL bytes), not YAML text",
+                        "give the path of a YAML file")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise SpecError(f"{kind} {path} is not UTF-8 text (byte {data[err.start]:#04x} at offset {err.start})",
+                        "save it as UTF-8") from None
+
+
+def _what_value(value: Any) -> str:
+    """How a YAML top level that is not a mapping reads to a person: "empty", "a list", "text"."""
+    if value is None:
+        return "empty"
+    return {list: "a list", str: "text"}.get(type(value), f"a single value ({value!r:.40})")
 
 
 def describe(err: ValidationError, path: Path | str, model: type[BaseModel]) -> tuple[str, str]:

@@ -5,13 +5,16 @@ The repository's top-level ``configs/``, ``experiments/`` and ``data_specs/`` in
 alike), so the relative paths between them (``../data_specs/animal-mnist.yaml``) hold inside
 the installed package and every command works from any directory.
 
-Every loader passes its file argument through :func:`locate`: an existing file is that file;
-otherwise a bare name (``xclr`` or ``xclr.yaml``) is the shipped file of that name; otherwise a
-one-line SpecError lists the shipped names.
+Every loader passes its file argument through :func:`locate`, then reads it with
+:func:`repsim.config_errors.read_yaml_mapping`: an existing file is that file; otherwise a bare name
+(``xclr`` or ``xclr.yaml``) is the shipped file of that name; otherwise a one-line SpecError lists
+the shipped names. The reader refuses, in one line, anything there that is not a UTF-8 YAML mapping.
 """
 
 from __future__ import annotations
 
+import os
+import stat
 from importlib.resources import files
 from pathlib import Path
 
@@ -43,12 +46,30 @@ def packaged(kind: str, name: str) -> Path:
 
 def locate(path: str | Path, kind: str) -> Path:
     """``path`` if it is a file; else, for a bare name (``xclr`` or ``xclr.yaml``), the shipped ``kind``
-    file of that name; SpecError in one line otherwise, listing the shipped names."""
-    if Path(path).is_file():
-        return Path(path)
+    file of that name; else ``path`` if anything is there, for the reader to say what it is instead of a
+    file (:func:`repsim.config_errors.read_text`); SpecError in one line otherwise, listing the shipped
+    names."""
+    given = Path(path)
+    found = _status(given, kind)
+    if found is not None and stat.S_ISREG(found.st_mode):
+        return given
     choices = shipped(kind)
     name = str(path).removesuffix(SUFFIX)
     if Path(name).name == name and name in choices:
         return choices[name]
+    if found is not None:
+        return given
     raise SpecError(f"{kind} {path} does not exist",
                     f"check the path, or name a shipped {kind}: {', '.join(choices)}")
+
+
+def _status(path: Path, kind: str) -> os.stat_result | None:
+    """What is at ``path`` (None: nothing); SpecError in one line when the system refuses to look (a
+    name too long, a loop of links, a NUL byte)."""
+    try:
+        return path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (OSError, ValueError) as err:
+        reason = getattr(err, "strerror", None) or err
+        raise SpecError(f"{kind} {path!r} cannot be looked up ({reason})", "check the path") from None

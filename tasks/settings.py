@@ -4,11 +4,17 @@ Prefect: its temporary local API with ``PREFECT_HOME=$REPSIM_HOME/prefect``, ana
 120 s for that API to start (Prefect's 20 s is too short on a loaded machine).
 MLflow: ``sqlite:///$REPSIM_HOME/mlflow.db`` with artifacts in ``$REPSIM_HOME/mlartifacts``.
 Server mode is configuration only: set ``PREFECT_API_URL`` and ``MLFLOW_TRACKING_URI``.
+
+The first use creates both SQLite stores; :func:`start_embedded_stores` does it one process at a time.
 """
 
 import os
 
+from filelock import FileLock
+
 from repsim.stage import repsim_home
+
+STORES_LOCK = ".stores.lock"  # under $REPSIM_HOME
 
 
 def embedded_defaults() -> dict[str, str]:
@@ -30,6 +36,23 @@ def use_embedded_defaults() -> None:
     for name, value in embedded_defaults().items():
         os.environ.setdefault(name, value)
     (repsim_home() / "prefect").mkdir(parents=True, exist_ok=True)
+
+
+def start_embedded_stores() -> None:
+    """Start Prefect's temporary local API and open the MLflow SQLite store, whichever of the two the
+    environment uses, holding a lock under ``$REPSIM_HOME``: their first use creates their tables,
+    and two processes creating them at once fail ("table already exists"). Call it before a flow
+    starts; the flow then reuses this process's temporary API. A configured server is left alone."""
+    from mlflow.tracking import MlflowClient  # imported here, after this module has set their defaults
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL
+
+    repsim_home().mkdir(parents=True, exist_ok=True)
+    with FileLock(repsim_home() / STORES_LOCK):
+        if not PREFECT_API_URL.value():
+            SubprocessASGIServer().start()
+        if os.environ["MLFLOW_TRACKING_URI"].startswith("sqlite:"):
+            MlflowClient()  # opening the store creates or upgrades its tables
 
 
 def mlflow_artifact_location() -> str | None:

@@ -1,0 +1,36 @@
+"""Two first runs on a fresh ``$REPSIM_HOME``, started together, both succeed: the embedded Prefect
+and MLflow stores are created under a lock (unlocked, they fail with "table already exists")."""
+
+import subprocess
+import sys
+
+import pytest
+from e2e import flow_runs, isolated_env
+
+pytestmark = [pytest.mark.slow, pytest.mark.orchestration]
+
+PAIRS = 3
+FIRST_RUN = """
+import sys
+from repsim.tasks.settings import start_embedded_stores
+from repsim.flows.shard import shard_flow
+
+start_embedded_stores()  # what every command does before its flow
+shard_flow([sys.argv[1]])
+"""  # the shard flow of a tiny spec: the smallest run that uses both stores
+
+
+@pytest.mark.timeout(1800)
+def test_first_runs_started_together_both_succeed(make_image_folder, write_spec, tmp_path):
+    root = make_image_folder({"cat": 2, "dog": 2})
+    spec = write_spec({"name": "pets", "source": {"type": "image_folder", "root": str(root)},
+                       "classes": {"cat": "cat.n.01", "dog": "dog.n.01"},
+                       "split": {"type": "random", "fractions": {"train": 0.5, "test": 0.5}}})
+    for pair in range(PAIRS):
+        home = tmp_path / f"home-{pair}"
+        runs = [subprocess.Popen([sys.executable, "-c", FIRST_RUN, str(spec)], env=isolated_env(home),
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        for run in runs:
+            _, err = run.communicate(timeout=600)
+            assert run.returncode == 0, err[-3000:]
+        assert len(flow_runs(home, "shard")) == 2
