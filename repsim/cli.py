@@ -24,6 +24,8 @@ def cmd_shard(args: argparse.Namespace) -> None:
         load_spec(spec)
     if args.out and len(args.specs) != 1:
         raise RepsimError("--out names one directory but several specs were given", "shard one spec at a time")
+    if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise RepsimError(f"--out {args.out} is a file, not a directory", "name a new or existing directory")
     from repsim.flows.shard import shard_flow
 
     _start_orchestration()
@@ -305,11 +307,13 @@ class _NoTracebackForUserErrors(logging.Filter):
 
 
 def _start_orchestration() -> None:
-    """Before a flow starts: stop at once if a configured server does not answer, and keep Prefect's
-    console line for a RepsimError but drop its traceback."""
+    """Before a flow starts: stop at once if a configured server does not answer, start the embedded
+    stores under their lock, and keep Prefect's console line for a RepsimError but drop its traceback."""
     from repsim.tasks.servers import check_servers
+    from repsim.tasks.settings import start_embedded_stores
 
     check_servers()
+    start_embedded_stores()  # created one process at a time on a fresh $REPSIM_HOME
     from prefect.logging.configuration import setup_logging
 
     setup_logging()

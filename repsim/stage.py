@@ -88,12 +88,14 @@ class StageOutput:
         return self.record.get("metrics", {})
 
 
-def fingerprint_files(paths: Iterable[Path]) -> str:
-    """A digest of files' paths, sizes and modification times: an input key for source data."""
-    digest = hashlib.sha256()
+def fingerprint_files(paths: Iterable[Path], root: Path | None = None, content: bool = False) -> str:
+    """An input key for source data: a digest of files' paths (relative to ``root``, itself included,
+    when given), sizes and modification times, or with ``content`` their bytes' sha256 instead of times."""
+    digest = hashlib.sha256(str(root or "").encode())
     for path in paths:
         stat = Path(path).stat()
-        digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+        what = sha256_file(Path(path)) if content else stat.st_mtime_ns
+        digest.update(f"{Path(path).relative_to(root) if root else path}\0{stat.st_size}\0{what}\n".encode())
     return digest.hexdigest()
 
 
@@ -103,7 +105,7 @@ def read_record(path: Path) -> dict[str, Any] | None:
         return json.loads((path / STAGE_FILE).read_text())
     except FileNotFoundError:
         return None
-    except (json.JSONDecodeError, NotADirectoryError) as err:
+    except (ValueError, NotADirectoryError) as err:  # not JSON, or not UTF-8
         raise StageError(f"{path / STAGE_FILE} is unreadable ({err})",
                          f"remove {path} and run the stage again") from err
 

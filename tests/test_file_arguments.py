@@ -100,3 +100,27 @@ def test_an_encoder_directory_without_an_encoder_is_one_line(tmp_path, capsys, r
     line = one_line(["eval", "animal-mnist", "--encoder", str(tmp_path)], capsys, repsim_home)
     assert line.startswith(f"encoder {tmp_path} does not exist (no encoder.pt inside)")
 
+
+
+def test_an_encoder_that_torch_did_not_write_is_one_line(tmp_path, capsys, repsim_home):
+    text = tmp_path / "encoder.pt"
+    text.write_text("not a torch archive\n")
+    line = one_line(["eval", "animal-mnist", "--encoder", str(text)], capsys, repsim_home)
+    assert line.startswith(f"encoder {text} is not a file that torch.save wrote")
+
+
+def test_an_encoder_directory_whose_record_is_not_utf8_is_one_line(tmp_path, capsys, repsim_home):
+    import torch
+
+    torch.save({}, tmp_path / "encoder.pt")
+    (tmp_path / "stage.json").write_bytes(b'{"stage": "train\xff"}')
+    line = one_line(["eval", "animal-mnist", "--encoder", str(tmp_path)], capsys, repsim_home)
+    assert line.startswith(f"{tmp_path / 'stage.json'} is unreadable")
+
+
+def test_shard_out_naming_a_file_is_refused_before_anything_is_written(tmp_path, capsys, repsim_home):
+    mine = tmp_path / "notes.txt"
+    mine.write_text("keep me\n")
+    line = one_line(["shard", "animal-mnist", "--out", str(mine)], capsys, repsim_home)
+    assert line == f"--out {mine} is a file, not a directory; name a new or existing directory"
+    assert mine.read_text() == "keep me\n"

@@ -265,3 +265,14 @@ def test_tables_move_to_a_device_once(device):
     first = resident.on(torch.device(device))
     assert first.device.type == device
     assert resident.on(first.device) is first
+
+
+def test_a_class_matrix_that_is_not_utf8_or_not_a_file_is_one_line(tmp_path):
+    latin = tmp_path / "matrix.csv"
+    latin.write_bytes("class,café\ncafé,1\n".encode("latin-1"))
+    with pytest.raises(SimilarityError, match=r"matrix\.csv is not a readable table") as raised:
+        load_class_matrix(latin, ["café"])
+    assert "\n" not in str(raised.value)
+    (tmp_path / "folder.csv").mkdir()
+    with pytest.raises(SimilarityError, match=r"folder\.csv is not a file; check the path"):
+        load_class_matrix(tmp_path / "folder.csv", ["café"])

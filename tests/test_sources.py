@@ -193,6 +193,23 @@ def test_image_folder_fingerprint_follows_the_file_list(make_image_folder):
     assert open_source(folder_spec(root)).fingerprint() != before
 
 
+def test_an_image_replaced_by_one_of_the_same_size_changes_the_fingerprint(make_image_folder):
+    root = make_image_folder({"cat": 2, "dog": 2})
+    image = root / "dog" / "dog-1.png"
+    stat_before, content_before = (open_source(folder_spec(root, fingerprint=kind)).fingerprint()
+                                   for kind in ("stat", "content"))
+    original, times = image.read_bytes(), (image.stat().st_atime_ns, image.stat().st_mtime_ns)
+    image.write_bytes(original[::-1])  # other bytes, the same size
+    os.utime(image, ns=(times[0], times[1] + 1_000_000))
+    assert open_source(folder_spec(root)).fingerprint() != stat_before  # the modification time tells
+    os.utime(image, ns=times)  # a copy that kept the old time: only the content tells
+    assert open_source(folder_spec(root)).fingerprint() == stat_before
+    assert open_source(folder_spec(root, fingerprint="content")).fingerprint() != content_before
+    image.write_bytes(original)
+    os.utime(image, ns=(times[0], times[1] + 5_000_000))  # touched, unchanged
+    assert open_source(folder_spec(root, fingerprint="content")).fingerprint() == content_before
+
+
 # --- Manifests and WebDataset shards --------------------------------------------------------------
 
 def test_manifest_rows_keep_order_and_resolve_paths(make_image_folder, tmp_path):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import glob
 import gzip
-import hashlib
 import importlib.util
 import json
 import os
@@ -101,6 +100,10 @@ class Reader(ABC):
                             f"use one of {self.spec.class_names} or add it to 'classes'")
         return self.label_ids[class_name]
 
+    def fingerprint_of(self, paths: list[Path], root: Path | None = None) -> str:
+        """:func:`repsim.stage.fingerprint_files` of ``paths`` as the spec's ``fingerprint`` asks."""
+        return fingerprint_files(paths, root, content=self.spec.fingerprint == "content")
+
     def skip_or_fail(self, source_id: str, what: str, fix: str) -> None:
         """Raise DataError(what, fix) under ``on_error: fail``; under ``skip`` record the sample (or
         file) left out in :attr:`skipped`, which the shard stage reports as its errors."""
@@ -158,7 +161,7 @@ class FashionMnistReader(Reader):
                 _require_file(root / f"{prefix}-labels-idx1-ubyte.gz", fix))
 
     def fingerprint(self) -> str:
-        return fingerprint_files([path for split in FASHION_SPLITS for path in self._files(split)])
+        return self.fingerprint_of([path for split in FASHION_SPLITS for path in self._files(split)])
 
     @cached_property
     def _arrays(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -245,7 +248,7 @@ class AnimalMnistReader(Reader):
         return _require_file(root / ANIMAL_IMAGES, fix), _require_file(root / ANIMAL_LABELS, fix)
 
     def fingerprint(self) -> str:
-        return fingerprint_files(list(self._files()))
+        return self.fingerprint_of(list(self._files()))
 
     @cached_property
     def _arrays(self) -> tuple[np.ndarray, np.ndarray]:
@@ -315,10 +318,7 @@ class ImageFolderReader(Reader):
         return class_dirs
 
     def fingerprint(self) -> str:
-        digest = hashlib.sha256(str(self.root).encode())
-        for path, _, _ in self._files:
-            digest.update(f"{path.relative_to(self.root)}\0{path.stat().st_size}\n".encode())
-        return digest.hexdigest()
+        return self.fingerprint_of([path for path, _, _ in self._files], root=self.root)
 
     def entries(self) -> list[Entry]:
         return [Entry(path.relative_to(self.root).as_posix(), self.label_ids[name], None, split, path)
@@ -382,7 +382,7 @@ class ManifestReader(Reader):
 
     def fingerprint(self) -> str:
         """The manifest file's path, size and mtime (the images it names are not visited)."""
-        return fingerprint_files([Path(self.spec.source.path)])
+        return self.fingerprint_of([Path(self.spec.source.path)])
 
     def entries(self) -> list[Entry]:
         return self._entries
@@ -480,7 +480,7 @@ class WebDatasetReader(Reader):
         return expand_urls(self.spec.source.urls)
 
     def fingerprint(self) -> str:
-        return fingerprint_files(self.tars)
+        return self.fingerprint_of(self.tars)
 
     def entries(self) -> list[Entry]:
         return self._entries

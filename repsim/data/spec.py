@@ -137,6 +137,9 @@ class DataSpec(_Strict):
     shard_size: int = Field(10_000, gt=0)
     shuffle_seed: int | None = 0
     on_error: Literal["skip", "fail"] = "fail"
+    fingerprint: Literal["stat", "content"] = Field(
+        "stat", description="what of the source files keys the shards: their paths, sizes and modification "
+        "times (stat), or their bytes' sha256 (content: slower, blind to touched but unchanged files)")
 
     @field_validator("classes")
     @classmethod

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import pickle
 import time
+import zipfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,6 +101,9 @@ def encoder_source(encoder: str | Path) -> EncoderSource:
     file = path / ENCODER_FILE if path.is_dir() else path
     if not file.is_file():
         raise EvalError(f"encoder {encoder} does not exist" + (f" (no {ENCODER_FILE} inside)" if path.is_dir() else ""),
+                        f"pass '{PIXELS}', a train stage directory or its {ENCODER_FILE}")
+    if not zipfile.is_zipfile(file):
+        raise EvalError(f"encoder {file} is not a file that torch.save wrote",
                         f"pass '{PIXELS}', a train stage directory or its {ENCODER_FILE}")
     record = read_record(file.parent) if file.name == ENCODER_FILE else None
     if record is None or record.get("stage") != "train":

@@ -232,13 +232,15 @@ def _read_table(path: Path) -> pa.Table:
     import pyarrow.parquet
 
     if not path.is_file():
-        raise SimilarityError(f"{path} does not exist", "check the path")
+        raise SimilarityError(f"{path} {'is not a file' if path.exists() else 'does not exist'}", "check the path")
     readers = {".csv": pyarrow.csv.read_csv, ".parquet": pyarrow.parquet.read_table, ".pq": pyarrow.parquet.read_table}
     if path.suffix not in readers:
         raise SimilarityError(f"{path} is neither .csv nor .parquet", "save it as CSV or Parquet")
     try:
+        if path.suffix == ".csv":
+            path.read_bytes().decode("utf-8")  # pyarrow decodes names only when they are read
         return readers[path.suffix](path)
-    except (pa.ArrowInvalid, OSError) as err:
+    except (pa.ArrowInvalid, OSError, UnicodeDecodeError) as err:
         raise SimilarityError(f"{path} is not a readable table ({err})",
                               "give every row the same columns, in valid CSV or Parquet") from None
 
