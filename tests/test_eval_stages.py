@@ -5,6 +5,7 @@ import argparse
 import io
 import json
 import tarfile
+import zipfile
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -226,7 +227,8 @@ def test_a_missing_encoder_fails_in_one_line(pets_shards, tmp_path):
 
 
 def test_an_unloadable_encoder_fails_in_one_line(pets_shards, tmp_path):
-    (tmp_path / "encoder.pt").write_bytes(b"not a checkpoint")
+    with zipfile.ZipFile(tmp_path / "encoder.pt", "w") as archive:  # an archive, as torch.save writes, but no checkpoint
+        archive.writestr("junk", "not a checkpoint")
     with pytest.raises(EvalError) as caught:
         extract_features(pets_shards, tmp_path / "encoder.pt", device="cpu", progress=False)
     assert str(caught.value).startswith(f"cannot load encoder {tmp_path / 'encoder.pt'} (")
