@@ -1,5 +1,6 @@
 """Helpers for end-to-end tests: run the ``repsim`` console script, read back its MLflow runs."""
 
+import json
 import os
 import subprocess
 import sys
@@ -62,3 +63,19 @@ def tiny_experiment(folder: Path, make_image_folder, write_spec, align: bool = F
 
 TINY_ALIGN = {"pairing": {"pairs": 4}, "neighbors": {"count": 3}, "geometry": {"samples": 2},
               "optim": {"epochs": 2, "batch_size": 4, "warmup_epochs": 0}, "asif": {"k": 4}}
+
+
+def prefect_query(home: Path, body: str) -> object:
+    """The JSON that ``body`` (lines of an ``async def main()`` holding ``client``, a Prefect client,
+    that ``print(json.dumps(...))``) prints, run against the embedded Prefect store under ``home``."""
+    script = ("import asyncio, json\n"
+              "from prefect.client.orchestration import get_client\n"
+              "from prefect.client.schemas.filters import *\n"
+              "async def main():\n"
+              "    async with get_client() as client:\n"
+              + "".join(f"        {line}\n" for line in body.strip().splitlines()) +
+              "asyncio.run(main())\n")
+    env = isolated_env(home) | {"PREFECT_HOME": str(home / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])

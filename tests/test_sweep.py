@@ -3,12 +3,10 @@ experiment run end to end with shared stages built once and two stages at a time
 
 import json
 import statistics
-import subprocess
-import sys
 
 import pytest
 import yaml
-from e2e import REPO, flow_runs, isolated_env, repsim, tiny_experiment
+from e2e import flow_runs, prefect_query, repsim, tiny_experiment
 
 from repsim.errors import SpecError
 from repsim.experiment import SEED_KEYS, check_experiment, expand, load_experiment
@@ -159,18 +157,9 @@ def _mlflow_table(home, run_id: str) -> dict:
 
 def _prefect_artifacts(home) -> list[str]:
     """The markdown of every ``results`` artifact in the Prefect store under ``home``."""
-    script = ("import asyncio, json\n"
-              "from prefect.client.orchestration import get_client\n"
-              "from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey\n"
-              "async def main():\n"
-              "    async with get_client() as client:\n"
-              "        found = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=['results'])))\n"
-              "        print(json.dumps([artifact.data for artifact in found]))\n"
-              "asyncio.run(main())\n")
-    env = isolated_env(home) | {"PREFECT_HOME": str(home / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return prefect_query(home, """
+found = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=['results'])))
+print(json.dumps([artifact.data for artifact in found]))""")
 
 
 def test_a_sweep_over_one_methods_settings_leaves_the_others_shared():
@@ -185,10 +174,30 @@ def test_a_sweep_over_one_methods_settings_leaves_the_others_shared():
         load_experiment("default", ["train.methods.xclrr.settings.optim.lr=0.1"])
 
 
-@pytest.mark.parametrize("name, members", [("reproduce-xclr", 9), ("reproduce-xclr-full", 12), ("reproduce-gera", 24)])
-def test_shipped_reproductions_are_valid_sweeps(name, members):
+@pytest.mark.parametrize("name, members, seeds", [("reproduce-xclr", 9, 3), ("reproduce-xclr-full", 12, 3),
+                                                  ("reproduce-gera", 40, 5), ("tune-gera", 36, 2)])
+def test_shipped_reproductions_are_valid_sweeps(name, members, seeds):
     experiment = load_experiment(name)
-    assert len(check_experiment(experiment)) == members and experiment.seeds == [0, 1, 2]
+    assert len(check_experiment(experiment)) == members and experiment.seeds == list(range(seeds))
+
+
+@pytest.mark.parametrize("name", ["reproduce-xclr", "reproduce-xclr-full"])
+def test_every_contrastive_method_of_a_reproduction_trains_at_one_temperature(name):
+    from repsim.methods.config import load_config
+
+    experiment = load_experiment(name)
+    train = experiment.section("train")
+    configs = {run.label: load_config(run.config, train.overrides(run, experiment.data)) for run in train.methods}
+    assert {"simclr", "supcon", "xclr-wordnet"} <= set(configs)
+    assert {label: config.method.temperature for label, config in configs.items()
+            if config.method.name != "clip"} == dict.fromkeys(set(configs) - {"clip"}, 0.1)
+
+
+def test_gera_reproduction_runs_the_alpha_chosen_on_validation():
+    from repsim.align.config import load_align_config
+
+    alphas = load_experiment("reproduce-gera").sweep["align.settings.geometry.alpha"]
+    assert alphas == [0.0, load_align_config("gera").geometry.alpha]
 
 
 def test_plan_counts_each_shared_stage_once_with_the_members_that_need_it():

@@ -5,16 +5,13 @@ retries for transient failures only."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import mlflow
 import pytest
 import requests
 import yaml
-from e2e import REPO, flow_runs, isolated_env, repsim, tiny_experiment
+from e2e import flow_runs, prefect_query, repsim, tiny_experiment
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
@@ -77,23 +74,13 @@ def test_a_server_store_receives_large_files_too(tmp_path, uri, monkeypatch):
 
 def prefect_task_runs(home) -> list[dict]:
     """Every task run in the Prefect store under ``home``: name, flow run, state and log lines."""
-    script = ("import asyncio, json\n"
-              "from prefect.client.orchestration import get_client\n"
-              "from prefect.client.schemas.filters import LogFilter, LogFilterTaskRunId\n"
-              "async def main():\n"
-              "    async with get_client() as client:\n"
-              "        runs = await client.read_task_runs()\n"
-              "        found = []\n"
-              "        for run in runs:\n"
-              "            logs = await client.read_logs(LogFilter(task_run_id=LogFilterTaskRunId(any_=[run.id])))\n"
-              "            found.append({'name': run.name, 'flow_run': str(run.flow_run_id), 'state': run.state.name,\n"
-              "                          'start': run.expected_start_time.isoformat(), 'logs': [l.message for l in logs]})\n"
-              "        print(json.dumps(found))\n"
-              "asyncio.run(main())\n")
-    env = isolated_env(home) | {"PREFECT_HOME": str(home / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return prefect_query(home, """
+found = []
+for run in await client.read_task_runs():
+    logs = await client.read_logs(LogFilter(task_run_id=LogFilterTaskRunId(any_=[run.id])))
+    found.append({'name': run.name, 'flow_run': str(run.flow_run_id), 'state': run.state.name,
+                  'start': run.expected_start_time.isoformat(), 'logs': [log.message for log in logs]})
+print(json.dumps(found))""")
 
 
 @pytest.mark.slow
