@@ -9,7 +9,7 @@ from e2e import flow_runs, isolated_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.orchestration]
 
-PAIRS = 3
+PAIRS = 2  # unlocked, a pair fails 3 times in 5: two pairs catch it 84 % of the time
 FIRST_RUN = """
 import sys
 from repsim.tasks.settings import start_embedded_stores

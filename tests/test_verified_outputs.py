@@ -15,6 +15,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from e2e import tiny_experiment
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from repsim.cli import main
 from repsim.data import load_spec, shard
@@ -166,3 +168,15 @@ def test_clean_leaves_alone_an_output_that_a_running_stage_in_another_process_re
         reader.communicate("go\n", timeout=30)
     assert reader.returncode == 0
     assert {output.stage: output.status for output in list_outputs()} == {"shard": "complete", "reader": "complete"}
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cut=st.floats(0.0, 0.999), target=st.sampled_from(["train-00000.tar", "test-00001.tar", "manifest.parquet"]))
+def test_any_truncation_of_a_tar_or_the_manifest_is_rebuilt_to_the_same_bytes(sharded, cut, target):
+    spec, result = sharded
+    before = digests(result.path)
+    damaged = result.path / target
+    os.truncate(damaged, int(cut * damaged.stat().st_size))
+    rebuilt = shard(spec, progress=False)
+    assert not rebuilt.cached and rebuilt.path == result.path and digests(rebuilt.path) == before
