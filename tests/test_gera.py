@@ -25,7 +25,7 @@ def rotation(dim: int, seed: int = 1) -> torch.Tensor:
     return q
 
 
-@pytest.mark.parametrize("kind", ["heat", "cosine", "knn"])
+@pytest.mark.parametrize("kind", ["heat", "heat_squared", "cosine", "knn"])
 def test_every_kernel_row_is_a_distribution(hoods, kind):
     kernel = neighborhood_kernel(hoods, kind, sigma=0.5, knn_k=3)
     assert kernel.shape == (B, M_POINTS, M_POINTS)
@@ -33,13 +33,31 @@ def test_every_kernel_row_is_a_distribution(hoods, kind):
     torch.testing.assert_close(kernel.sum(dim=-1), torch.ones(B, M_POINTS))
 
 
-def test_heat_kernel_uses_the_mean_squared_distance_of_the_neighborhood():
+def test_heat_kernel_takes_epsilon_from_the_mean_distance_of_the_neighborhood_as_the_paper_does():
+    points = torch.tensor([[[0.0, 0.0], [3.0, 0.0], [0.0, 4.0]]])  # a 3-4-5 triangle
+    epsilon = 2.0 * (3 + 4 + 5) / 3  # sigma · the mean distance over the pairs of distinct points
+    by_hand = torch.tensor([[1.0, math.exp(-9 / epsilon), math.exp(-16 / epsilon)],
+                            [math.exp(-9 / epsilon), 1.0, math.exp(-25 / epsilon)],
+                            [math.exp(-16 / epsilon), math.exp(-25 / epsilon), 1.0]])
+    torch.testing.assert_close(neighborhood_kernel(points, "heat", sigma=2.0)[0],
+                               by_hand / by_hand.sum(dim=1, keepdim=True))
+
+
+def test_the_squared_ablation_takes_epsilon_from_the_mean_squared_distance():
     points = torch.tensor([[[0.0, 0.0], [1.0, 0.0], [0.0, 2.0]]])
     squared = torch.tensor([[0.0, 1.0, 4.0], [1.0, 0.0, 5.0], [4.0, 5.0, 0.0]])
     epsilon = 2.0 * squared.sum() / 6  # sigma · mean over the 6 ordered pairs of distinct points
     expected = torch.exp(-squared / epsilon)
-    torch.testing.assert_close(neighborhood_kernel(points, "heat", sigma=2.0)[0],
+    torch.testing.assert_close(neighborhood_kernel(points, "heat_squared", sigma=2.0)[0],
                                expected / expected.sum(dim=1, keepdim=True))
+
+
+def test_the_papers_heat_kernel_sharpens_as_the_space_grows(hoods):
+    small, large = (neighborhood_kernel(scale * hoods, "heat") for scale in (0.5, 2.0))
+    diagonal = torch.eye(M_POINTS, dtype=torch.bool).expand(B, -1, -1)
+    assert (large[diagonal] > small[diagonal]).all()  # more of each row on the point itself
+    torch.testing.assert_close(neighborhood_kernel(0.5 * hoods, "heat_squared"),
+                               neighborhood_kernel(2.0 * hoods, "heat_squared"))
 
 
 def test_binary_knn_kernel_marks_the_k_nearest_including_self():
@@ -49,8 +67,8 @@ def test_binary_knn_kernel_marks_the_k_nearest_including_self():
     torch.testing.assert_close(kernel, expected.float())
 
 
-@pytest.mark.parametrize("kind", ["heat", "cosine", "knn"])
-@pytest.mark.parametrize("scale", [0.1, 1.0, 7.0])
+@pytest.mark.parametrize(("kind", "scale"), [("heat", 1.0), *((kind, scale) for kind in ("heat_squared", "cosine", "knn")
+                                                               for scale in (0.1, 1.0, 7.0))])
 def test_geometric_term_vanishes_for_a_rotation_with_uniform_scaling(hoods, kind, scale):
     f = AlignmentNetwork(DIM, DIM, "linear").double()
     with torch.no_grad():
@@ -60,14 +78,15 @@ def test_geometric_term_vanishes_for_a_rotation_with_uniform_scaling(hoods, kind
     assert loss.item() == pytest.approx(0.0, abs=1e-10)
 
 
-@pytest.mark.parametrize("kind", ["heat", "cosine"])
+@pytest.mark.parametrize("kind", ["heat", "heat_squared", "cosine"])
 def test_geometric_term_is_positive_for_a_map_that_is_no_isometry(hoods, kind):
     stretch = torch.diag(torch.logspace(-1, 1, DIM)) @ rotation(DIM)
     assert GeometricLoss(kind)(hoods, hoods @ stretch.T).item() > 1e-4
 
 
 def test_geometric_term_is_the_mean_kl_divergence_between_kernel_rows(hoods):
-    aligned = torch.randn(B, M_POINTS, 4, generator=torch.Generator().manual_seed(3))
+    hoods = hoods.double()  # Categorical clamps probabilities at float32's eps, above KERNEL_FLOOR
+    aligned = torch.randn(B, M_POINTS, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     p, q = neighborhood_kernel(hoods, "heat", sigma=0.5), neighborhood_kernel(aligned, "heat", sigma=0.5)
     kl = torch.stack([torch.distributions.kl_divergence(torch.distributions.Categorical(probs=p[b, i]),
                                                         torch.distributions.Categorical(probs=q[b, i]))
@@ -117,7 +136,7 @@ def test_gradients_reach_both_networks_and_only_alpha_gives_the_geometric_ones(h
     assert loss.contrastive.log_scale.grad is not None
 
 
-@pytest.mark.parametrize("kind", ["heat", "cosine"])
+@pytest.mark.parametrize("kind", ["heat", "heat_squared", "cosine"])
 def test_geometric_gradient_matches_finite_differences(kind):
     generator = torch.Generator().manual_seed(4)
     points = torch.randn(2, 5, 3, dtype=torch.float64, generator=generator)

@@ -9,9 +9,12 @@ Kernels over a neighborhood of m = n + 1 points (the paired point first), each e
 ``KERNEL_FLOOR`` (every kernel's largest entry, a point with itself, is 1) and each row normalised to
 sum to 1, so every row is a strictly positive distribution over the neighborhood:
 
-- ``heat``: ``exp(-‖a - b‖² / ε)`` with ε = σ · the mean *squared* Euclidean distance between the
-  m(m - 1) ordered pairs of distinct points of that neighborhood. Because ε scales with the
-  neighborhood, the kernel is invariant to rotations, translations and uniform scaling.
+- ``heat`` (the paper's): ``exp(-‖a - b‖² / ε)`` with ε = σ · the mean Euclidean distance between
+  the m(m - 1) ordered pairs of distinct points of that neighborhood. It is invariant to rotations
+  and translations, not to scaling: ε grows like the distances, the exponent like their squares, so
+  a space's scale sharpens or flattens its kernel and σ is tuned per pair of embedding spaces.
+- ``heat_squared``: the same with ε = σ · the mean *squared* distance, which also makes the kernel
+  invariant to uniform scaling (an ablation of the paper's ε).
 - ``cosine``: ``(1 + cos(a, b)) / 2``, in [0, 1]; invariant to rotations and uniform scaling.
 - ``knn``: 1 where b is among the ``knn_k`` nearest points of a in the neighborhood (a itself
   included), else 0 (the floor). It is piecewise constant, so it passes no gradient: a measure of
@@ -22,9 +25,9 @@ kernel and the same row Q of the aligned-space kernel, averaged over rows and pa
 divergence SNE and t-SNE minimise for exactly such row-normalised neighborhood kernels. It is
 measured in nats, like InfoNCE (the cross-entropy of each paired point's softmax row against its
 partner), so α weighs the two terms in the same units whatever the neighborhood size m or the
-embedding scale. The term itself stays small (about 0.002 nats for a random linear map, which nearly
-preserves distances, and 0.02 after contrastive training alone), so the useful α is large; the
-shipped one was chosen on held-out data (``configs/gera.yaml``). A squared distance between rows,
+embedding scale. The term itself stays small (with ``heat_squared``, about 0.002 nats for a random
+linear map, which nearly preserves distances, and 0.02 after contrastive training alone), so the
+useful α is large; the shipped α and σ were chosen on held-out data (``configs/gera.yaml``). A squared distance between rows,
 the obvious alternative, shrinks like 1/m as the entries do, and rescaling it by m or by its value
 at initialisation would only tie α to m or to the initial map. For ``knn`` each lost neighbor
 costs about ``-log(KERNEL_FLOOR) / k`` nats, so the term counts neighbors lost.
@@ -41,8 +44,8 @@ from torch import nn
 from repsim.losses._pairs import at_least_float32
 from repsim.losses.clip import ClipLoss
 
-Kernel = Literal["heat", "cosine", "knn"]
-KERNELS: tuple[str, ...] = ("heat", "cosine", "knn")
+Kernel = Literal["heat", "heat_squared", "cosine", "knn"]
+KERNELS: tuple[str, ...] = ("heat", "heat_squared", "cosine", "knn")
 EPSILON_FLOOR = 1e-12
 KERNEL_FLOOR = 1e-12
 
@@ -52,14 +55,18 @@ def neighborhood_kernel(points: torch.Tensor, kind: Kernel = "heat", sigma: floa
     """Row-normalised kernels over neighborhoods: points (B, m, D) -> (B, m, m), every row a strictly
     positive distribution (entries floored at ``KERNEL_FLOOR`` before normalising).
 
-    See the module docstring for the kernels; ``sigma`` scales the heat kernel's ε, ``knn_k`` is the
+    See the module docstring for the kernels; ``sigma`` scales the heat kernels' ε, ``knn_k`` is the
     binary kernel's neighbor count (self included, at most m).
+
+    >>> points = torch.tensor([[[0.0, 0.0], [3.0, 0.0], [0.0, 4.0]]])  # distances 3, 4 and 5: ε = 4
+    >>> neighborhood_kernel(points)[0, 0]  # ∝ exp(-[0, 9, 16] / 4)
+    tensor([0.8899, 0.0938, 0.0163])
     """
     if points.ndim != 3 or points.shape[1] < 2:
         raise ValueError(f"points must be (B, m, D) with m >= 2, not {tuple(points.shape)}")
     points = at_least_float32(points)
-    if kind == "heat":
-        kernel = _heat(points, sigma)
+    if kind in ("heat", "heat_squared"):
+        kernel = _heat(points, sigma, squared_epsilon=kind == "heat_squared")
     elif kind == "cosine":
         unit = F.normalize(points, dim=-1)
         kernel = (1 + unit @ unit.transpose(1, 2)) / 2
@@ -71,10 +78,12 @@ def neighborhood_kernel(points: torch.Tensor, kind: Kernel = "heat", sigma: floa
     return kernel / kernel.sum(dim=-1, keepdim=True)
 
 
-def _heat(points: torch.Tensor, sigma: float) -> torch.Tensor:
-    squared = torch.cdist(points, points).square()
+def _heat(points: torch.Tensor, sigma: float, squared_epsilon: bool) -> torch.Tensor:
+    """exp(-d² / ε), ε = σ · the mean over distinct pairs of d (or of d² with ``squared_epsilon``)."""
+    distances = torch.cdist(points, points)
+    squared = distances.square()
     m = points.shape[1]
-    epsilon = sigma * squared.sum(dim=(1, 2), keepdim=True) / (m * (m - 1))
+    epsilon = sigma * (squared if squared_epsilon else distances).sum(dim=(1, 2), keepdim=True) / (m * (m - 1))
     return torch.exp(-squared / epsilon.clamp(min=EPSILON_FLOOR))
 
 
