@@ -345,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("spec", metavar="SPEC", help="data spec YAML file or shipped name, e.g. animal-mnist")
     evaluate.add_argument("--encoder", default="pixels", metavar="pixels|PATH|models:/NAME/VERSION",
                           help="'pixels' (raw-pixel baseline, default), a train stage directory or its encoder.pt, "
-                          "or a registered encoder, e.g. models:/default-xclr/1")
+                          "or a registered encoder, e.g. models:/animal-mnist-xclr/1")
     evaluate.add_argument("--suite", dest="suites", action="append",
                           choices=("knn", "linear", "map", "diagnostics", "plots"),
                           help="evaluation suite, repeatable (default: knn, linear, diagnostics, plots)")

@@ -199,7 +199,8 @@ def _made(folder: Path) -> Path:
 
 
 def model_name(experiment: str, method: str) -> str:
-    """The registered model of one method of one experiment: ``default-xclr``."""
+    """The registered model of one method of one experiment: ``animal-mnist-xclr`` (the default
+    experiment's ``name`` is ``animal-mnist``)."""
     return f"{experiment}-{method}"
 
 
@@ -209,7 +210,7 @@ def model_directory(uri: str) -> Path:
     train stage), downloaded once into ``$REPSIM_HOME/models/NAME/VERSION``."""
     name, _, version = uri.removeprefix(MODEL_URI).partition("/")
     if not name or not version:
-        raise RepsimError(f"{uri} names no model version", "write models:/NAME/VERSION, e.g. models:/default-xclr/1")
+        raise RepsimError(f"{uri} names no model version", "write models:/NAME/VERSION, e.g. models:/animal-mnist-xclr/1")
     target = repsim_home() / "models" / name / version
     if all((target / file).is_file() for file in MODEL_FILES):
         return target
