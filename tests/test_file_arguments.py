@@ -5,6 +5,7 @@ in one line, exit 2, before any orchestration starts."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -96,26 +97,28 @@ def test_a_deployment_naming_a_bad_experiment_is_one_line(tmp_path, capsys, reps
     assert line == f"experiment {tmp_path / 'folder'} is a directory; give the path of a YAML file"
 
 
-def test_an_encoder_directory_without_an_encoder_is_one_line(tmp_path, capsys, repsim_home):
-    line = one_line(["eval", "animal-mnist", "--encoder", str(tmp_path)], capsys, repsim_home)
-    assert line.startswith(f"encoder {tmp_path} does not exist (no encoder.pt inside)")
+def no_encoder_inside(folder: Path) -> tuple[Path, str]:
+    return folder, f"encoder {folder} does not exist (no encoder.pt inside)"
 
 
-
-def test_an_encoder_that_torch_did_not_write_is_one_line(tmp_path, capsys, repsim_home):
-    text = tmp_path / "encoder.pt"
-    text.write_text("not a torch archive\n")
-    line = one_line(["eval", "animal-mnist", "--encoder", str(text)], capsys, repsim_home)
-    assert line.startswith(f"encoder {text} is not a file that torch.save wrote")
+def not_written_by_torch(folder: Path) -> tuple[Path, str]:
+    (folder / "encoder.pt").write_text("not a torch archive\n")
+    return folder / "encoder.pt", f"encoder {folder / 'encoder.pt'} is not a file that torch.save wrote"
 
 
-def test_an_encoder_directory_whose_record_is_not_utf8_is_one_line(tmp_path, capsys, repsim_home):
+def record_not_utf8(folder: Path) -> tuple[Path, str]:
     import torch
 
-    torch.save({}, tmp_path / "encoder.pt")
-    (tmp_path / "stage.json").write_bytes(b'{"stage": "train\xff"}')
-    line = one_line(["eval", "animal-mnist", "--encoder", str(tmp_path)], capsys, repsim_home)
-    assert line.startswith(f"{tmp_path / 'stage.json'} is unreadable")
+    torch.save({}, folder / "encoder.pt")
+    (folder / "stage.json").write_bytes(b'{"stage": "train\xff"}')
+    return folder, f"{folder / 'stage.json'} is unreadable"
+
+
+@pytest.mark.parametrize("bad_encoder", [no_encoder_inside, not_written_by_torch, record_not_utf8],
+                         ids=lambda case: case.__name__)
+def test_an_unusable_encoder_is_one_line(tmp_path, capsys, repsim_home, bad_encoder):
+    argument, expected = bad_encoder(tmp_path)
+    assert one_line(["eval", "animal-mnist", "--encoder", str(argument)], capsys, repsim_home).startswith(expected)
 
 
 def test_shard_out_naming_a_file_is_refused_before_anything_is_written(tmp_path, capsys, repsim_home):
