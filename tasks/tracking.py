@@ -17,6 +17,7 @@ import importlib.metadata
 import math
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -39,6 +40,7 @@ EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}  # the U
 SMALL_ARTIFACT_BYTES = 50 * 2**20
 MODEL_FILES = (ENCODER_FILE, STAGE_FILE)  # what a registered encoder carries for repsim to load and key it
 MODEL_URI = "models:/"
+_EXPORTING = threading.Lock()
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -120,10 +122,11 @@ class StageRun:
         example = torch.zeros(1, *_input_shape(record, encoder.recipe))
         with torch.no_grad():
             signature = infer_signature(example.numpy(), encoder(example).numpy())
-        logged = mlflow.pytorch.log_model(
-            encoder, name="encoder", run_id=self.run_id, signature=signature, input_example=example.numpy(),
-            extra_files=[str(train_dir / name) for name in MODEL_FILES],
-            pip_requirements=[f"{name}=={importlib.metadata.version(name)}" for name in ("torch", "repsim")])
+        with _EXPORTING:  # MLflow saves the model with torch.export, which two threads cannot run at once
+            logged = mlflow.pytorch.log_model(
+                encoder, name="encoder", run_id=self.run_id, signature=signature, input_example=example.numpy(),
+                extra_files=[str(train_dir / name) for name in MODEL_FILES],
+                pip_requirements=[f"{name}=={importlib.metadata.version(name)}" for name in ("torch", "repsim")])
         lineage = {"repsim.stage_key": record["key"], "repsim.output": str(train_dir.resolve()),
                    "repsim.method": record["config"]["method"]["name"], "repsim.run_id": self.run_id,
                    **{f"repsim.input.{name}": key for name, key in record["inputs"].items()}}
