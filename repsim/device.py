@@ -96,8 +96,9 @@ def gpu_slot() -> Iterator[torch.device | None]:
             _free_gpus = queue.Queue()
             for index in range(torch.cuda.device_count()):
                 _free_gpus.put(index)
-    index = _free_gpus.get()
+        free = _free_gpus
+    index = free.get()
     try:
         yield torch.device("cuda", index)
     finally:
-        _free_gpus.put(index)
+        free.put(index)

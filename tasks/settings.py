@@ -49,8 +49,8 @@ def start_embedded_stores() -> None:
 
     repsim_home().mkdir(parents=True, exist_ok=True)
     with FileLock(repsim_home() / STORES_LOCK):
-        if not PREFECT_API_URL.value():
-            SubprocessASGIServer().start()
+        if not PREFECT_API_URL.value():  # the timeout passed on: Prefect read its setting when first imported
+            SubprocessASGIServer().start(timeout=int(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
         if os.environ["MLFLOW_TRACKING_URI"].startswith("sqlite:"):
             MlflowClient()  # opening the store creates or upgrades its tables
 

@@ -75,6 +75,8 @@ def test_concurrent_stages_each_hold_a_gpu_of_their_own(monkeypatch):
     assert sorted(str(gpu) for gpu in held) == ["cuda:0", "cuda:1"] and third == []  # the third waits
     release.set()
     waiting.join(10)
+    for thread in holders:
+        thread.join(10)
     assert third and third[0].type == "cuda"
 
 

@@ -75,9 +75,24 @@ def test_serve_without_a_server_says_its_api_is_temporary(tmp_path, monkeypatch,
 
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     monkeypatch.setattr("repsim.flows.serve.serve_deployments", lambda path: None)
+    monkeypatch.setattr("repsim.tasks.settings.start_embedded_stores", lambda: None)
     assert main(["serve"]) == 0
     err = capsys.readouterr().err
     assert "temporary API that the Prefect UI and other processes cannot reach" in err and "make servers" in err
+
+
+def test_the_temporary_api_gets_repsims_startup_timeout_though_prefect_was_imported_first(tmp_path, monkeypatch):
+    from prefect.server.api.server import SubprocessASGIServer
+
+    from repsim.tasks.settings import start_embedded_stores
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.setenv("REPSIM_HOME", str(tmp_path))
+    monkeypatch.setenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "97")
+    timeouts = []
+    monkeypatch.setattr(SubprocessASGIServer, "start", lambda server, timeout=None: timeouts.append(timeout))
+    start_embedded_stores()
+    assert timeouts == [97]  # Prefect's own setting, read at its import, would say 20
 
 
 @pytest.fixture
