@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from repsim.errors import EvalError
-from repsim.eval._checks import (
+from repsim._checks import (
     ArrayLike,
     as_features,
     check_same_rows,

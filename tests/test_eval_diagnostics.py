@@ -8,7 +8,7 @@ import torch
 
 from repsim.errors import EvalError
 from repsim.eval import alignment, diagnostics, effective_rank, embedding_diagnostics, embedding_std, uniformity
-from repsim.eval.plots import confusion_matrix_plot, histogram_plot, tsne_plot
+from repsim.plots import confusion_matrix_plot, histogram_plot, tsne_plot
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

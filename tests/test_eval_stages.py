@@ -20,7 +20,7 @@ from repsim.data import make_loader, shard
 from repsim.errors import EvalError
 from repsim.eval import knn_accuracy, zero_shot_accuracy
 from repsim.eval import stages as eval_stages
-from repsim.eval.plots import matrix_plot
+from repsim.plots import matrix_plot
 from repsim.eval.stages import (CONFUSION_FILE, FEATURES_FILE, HISTOGRAM_FILE, INDICES_FILE, LABELS_FILE,
                                 RESULTS_FILE, SUITES, TSNE_FILE, TextEncoder, evaluate, evaluate_features,
                                 extract_features, features_stage_of, load_features)

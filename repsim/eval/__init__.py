@@ -10,7 +10,7 @@ are valid MLflow metric keys:
 - :func:`embedding_diagnostics`: ``effective_rank``, ``embedding_std``, ``uniformity``
 
 Bad input raises :class:`~repsim.errors.EvalError` with a one-line message. Figures live in
-:mod:`repsim.eval.plots`, imported on its own so that metric code never loads matplotlib.
+:mod:`repsim.plots`, imported on its own so that metric code never loads matplotlib.
 """
 
 from repsim.eval.diagnostics import alignment, effective_rank, embedding_diagnostics, embedding_std, uniformity

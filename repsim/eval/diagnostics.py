@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from repsim.errors import EvalError
-from repsim.eval._checks import ArrayLike, as_features, check_positive, resolve_device, unit_rows
+from repsim._checks import ArrayLike, as_features, check_positive, resolve_device, unit_rows
 
 ROW_CHUNK = 65536
 PAIR_CHUNK = 1024

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from repsim.errors import EvalError
-from repsim.eval._checks import (ArrayLike, as_features, as_ks, as_labels, check_positive, check_same_rows,
+from repsim._checks import (ArrayLike, as_features, as_ks, as_labels, check_positive, check_same_rows,
                                  check_same_width, check_several_classes, count_classes, resolve_device,
                                  unit_rows)
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from repsim.errors import EvalError
-from repsim.eval._checks import (ArrayLike, as_features, as_labels, check_same_width,
+from repsim._checks import (ArrayLike, as_features, as_labels, check_same_width,
                                  check_several_classes, count_classes, resolve_device)
 from repsim.eval.knn import top_k_accuracy
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 
 from repsim.errors import EvalError
-from repsim.eval._checks import (ArrayLike, as_features, as_ks, as_labels, check_same_rows, check_same_width,
+from repsim._checks import (ArrayLike, as_features, as_ks, as_labels, check_same_rows, check_same_width,
                                  resolve_device, unit_rows)
 from repsim.eval.knn import QUERY_CHUNK, cosine_top_k
 

@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 from repsim.data.loader import make_loader
 from repsim.data.sharding import ShardResult
 from repsim.errors import EvalError
-from repsim.eval._checks import ArrayLike, as_ks, resolve_device
+from repsim._checks import ArrayLike, as_ks, resolve_device
 from repsim.eval.diagnostics import embedding_diagnostics
 from repsim.eval.knn import knn_rankings, top_k_accuracy
 from repsim.eval.linear import linear_probe
@@ -393,7 +393,7 @@ class _SuiteRun:
                 **{f"samples_{split}": n for split, n in results["samples"].items()}}
 
     def _knn(self, out: Path) -> dict[str, float]:
-        from repsim.eval.plots import confusion_matrix_plot
+        from repsim.plots import confusion_matrix_plot
 
         ks = tuple(self.config["knn_k"])
         rankings = knn_rankings(self.train.features, self.train.labels, self.test.features, ks,
@@ -413,14 +413,14 @@ class _SuiteRun:
         return {"map_at_r": map_at_r(self.test.features, self.test.labels, device=self.device)}
 
     def _diagnostics(self, out: Path) -> dict[str, float]:
-        from repsim.eval.plots import histogram_plot
+        from repsim.plots import histogram_plot
 
         histogram_plot(_pairwise_cosines(self.test.features), out / HISTOGRAM_FILE, xlabel="cosine similarity",
                        title="Cosine similarity between test features")
         return embedding_diagnostics(self.test.features, device=self.device)
 
     def _plots(self, out: Path) -> dict[str, float]:
-        from repsim.eval.plots import tsne_plot
+        from repsim.plots import tsne_plot
 
         tsne_plot(self.test.features, self.test.labels, out / TSNE_FILE, class_names=self.test.class_names or None)
         return {}

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from repsim.errors import EvalError
-from repsim.eval._checks import (ArrayLike, as_features, as_labels, check_same_width, count_classes,
+from repsim._checks import (ArrayLike, as_features, as_labels, check_same_width, count_classes,
                                  resolve_device, unit_rows)
 from repsim.eval.knn import top_k_accuracy
 

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import torch
 from torch import nn
 
-from repsim.eval.plots import histogram_plot
+from repsim.plots import histogram_plot
 from repsim.losses import XCLRLoss
 from repsim.losses._pairs import gather_no_grad
 from repsim.methods.config import Config, Similarity

@@ -150,7 +150,7 @@ def _write_class_similarity(classes: dict[str, str], measure: str, progress: boo
     np.save(out / SIMILARITY_FILE, matrix.astype(np.float32))
     listed = [{"name": name, "synset": synset} for name, synset in classes.items()]
     (out / CLASSES_FILE).write_text(json.dumps(listed, indent=2))
-    from repsim.eval.plots import matrix_plot  # matplotlib loads only when a heat map is drawn
+    from repsim.plots import matrix_plot  # matplotlib loads only when a heat map is drawn
 
     matrix_plot(matrix, out / HEAT_MAP_FILE, names=list(classes), title=f"WordNet {measure} similarity")
     off_diagonal = matrix[~np.eye(len(matrix), dtype=bool)]

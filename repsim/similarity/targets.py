@@ -49,7 +49,7 @@ def sample_targets(source: SimilaritySource, labels: np.ndarray, target_temperat
 def target_histogram(source: SimilaritySource, labels: np.ndarray, path: str | Path, name: str,
                      target_temperature: float = 0.1, batch_size: int = 256, seed: int = 0) -> Path:
     """A PNG histogram at ``path`` of :func:`sample_targets` for the source called ``name``."""
-    from repsim.eval.plots import histogram_plot  # matplotlib loads only when a figure is drawn
+    from repsim.plots import histogram_plot  # matplotlib loads only when a figure is drawn
 
     values = sample_targets(source, labels, target_temperature, batch_size, seed=seed)
     size = min(batch_size, len(labels))

@@ -1,5 +1,8 @@
-"""PNG figures of evaluation results: t-SNE of features, confusion matrix, histogram, and the
-heat map of any (C, C) matrix in [0, 1] that they share with the WordNet stage.
+"""PNG figures: t-SNE of features, confusion matrix and histogram (evaluation, X-CLR targets), and
+the heat map of any (C, C) matrix in [0, 1] (confusion matrices, WordNet class similarities).
+
+The module sits below every module that draws a figure, so the similarity stages draw theirs
+without importing :mod:`repsim.eval`.
 
 Figures are drawn on matplotlib's Agg canvas without pyplot, so nothing global changes and no
 display is needed. Each function writes ``path`` (creating its folder) and returns it.
@@ -16,7 +19,7 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 
 from repsim.errors import EvalError
-from repsim.eval._checks import ArrayLike, as_features, as_labels, count_classes
+from repsim._checks import ArrayLike, as_features, as_labels, count_classes
 
 DPI = 120
 ANNOTATE_MAX_CLASSES = 20  # write each cell's value up to this many classes

@@ -1,4 +1,5 @@
-"""Input validation, device choice and normalisation shared by the evaluation functions.
+"""Input validation, device choice and normalisation shared by the evaluation functions, the
+figures of :mod:`repsim.plots` and ASIF.
 
 Every check raises :class:`~repsim.errors.EvalError` with a one-line message that names the
 argument, says what is wrong with it and how to fix it.
