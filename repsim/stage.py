@@ -26,6 +26,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import filelock
+
 from repsim.errors import StageError
 
 STAGE_FILE = "stage.json"
@@ -116,19 +118,6 @@ def library_versions() -> dict[str, str]:
         with contextlib.suppress(metadata.PackageNotFoundError):
             versions[name] = metadata.version(name)
     return versions
-
-
-@contextlib.contextmanager
-def _locked(lock_path: Path, mode: int) -> Iterator[None]:
-    """Hold the stage lock at ``lock_path`` (across processes) for the block: ``fcntl.LOCK_EX`` while
-    writing the output, ``fcntl.LOCK_SH`` while reading it as an input."""
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a") as handle:
-        fcntl.flock(handle, mode)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager
@@ -240,8 +229,58 @@ def _remove_stale_temporaries(out: Path) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
-def _lock_path(out: Path) -> Path:
-    return out.parent / f".{out.name}.lock"
+class OutputLock:
+    """The lock of the stage output at ``out``, across processes: exclusive while a stage writes the
+    output (or ``clean`` removes it), shared while running stages read it as an input.
+
+    Both modes are flock(2) locks on one file beside the output, ``.<key>.lock``, so the OS releases a
+    holder's lock when it dies (kill -9 too), and a shared holder keeps out an exclusive one but not
+    another shared one. The file is never removed: unlinking it would let a waiting and a new process
+    lock different files. :class:`filelock.FileLock` takes the exclusive lock (``preserve_lock_file``
+    also rules out its soft fallback, a marker file that a killed holder leaves behind). filelock has
+    no shared flock, so that one is taken here on the same file: its only shared lock,
+    ``ReadWriteLock``, an SQLite transaction, makes new readers wait behind a waiting writer, and a
+    stage holding one input while it waits for the next could then deadlock with a rebuild.
+    """
+
+    def __init__(self, out: Path) -> None:
+        self.path = out.parent / f".{out.name}.lock"
+
+    @contextlib.contextmanager
+    def held(self, shared: bool = False, blocking: bool = True) -> Iterator[bool]:
+        """Hold the lock for the block, ``shared`` or exclusive; yields whether it does, which is
+        False only when not ``blocking`` and another process holds it in a mode that excludes this."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.ExitStack() as release:
+            yield (self._share if shared else self._take)(release, blocking)
+
+    def holder(self) -> str | None:
+        """``locked`` if a process holds the lock exclusively now (writing the output), ``in use`` if
+        processes hold it shared (reading it), None if no one holds it. Waits for nothing."""
+        if not self.path.exists():
+            return None
+        for shared, holder in ((False, None), (True, IN_USE)):
+            with self.held(shared, blocking=False) as acquired:
+                if acquired:
+                    return holder
+        return LOCKED
+
+    def _take(self, release: contextlib.ExitStack, blocking: bool) -> bool:
+        lock = filelock.FileLock(self.path, preserve_lock_file=True)
+        try:
+            lock.acquire(blocking=blocking)
+        except filelock.Timeout:
+            return False
+        release.callback(lock.release)
+        return True
+
+    def _share(self, release: contextlib.ExitStack, blocking: bool) -> bool:
+        handle = release.enter_context(open(self.path, "a"))  # closing it releases the lock
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            return False
+        return True
 
 
 def _set_aside(path: Path) -> Path:
@@ -269,7 +308,7 @@ def _reading(keys: Iterable[str]) -> Iterator[None]:
               if (folder / key).is_dir()]
     with contextlib.ExitStack() as held:
         for path in inputs:
-            held.enter_context(_locked(_lock_path(path), fcntl.LOCK_SH))
+            held.enter_context(OutputLock(path).held(shared=True))
         yield
 
 
@@ -296,8 +335,7 @@ def run_stage(stage: Stage, build: Build, out_dir: str | Path | None = None,
     done = _completed(stage, out)
     if done is not None and is_current(out, done.record):
         return done
-    # The lock file stays: unlinking it would let a waiting and a new process lock different files.
-    with _locked(_lock_path(out), fcntl.LOCK_EX):
+    with OutputLock(out).held():
         done = _completed(stage, out)  # another process may have finished (or rebuilt) it meanwhile
         if done is not None and not is_stale(done.record):
             found = damage(out, done.record, verification_requested())
@@ -396,7 +434,7 @@ def remove_output(output: StoredOutput) -> bool:
     """Remove ``output`` unless a process holds its lock now, writing it or reading it as an input
     (then return False). A complete output is renamed aside first, so no half-removed directory ever
     looks complete."""
-    with _try_exclusive(output.stage, output.key) as locked:
+    with OutputLock(artifacts_root() / output.stage / output.key).held(blocking=False) as locked:
         if not locked or not output.path.exists():
             return False
         shutil.rmtree(_set_aside(output.path))
@@ -424,7 +462,7 @@ def _stored(stage: str, key: str, path: Path, output: Path, record: Mapping[str,
             hashes: bool = False) -> StoredOutput:
     """``path`` as listed: complete or damaged (with its ``record``) or incomplete (without), unless a
     process holds the lock of ``output`` now."""
-    status, note = _lock_holder(_lock_path(output)), ""
+    status, note = OutputLock(output).holder(), ""
     if status is None:
         status, note = _condition(path, record, hashes) if record is not None else (INCOMPLETE, "")
     marker = path / STAGE_FILE if record is not None else path
@@ -437,35 +475,3 @@ def _condition(path: Path, record: Mapping[str, Any], hashes: bool) -> tuple[str
         return COMPLETE, UNVERIFIED
     found = damage(path, record, hashes)
     return (COMPLETE, "") if found is None else (DAMAGED, found)
-
-
-def _lock_holder(lock_path: Path) -> str | None:
-    """``locked`` if a process holds the stage lock at ``lock_path`` exclusively now (writing the
-    output), ``in use`` if processes hold it shared (reading it), None if no one holds it."""
-    if not lock_path.exists():
-        return None
-    with open(lock_path) as handle:  # closing it releases what this probe takes
-        for mode, holder in ((fcntl.LOCK_EX, None), (fcntl.LOCK_SH, IN_USE)):
-            try:
-                fcntl.flock(handle, mode | fcntl.LOCK_NB)
-                return holder
-            except BlockingIOError:
-                continue
-    return LOCKED
-
-
-@contextlib.contextmanager
-def _try_exclusive(stage: str, key: str) -> Iterator[bool]:
-    """Hold the lock of output ``stage``/``key`` for the block if no one else does; yields whether it does."""
-    lock_path = _lock_path(artifacts_root() / stage / key)
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from repsim.errors import StageError
-from repsim.stage import Stage, read_record, run_stage
+from repsim.stage import IN_USE, LOCKED, OutputLock, Stage, read_record, run_stage
 
 
 @pytest.fixture
@@ -126,3 +126,48 @@ def test_record_lists_every_output_file_and_a_cache_hit_that_lost_one_is_rebuilt
     (first.path / "part" / "rows.txt").unlink()
     again = run_stage(Stage("s", "1", {}), build)
     assert not again.cached and len(builds) == 2 and (again.path / "part" / "rows.txt").read_text() == "abc"
+
+
+HOLDER = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from repsim.stage import OutputLock
+
+    with OutputLock(Path(sys.argv[1])).held(shared=sys.argv[2] == "shared", blocking=False) as acquired:
+        print(acquired, flush=True)
+        sys.stdin.readline()
+""")
+
+
+def holding(out, mode):
+    """A process that holds the lock of ``out`` (``shared`` or ``exclusive``) if it can, until killed."""
+    child = subprocess.Popen([sys.executable, "-c", HOLDER, str(out), mode], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "True", f"another process kept out this {mode} holder"
+    return child
+
+
+def killed(child):
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+
+
+def attempt(lock, shared):
+    with lock.held(shared=shared, blocking=False) as acquired:
+        return acquired
+
+
+def test_output_lock_is_shared_by_readers_exclusive_to_a_writer_and_freed_when_its_holder_is_killed(tmp_path):
+    out = tmp_path / "s" / "key"
+    lock = OutputLock(out)
+    assert lock.holder() is None and not lock.path.exists()  # the status probe creates nothing
+    readers = [holding(out, "shared"), holding(out, "shared")]  # the second reader is not kept out
+    assert lock.holder() == IN_USE and attempt(lock, shared=True) and not attempt(lock, shared=False)
+    killed(readers[0])
+    assert lock.holder() == IN_USE and not attempt(lock, shared=False)
+    killed(readers[1])
+    assert lock.holder() is None and attempt(lock, shared=False)  # free at once, no stale lock file
+    writer = holding(out, "exclusive")
+    assert lock.holder() == LOCKED and not attempt(lock, shared=True) and not attempt(lock, shared=False)
+    killed(writer)
+    assert lock.holder() is None and attempt(lock, shared=True) and lock.path.exists()
