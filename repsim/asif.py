@@ -6,28 +6,25 @@ top k kept (the rest 0), negative ones clipped to 0, raised to the power p and L
 of a representation in either modality refers to the same anchor pair, so queries of A and B compare
 by the inner product of their relative representations (their cosine similarity).
 
-``backend="exact"`` scores every anchor with torch; ``backend="faiss"`` finds each query's top k
-anchors with an exact FAISS index (:func:`repsim.similarity.neighbors.knn`), for many anchors.
+Each query's top k anchors come from an exact search (:func:`repsim.similarity.neighbors.nearest`):
+``backend="exact"`` scores every anchor with torch, ``backend="faiss"`` with a flat FAISS index
+(on FAISS's GPU when it has one), for many anchors.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
+from repsim._checks import ArrayLike, as_features, check_same_rows, check_same_width
 from repsim.errors import EvalError
-from repsim._checks import (
-    ArrayLike,
-    as_features,
-    check_same_rows,
-    check_same_width,
-)
+from repsim.similarity.neighbors import nearest
 
 Backend = Literal["exact", "faiss"]
-BACKENDS = ("exact", "faiss")
+SEARCH_BACKENDS = {"exact": "torch", "faiss": "faiss"}  # the search backend of each ASIF backend
+BACKENDS = tuple(SEARCH_BACKENDS)
 
 
 def relative_representation(queries: ArrayLike, anchors: ArrayLike, k: int, p: float = 8.0,
@@ -39,22 +36,11 @@ def relative_representation(queries: ArrayLike, anchors: ArrayLike, k: int, p: f
         raise EvalError(f"ASIF keeps the top {k} of {len(anchors)} anchors", f"choose k from 1 to {len(anchors)}")
     if p <= 0:
         raise EvalError(f"ASIF power p is {p}", "choose a positive p (e.g. 8)")
-    ids, scores = _top_anchors(queries, anchors, k, backend)
+    if backend not in BACKENDS:
+        raise EvalError(f"unknown ASIF backend {backend!r}", f"use one of {', '.join(BACKENDS)}")
+    ids, scores = nearest(queries, anchors, k, "cosine", backend=SEARCH_BACKENDS[backend])
     relative = torch.zeros(len(queries), len(anchors)).scatter_(1, ids, scores.clamp(min=0) ** p)
     return F.normalize(relative, dim=1)
-
-
-def _top_anchors(queries: torch.Tensor, anchors: torch.Tensor, k: int, backend: Backend) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Q, k) anchor ids and cosine similarities of each query's k most similar anchors."""
-    if backend == "exact":
-        top = (F.normalize(queries, dim=1) @ F.normalize(anchors, dim=1).T).topk(k, dim=1)
-        return top.indices, top.values
-    if backend == "faiss":
-        from repsim.similarity.neighbors import knn
-
-        ids, scores = knn(anchors.numpy(), k, queries=queries.numpy(), metric="cosine", exclude_self=False)
-        return torch.from_numpy(np.ascontiguousarray(ids)), torch.from_numpy(np.ascontiguousarray(scores))
-    raise EvalError(f"unknown ASIF backend {backend!r}", f"use one of {', '.join(BACKENDS)}")
 
 
 class ASIF:

@@ -36,6 +36,20 @@ def test_queries_equal_to_the_anchors_retrieve_their_partners_exactly(backend):
     assert (scores.argmax(dim=0) == torch.arange(40)).all()
 
 
+@pytest.mark.parametrize("backend", ["exact", "faiss"])
+def test_relative_representations_equal_brute_force(backend):
+    images, _ = toy_pairs(200)
+    queries = np.random.default_rng(1).standard_normal((50, 16)).astype(np.float32)
+    unit = lambda x: x.astype(np.float64) / np.linalg.norm(x, axis=1, keepdims=True)  # noqa: E731
+    cosines = unit(queries) @ unit(images).T
+    top = np.argsort(-cosines, axis=1)[:, :20]
+    expected = np.zeros_like(cosines)
+    np.put_along_axis(expected, top, np.take_along_axis(cosines, top, axis=1).clip(min=0) ** 8, axis=1)
+    expected /= np.linalg.norm(expected, axis=1, keepdims=True)
+    relative = relative_representation(queries, images, k=20, p=8, backend=backend)
+    np.testing.assert_allclose(relative.numpy(), expected, rtol=1e-4, atol=1e-6)
+
+
 def test_exact_and_faiss_agree():
     images, _ = toy_pairs(200)
     queries = np.random.default_rng(1).standard_normal((50, 16)).astype(np.float32)

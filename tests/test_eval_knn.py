@@ -94,8 +94,28 @@ def test_neighbors_equal_a_brute_force_ranking_excluding_self():
     chunks = list(cosine_top_k(points, points, 9, exclude_self=True, chunk_size=7, key_chunk_size=11,
                                dtype=torch.float64, device="cpu"))
     np.testing.assert_array_equal(torch.cat([c.indices for c in chunks]).numpy(), expected)
-    np.testing.assert_allclose(torch.cat([c.similarities for c in chunks]).numpy(),
+    np.testing.assert_allclose(torch.cat([c.scores for c in chunks]).numpy(),
                                np.take_along_axis(similarity, expected, axis=1))
+
+
+def test_rankings_equal_a_numpy_vote_over_brute_force_neighbors_with_ties():
+    """The weighted vote of brute-force neighbors, ties to the lower training row and then to the lower class."""
+    rng = np.random.default_rng(1)
+    signs = rng.choice([-1.0, 1.0], size=(110, 16))  # ±1 rows of norm 4: exact, often tied similarities
+    train_x, test_x = signs[:80], np.concatenate([signs[:6], signs[80:]])  # six test rows are training rows
+    train_x[40:46] = train_x[:6]  # duplicates with other labels: tied neighbors and, at small k, tied votes
+    train_y = rng.integers(0, 4, size=80)
+    similarity = test_x @ train_x.T / 16
+    order = np.lexsort((np.broadcast_to(np.arange(80), similarity.shape), -similarity), axis=1)
+    for k in (1, 2, 7, 30):
+        near = order[:, :k]
+        nearest_similarity = np.take_along_axis(similarity, near, axis=1)
+        votes = np.zeros((len(test_x), 4))
+        np.add.at(votes, (np.arange(len(test_x))[:, None], train_y[near]), np.exp((nearest_similarity - 1) / T))
+        expected = np.argsort(-votes, axis=1, kind="stable")[:, :4]
+        ours = knn_rankings(train_x, train_y, test_x, k, temperature=T, chunk_size=7, train_chunk_size=9,
+                            dtype=torch.float64, device="cpu")[k]
+        np.testing.assert_array_equal(ours, expected)
 
 
 def test_ties_go_to_the_lower_training_row_and_the_lower_class():

@@ -1,4 +1,5 @@
-"""FAISS neighbor lists: exact search equals brute force, self is excluded, approximate recall is high."""
+"""The neighbor engine: the exact torch search and FAISS lists equal brute force, self is excluded,
+approximate recall is high."""
 
 from pathlib import Path
 
@@ -8,8 +9,8 @@ import torch
 
 from repsim.data.sources import read_idx
 from repsim.errors import SimilarityError
-from repsim.similarity.neighbors import (IDS_FILE, build_index, default_nlist, default_pq_m, knn, load_neighbors,
-                                         recall_at_k)
+from repsim.similarity.neighbors import (IDS_FILE, build_index, default_nlist, default_pq_m, exact_search, knn,
+                                         load_neighbors, nearest, recall_at_k)
 
 
 FASHION_TRAIN_IMAGES = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
@@ -51,6 +52,74 @@ def test_flat_search_equals_brute_force(metric):
     assert_same_neighbors(ids, scores, reference, 7)
     sign = 1 if metric == "l2" else -1
     np.testing.assert_allclose(sign * scores, np.sort(reference, axis=1)[:, :7], rtol=1e-4, atol=1e-3)
+
+
+def brute_force_top_k(keys: np.ndarray, queries: np.ndarray, k: int, metric: str, query_ids=None, key_ids=None):
+    """(Q, k) rows and scores of the k nearest keys by float64 brute force, equal distances to the lower row."""
+    distances = brute_force(keys, queries, metric)
+    if query_ids is not None:
+        distances[query_ids[:, None] == key_ids[None, :]] = np.inf
+    rows = np.lexsort((np.broadcast_to(np.arange(len(keys)), distances.shape), distances), axis=1)[:, :k]
+    picked = np.take_along_axis(distances, rows, axis=1)
+    return rows, picked if metric == "l2" else -picked
+
+
+@pytest.mark.parametrize("metric", ["l2", "ip", "cosine"])
+def test_exact_search_equals_brute_force_with_ties_excluded_ids_and_chunks(metric):
+    rng = np.random.default_rng(0)
+    signs = rng.choice([-1.0, 1.0], size=(72, 16))  # ±1 scaled by powers of two: every score exact, many tied
+    keys, fresh = np.split(signs * rng.choice([1.0, 2.0, 4.0], size=(72, 1)), [70])
+    keys[[20, 41, 65]] = keys[5]
+    key_ids = rng.permutation(70) + 100
+    queries = np.concatenate([keys[::3], fresh])
+    query_ids = np.concatenate([key_ids[::3], [-1, -2]])  # the last two are no key: nothing is left out
+    chunks = list(exact_search(queries, torch.from_numpy(keys), 6, metric, (query_ids, key_ids), chunk_size=4,
+                               key_chunk_size=9))
+    rows, scores = brute_force_top_k(keys, queries, 6, metric, query_ids, key_ids)
+    assert [chunk.start for chunk in chunks] == list(range(0, len(queries), 4))
+    np.testing.assert_array_equal(torch.cat([chunk.indices for chunk in chunks]).numpy(), rows)
+    found = torch.cat([chunk.scores for chunk in chunks])
+    assert found.dtype == torch.float64
+    np.testing.assert_allclose(found.numpy(), scores, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("metric", ["l2", "ip", "cosine"])
+@pytest.mark.parametrize("backend", ["torch", "faiss"])
+def test_nearest_equals_brute_force_by_either_backend(metric, backend):
+    keys, queries = points(300), points(30, seed=1)
+    key_ids, query_ids = np.arange(300) * 2, np.arange(30) * 20  # query i has key 10 i's id
+    ids, scores = nearest(torch.from_numpy(queries), torch.from_numpy(keys), 7, metric, (query_ids, key_ids),
+                          backend)
+    expected_ids, expected_scores = brute_force_top_k(keys, queries, 7, metric, query_ids, key_ids)
+    assert ids.dtype == torch.int64 and scores.dtype == torch.float32 and ids.shape == (30, 7)
+    np.testing.assert_array_equal(ids.numpy(), expected_ids)
+    np.testing.assert_allclose(scores.numpy(), expected_scores, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("metric", ["l2", "ip", "cosine"])
+def test_flat_faiss_lists_equal_the_exact_engine(metric):
+    x = points(500)
+    ids, scores = knn(x, 8, metric=metric, chunk_size=128)
+    rows = np.arange(500)
+    exact_ids, exact_scores = nearest(x, x, 8, metric, (rows, rows))
+    np.testing.assert_array_equal(ids, exact_ids.numpy())
+    np.testing.assert_allclose(scores, exact_scores.numpy(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda x: nearest(x, x, 50), "cannot find 50 neighbors among 40 points; choose k from 1 to 40"),
+    (lambda x: nearest(x, x, 40, exclude=(np.arange(40), np.arange(40))),
+     "cannot find 40 neighbors among 39 other points; choose k from 1 to 39"),
+    (lambda x: nearest(x, x, 3, exclude=(np.arange(40), np.arange(39))),
+     "exclude holds ids of shapes \\(40,\\) and \\(39,\\) for 40 queries and 40 keys; pass one id"),
+    (lambda x: nearest(x[:, :8], x, 3), "queries have 8 dimensions but the base points have 16"),
+    (lambda x: nearest(x, x, 3, metric="hamming"), "unknown metric 'hamming'; metric is one of cosine, ip, l2"),
+    (lambda x: nearest(x, x, 3, backend="annoy"), "unknown search backend 'annoy'; use one of torch, faiss"),
+])
+def test_unusable_exact_searches_are_a_one_line_error(call, message):
+    with pytest.raises(SimilarityError, match=message) as err:
+        call(points(40))
+    assert "\n" not in str(err.value)
 
 
 def test_subset_restricts_the_candidates_and_ids_index_the_base():

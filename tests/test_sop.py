@@ -84,6 +84,20 @@ def test_an_anchor_is_never_its_own_support_even_with_duplicates_elsewhere(backe
     torch.testing.assert_close(scores[:, 0], torch.ones(2))
 
 
+@pytest.mark.parametrize("backend", ["torch", "faiss", "auto"])
+def test_supports_equal_a_brute_force_top_k_over_the_memory(backend):
+    memory = clustered(500, dim=32, seed=4)
+    ids = torch.randperm(500, generator=torch.Generator().manual_seed(5)) + 1000
+    anchors = torch.cat([memory[[0, 13, 77, 250, 499]], clustered(2, dim=32, seed=6)])
+    anchor_ids = torch.cat([ids[[0, 13, 77, 250, 499]], torch.tensor([-1, -2])])  # two anchors not in memory
+    scores, rows = nearest_supports(anchors, anchor_ids, memory, ids, 6, backend=backend)
+    similarity = anchors.double() @ memory.double().T
+    similarity[anchor_ids[:, None] == ids[None, :]] = -math.inf
+    expected = similarity.argsort(dim=1, descending=True, stable=True)[:, :6]
+    assert torch.equal(rows, expected)
+    torch.testing.assert_close(scores, similarity.gather(1, expected).float())
+
+
 def test_faiss_and_torch_find_the_same_supports():
     memory = clustered(300, seed=2)
     ids = torch.arange(1000, 1300)

@@ -18,14 +18,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import nn
 
 from repsim.losses._pairs import at_least_float32
 from repsim.losses.dino import cross_view_cross_entropy
-
-ANCHOR_CHUNK = 1024  # anchors scored against the memory at a time: bounds the (chunk, N) score matrix
+from repsim.similarity.neighbors import BACKENDS, nearest
 
 
 @dataclass(frozen=True)
@@ -64,44 +62,19 @@ def nearest_supports(anchors: torch.Tensor, anchor_ids: torch.Tensor, memory: to
 
     ``anchors`` (K, D) and ``memory`` (N, D) are unit rows; an entry whose id (``memory_ids`` (N,))
     equals the anchor's (``anchor_ids`` (K,)) is the anchor itself and is never its own support.
-    ``backend``: ``torch`` (a matrix product and ``topk`` on the memory's device), ``faiss`` (an exact
-    inner-product index on the host, built from the memory each call) or ``auto``: FAISS for a memory
-    on the CPU, where it was 1.3-2.2x faster than torch from 1024 x 4096 to 4096 x 65536 anchors x
-    entries (``benchmarks/sop_cost.py``), torch on a GPU.
+    An exact inner-product search (:func:`repsim.similarity.neighbors.nearest`) with ``backend``
+    ``torch`` (on the memory's device), ``faiss`` (an index on the host, built from the memory each
+    call) or ``auto``: FAISS for a memory on the CPU, where it was 1.3-2.2x faster than torch from
+    1024 x 4096 to 4096 x 65536 anchors x entries (``benchmarks/sop_cost.py``), torch on a GPU.
     """
     if k >= len(memory):
         raise ValueError(f"{k} support embeddings need more than {len(memory)} memory entries")
-    if backend not in ("auto", "torch", "faiss"):
-        raise ValueError(f"unknown nearest-support backend {backend!r}; use auto, torch or faiss")
-    if backend == "faiss" or (backend == "auto" and memory.device.type == "cpu"):
-        return _faiss_supports(anchors, anchor_ids, memory, memory_ids, k)
-    scores, rows = [], []
-    for chunk, chunk_ids in zip(anchors.split(ANCHOR_CHUNK), anchor_ids.split(ANCHOR_CHUNK)):
-        similarity = chunk @ memory.T
-        similarity.masked_fill_(chunk_ids[:, None] == memory_ids[None, :], float("-inf"))
-        top = similarity.topk(k, dim=1)
-        scores.append(top.values)
-        rows.append(top.indices)
-    return torch.cat(scores), torch.cat(rows)
-
-
-def _faiss_supports(anchors: torch.Tensor, anchor_ids: torch.Tensor, memory: torch.Tensor,
-                    memory_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`nearest_supports` by FAISS: the k + 1 nearest, less the anchor itself (else the last)."""
-    from repsim.similarity.neighbors import require_faiss
-
-    faiss = require_faiss()
-
-    def host(x: torch.Tensor) -> np.ndarray:
-        return x.detach().to("cpu", torch.float32).contiguous().numpy()
-
-    index = faiss.IndexFlatIP(memory.shape[1])
-    index.add(host(memory))
-    found_scores, found_rows = (torch.from_numpy(found).to(memory.device)
-                                for found in index.search(host(anchors), k + 1))
-    itself = (memory_ids[found_rows] == anchor_ids[:, None]).to(torch.int8)
-    kept = itself.argsort(dim=1, stable=True)[:, :k]  # the others first, in their order
-    return found_scores.gather(1, kept).to(memory.dtype), found_rows.gather(1, kept)
+    if backend not in ("auto", *BACKENDS):
+        raise ValueError(f"unknown nearest-support backend {backend!r}; use auto, {', '.join(BACKENDS)}")
+    if backend == "auto":
+        backend = "faiss" if memory.device.type == "cpu" else "torch"
+    rows, scores = nearest(anchors, memory, k, "ip", (anchor_ids, memory_ids), backend, use_gpu=False)
+    return scores, rows
 
 
 def build_sops(anchors: torch.Tensor, anchor_ids: torch.Tensor, memory: torch.Tensor, memory_ids: torch.Tensor,

@@ -1,16 +1,25 @@
-"""Nearest-neighbor lists with FAISS: exact (flat), IVF-Flat, IVF-PQ or HNSW; on the GPU when FAISS has one.
+"""Nearest neighbors, the library's one search engine: exact top-k with torch, or FAISS indexes.
 
-:func:`knn` is the entry point: ``knn(base, k)`` gives every row of ``base`` its k nearest other
-rows; ``queries`` searches other points against ``base``; ``subset`` restricts the candidates to
-some rows of ``base`` (e.g. only unpaired points). Results are (Q, k) int64 ids into ``base`` and
-(Q, k) float32 scores, best first: cosine similarity (``metric="cosine"``), inner product
-(``"ip"``), both descending, or squared L2 distance (``"l2"``), ascending. Ids are -1 where an
-approximate index found fewer than k candidates.
+Scores are cosine similarity (``metric="cosine"``) or inner product (``"ip"``), both descending,
+or squared L2 distance (``"l2"``), ascending; results are nearest first.
 
-Memory. ``base`` may be a memory-mapped ``.npy`` of any float dtype: it is read ``chunk_size`` rows
-at a time, IVF indexes are trained on a seeded sample, queries are searched in chunks, and ``out``
-writes the lists straight into memory-mapped ``.npy`` files, so nothing of size N × D or Q × k need
-fit in memory besides the index itself. Sizing, with 4-byte floats and 8-byte ids:
+- :func:`exact_search`: the exact k nearest keys of every query, over torch tensors or numpy
+  arrays, on the keys' device (or ``device``), chunked over queries and keys so that memory stays
+  bounded however large both sets are; equal scores keep the lower key row first; ``exclude``
+  leaves out of each query's list the keys that carry its id (itself). :func:`nearest` gives its
+  whole result, or that of an exact FAISS index (``backend="faiss"``). The kNN evaluation, mAP@R,
+  SOP's supports and ASIF search with these.
+- :func:`knn`: FAISS lists, exact (flat), IVF-Flat, IVF-PQ or HNSW, on the GPU when FAISS has one,
+  for large or memory-mapped sets (the neighbor stage, GeRA's neighborhoods). ``knn(base, k)``
+  gives every row of ``base`` its k nearest other rows; ``queries`` searches other points against
+  ``base``; ``subset`` restricts the candidates to some rows of ``base`` (e.g. only unpaired
+  points). Results are (Q, k) int64 ids into ``base`` and (Q, k) float32 scores. Ids are -1 where
+  an approximate index found fewer than k candidates.
+
+Memory in :func:`knn`. ``base`` may be a memory-mapped ``.npy`` of any float dtype: it is read
+``chunk_size`` rows at a time, IVF indexes are trained on a seeded sample, queries are searched in
+chunks, and ``out`` writes the lists straight into memory-mapped ``.npy`` files, so nothing of size
+N × D or Q × k need fit in memory besides the index itself. Sizing, with 4-byte floats and 8-byte ids:
 
 - 10M × 384 on a 24 GB machine: a flat index holds the vectors (15.4 GB) and an exact search of
   every row is 10M × 10M dot products (hours on CPU). Use ``index="ivfpq"``: with the default
@@ -32,15 +41,21 @@ FAISS is imported on first use, so the rest of the library works where it is abs
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 from repsim.errors import SimilarityError
 
 INDEX_KINDS = ("flat", "ivf", "ivfpq", "hnsw")
 METRICS = ("cosine", "ip", "l2")
+BACKENDS = ("torch", "faiss")
+QUERY_CHUNK = 1024  # queries of an exact search at a time
+KEY_CHUNK = 32768  # keys scored at a time: with QUERY_CHUNK, 128 MB of float32 scores
 IDS_FILE = "neighbor_ids.npy"
 SCORES_FILE = "neighbor_scores.npy"
 MIN_POINTS_PER_LIST = 39  # fewer training points per IVF list and FAISS warns of poor centroids
@@ -137,9 +152,9 @@ def build_index(points: np.ndarray, kind: str = "flat", metric: str = "cosine", 
     halves a GPU index's memory. Index position i is ``rows[i]`` (or row i).
     """
     faiss = require_faiss()
-    if kind not in INDEX_KINDS or metric not in METRICS:
-        raise SimilarityError(f"unknown index {kind!r} / metric {metric!r}",
-                              f"index is one of {', '.join(INDEX_KINDS)}; metric one of {', '.join(METRICS)}")
+    if kind not in INDEX_KINDS:
+        raise SimilarityError(f"unknown index {kind!r}", f"index is one of {', '.join(INDEX_KINDS)}")
+    _check_metric(metric)
     points = _checked_matrix(points, "points")
     count, dim = (len(points) if rows is None else len(rows)), points.shape[1]
     lists = nlist or default_nlist(count)
@@ -198,7 +213,138 @@ def _resolve_gpu(use_gpu: bool | None, kind: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# Search
+# Exact search with torch
+
+ArrayLike = np.ndarray | torch.Tensor
+
+
+@dataclass(frozen=True)
+class NeighborChunk:
+    """The neighbors of query rows ``start .. start + B - 1``, nearest first."""
+
+    start: int
+    scores: torch.Tensor  # (B, k) in the metric's order; equal scores keep the lower key row first
+    indices: torch.Tensor  # (B, k) int64 key rows
+
+
+def exact_search(queries: ArrayLike, keys: ArrayLike, k: int, metric: str = "cosine",
+                 exclude: tuple[ArrayLike, ArrayLike] | None = None, chunk_size: int = QUERY_CHUNK,
+                 key_chunk_size: int = KEY_CHUNK, device: str | torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> Iterator[NeighborChunk]:
+    """The k nearest keys (N, D) of every query (Q, D), one :class:`NeighborChunk` per ``chunk_size`` queries.
+
+    ``exclude``: query ids (Q,) and key ids (N,); no key is a neighbor of a query with its id (row
+    numbers of one set for both: each point without itself). Runs on ``device`` (default: the keys')
+    in ``dtype`` (default: the keys', at least float32); keys are moved (and normalised for cosine)
+    once, at the call, where the input is checked; at most ``chunk_size × key_chunk_size`` scores
+    exist at a time.
+    """
+    queries, keys = torch.as_tensor(queries), torch.as_tensor(keys)
+    _check_metric(metric)
+    _check_width(queries.shape[-1], keys.shape[-1])
+    _check_k(k, len(keys) - (exclude is not None), exclude is not None, None)
+    device = keys.device if device is None else torch.device(device)
+    query_ids, key_ids = _exclusion(exclude, len(queries), len(keys), device)
+    keys = _prepared(keys.to(device, dtype or torch.promote_types(keys.dtype, torch.float32)), metric)
+    return _exact_chunks(queries, keys, k, metric, query_ids, key_ids, chunk_size, key_chunk_size)
+
+
+def nearest(queries: ArrayLike, keys: ArrayLike, k: int, metric: str = "cosine",
+            exclude: tuple[ArrayLike, ArrayLike] | None = None, backend: str = "torch",
+            use_gpu: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ids (Q, k) int64 and scores (Q, k) of the k nearest keys (N, D) of each query (Q, D), exactly.
+
+    ``backend``: ``torch`` (:func:`exact_search`) or ``faiss`` (a flat :func:`knn` index on the
+    host, or on FAISS's GPU as ``use_gpu`` says; with ``exclude``, k + 1 are searched and each
+    query's own key, else the last, dropped). Either way the results lie on the keys' device, the
+    scores in the keys' dtype (at least float32).
+    """
+    if backend not in BACKENDS:
+        raise SimilarityError(f"unknown search backend {backend!r}", f"use one of {', '.join(BACKENDS)}")
+    if backend == "torch":
+        chunks = list(exact_search(queries, keys, k, metric, exclude))
+        return torch.cat([chunk.indices for chunk in chunks]), torch.cat([chunk.scores for chunk in chunks])
+    keys = torch.as_tensor(keys)
+    query_ids, key_ids = _exclusion(exclude, len(queries), len(keys), torch.device("cpu"))
+    ids, scores = knn(_host(keys), k + (exclude is not None), queries=_host(queries), metric=metric,
+                      exclude_self=False, use_gpu=use_gpu)
+    if exclude is not None:
+        ids, scores = _drop_marked(ids, scores, (key_ids[torch.from_numpy(ids)] == query_ids[:, None]).numpy())
+    dtype = torch.promote_types(keys.dtype, torch.float32)
+    return torch.from_numpy(ids).to(keys.device), torch.from_numpy(scores).to(keys.device, dtype)
+
+
+def _host(x: ArrayLike) -> np.ndarray:
+    return torch.as_tensor(x).detach().to("cpu", torch.float32).contiguous().numpy()
+
+
+def _exclusion(exclude: tuple[ArrayLike, ArrayLike] | None, queries: int, keys: int,
+               device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``exclude``'s query ids (Q,) and key ids (N,) on ``device``, refused unless one per query and key."""
+    if exclude is None:
+        return None, None
+    query_ids, key_ids = (torch.as_tensor(ids, device=device) for ids in exclude)
+    if query_ids.shape != (queries,) or key_ids.shape != (keys,):
+        raise SimilarityError(f"exclude holds ids of shapes {tuple(query_ids.shape)} and {tuple(key_ids.shape)} "
+                              f"for {queries} queries and {keys} keys", "pass one id per query and one per key")
+    return query_ids, key_ids
+
+
+def _prepared(x: torch.Tensor, metric: str) -> torch.Tensor:
+    return F.normalize(x, dim=1) if metric == "cosine" else x
+
+
+def _exact_chunks(queries: torch.Tensor, keys: torch.Tensor, k: int, metric: str, query_ids: torch.Tensor | None,
+                  key_ids: torch.Tensor | None, chunk_size: int, key_chunk_size: int) -> Iterator[NeighborChunk]:
+    for start in range(0, len(queries), chunk_size):
+        chunk = _prepared(queries[start:start + chunk_size].to(keys.device, keys.dtype), metric)
+        chunk_ids = None if query_ids is None else query_ids[start:start + chunk_size]
+        nearness, indices = _top_k(chunk, keys, k, metric, chunk_ids, key_ids, key_chunk_size)
+        yield NeighborChunk(start, nearness if descending(metric) else -nearness, indices)
+
+
+def _top_k(queries: torch.Tensor, keys: torch.Tensor, k: int, metric: str, query_ids: torch.Tensor | None,
+           key_ids: torch.Tensor | None, key_chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(nearness, key rows) (B, k) of prepared queries (B, D) among prepared keys (N, D), nearest first,
+    with a running top-k merge over key chunks."""
+    best = queries.new_empty((len(queries), 0))
+    best_indices = torch.empty((len(queries), 0), dtype=torch.long, device=queries.device)
+    for key_start in range(0, len(keys), key_chunk_size):
+        block = slice(key_start, key_start + key_chunk_size)
+        nearness = _nearness(queries, keys[block], metric)
+        if query_ids is not None:
+            nearness.masked_fill_(query_ids[:, None] == key_ids[None, block], float("-inf"))
+        positions = _top_k_positions(nearness, k)
+        candidates = torch.cat([best, nearness.gather(1, positions)], dim=1)
+        candidate_indices = torch.cat([best_indices, positions + key_start], dim=1)
+        keep = _top_k_positions(candidates, k)
+        best, best_indices = candidates.gather(1, keep), candidate_indices.gather(1, keep)
+    order = best.sort(dim=1, descending=True, stable=True).indices
+    return best.gather(1, order), best_indices.gather(1, order)
+
+
+def _nearness(queries: torch.Tensor, keys: torch.Tensor, metric: str) -> torch.Tensor:
+    """(B, N) scores, larger nearer: products (cosine on unit rows, ip), or negated squared L2 distances."""
+    products = queries @ keys.T
+    if metric != "l2":
+        return products
+    return 2 * products - (queries ** 2).sum(dim=1, keepdim=True) - (keys ** 2).sum(dim=1)
+
+
+def _top_k_positions(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Column positions (B, min(k, W)) of each row's k largest values, ascending; ties keep lower columns."""
+    rows, width = values.shape
+    if width <= k:
+        return torch.arange(width, device=values.device).expand(rows, width)
+    kth = values.topk(k, dim=1).values[:, -1:]
+    above, tied = values > kth, values == kth
+    room = k - above.sum(dim=1, keepdim=True, dtype=torch.int32)
+    take = above | (tied & (tied.cumsum(dim=1, dtype=torch.int32) <= room))
+    return take.nonzero()[:, 1].view(rows, k)
+
+
+# ---------------------------------------------------------------------------------------------
+# Search with FAISS
 
 def knn(base: np.ndarray, k: int, queries: np.ndarray | None = None, index: str = "flat", metric: str = "cosine",
         exclude_self: bool = True, subset: np.ndarray | None = None, rerank: int | None = None,
@@ -221,9 +367,7 @@ def knn(base: np.ndarray, k: int, queries: np.ndarray | None = None, index: str 
     pool = len(base) if rows is None else len(rows)
     skip_self = queries is None and exclude_self
     query_points = base if queries is None else _checked_matrix(queries, "queries")
-    if query_points.shape[1] != base.shape[1]:
-        raise SimilarityError(f"queries have {query_points.shape[1]} dimensions but the base points have "
-                              f"{base.shape[1]}", "embed queries and points with the same model")
+    _check_width(query_points.shape[1], base.shape[1])
     query_rows = rows if queries is None else None
     _check_k(k, pool - skip_self, skip_self, index_options.get("use_gpu"))
     faiss_index = build_index(base, index, metric, rows=rows, chunk_size=chunk_size, progress=progress,
@@ -283,6 +427,17 @@ def _checked_subset(subset: np.ndarray | None, count: int) -> np.ndarray | None:
     return rows.astype(np.int64)
 
 
+def _check_metric(metric: str) -> None:
+    if metric not in METRICS:
+        raise SimilarityError(f"unknown metric {metric!r}", f"metric is one of {', '.join(METRICS)}")
+
+
+def _check_width(queries: int, points: int) -> None:
+    if queries != points:
+        raise SimilarityError(f"queries have {queries} dimensions but the base points have {points}",
+                              "embed queries and points with the same model")
+
+
 def _check_k(k: int, pool: int, skip_self: bool, use_gpu: bool | None) -> None:
     if not 1 <= k <= pool:
         raise SimilarityError(f"cannot find {k} neighbors among {pool}{' other' if skip_self else ''} points",
@@ -304,12 +459,14 @@ def _outputs(count: int, k: int, out: str | Path | None) -> tuple[np.ndarray, np
 
 
 def drop_self(ids: np.ndarray, scores: np.ndarray, own: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(B, k + 1) results -> (B, k): remove each row's own id, else its last result."""
-    dropped = ids == own[:, None]
-    dropped[~dropped.any(axis=1), -1] = True
-    kept = ~dropped
-    width = ids.shape[1] - 1
-    return ids[kept].reshape(-1, width), scores[kept].reshape(-1, width)
+    """(B, k + 1) results -> (B, k): remove each row's own id (``own`` (B,)), else its last result."""
+    return _drop_marked(ids, scores, ids == own[:, None])
+
+
+def _drop_marked(ids: np.ndarray, scores: np.ndarray, marked: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(B, k + 1) results -> (B, k) without each row's one ``marked`` (B, k + 1) entry, else its last."""
+    kept = np.argsort(marked, axis=1, kind="stable")[:, :-1]  # unmarked first, in their order
+    return np.take_along_axis(ids, kept, axis=1), np.take_along_axis(scores, kept, axis=1)
 
 
 def recall_at_k(approx_ids: np.ndarray, exact_ids: np.ndarray, k: int | None = None) -> float:
