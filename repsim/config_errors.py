@@ -16,20 +16,6 @@ from pydantic import BaseModel, ValidationError
 from repsim.errors import SpecError
 
 
-def parse_override(override: str, example: str) -> tuple[list[str], Any]:
-    """The dotted keys and YAML-parsed value of a ``key.sub=value`` override; SpecError in one line
-    (the fix shows ``example``) when it is not of that form or its value is not valid YAML."""
-    name = f"override {override!r}"
-    dotted, separator, text = override.partition("=")
-    keys = dotted.strip().split(".")
-    if not separator or not all(keys):
-        raise SpecError(f"{name} is not of the form key=value", f"write it like {example}")
-    try:
-        return keys, yaml.safe_load(text)
-    except yaml.YAMLError:
-        raise SpecError(f"{name}: the value is not valid YAML", "quote it or fix its syntax") from None
-
-
 def read_yaml_mapping(path: Path, kind: str, example: str) -> dict[str, Any]:
     """The YAML mapping in the ``kind`` file at ``path`` (e.g. "data spec"); SpecError in one line when
     the file cannot be read as text (see :func:`read_text`), is not valid YAML, or its top level is not

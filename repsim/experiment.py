@@ -20,7 +20,6 @@ the working directory. Every error is one line naming the file (or the overrides
 from __future__ import annotations
 
 import itertools
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,25 +27,19 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from repsim.config_errors import describe, parse_override, read_yaml_mapping
+from repsim.config_errors import describe
 from repsim.errors import SpecError
 from repsim.eval.linear import DEFAULT_WEIGHT_DECAYS
+from repsim.layering import as_overrides, inline, parse_override, read_layer, resolve_paths, set_dotted
 from repsim.shipped import locate
 from repsim.similarity.neighbors import INDEX_KINDS
 
 MEASURES = ("wup", "path", "lch", "hops")
 SUITES = ("knn", "linear", "map", "diagnostics", "plots")  # those of repsim.eval that need only image features
-
-
-def _resolve(path: Path, info: ValidationInfo) -> Path:
-    """``path`` made absolute against the folder the validation context names (default: the cwd)."""
-    base = Path((info.context or {}).get("base", Path.cwd()))
-    return Path(os.path.normpath(base / path.expanduser()))
-
-
-ResolvedPath = Annotated[Path, AfterValidator(_resolve)]
+PATH_FIELDS = ("data", "stages.*.methods.*.config", "stages.*.config")  # relative to the experiment's folder
+DEPLOYMENT_PATH_FIELDS = ("deployments.*.experiment",)  # relative to the deployments file's folder
 Settings = dict[str, Any]
 
 
@@ -79,7 +72,7 @@ class PrecomputeSection(_Section):
 class MethodRun(_Strict):
     """One method config to train, with ``settings`` (a nested mapping, like the config's YAML) over it."""
 
-    config: ResolvedPath
+    config: Path
     name: str | None = Field(None, description="label in tables and MLflow; default: the config file's stem")
     settings: Settings = {}
 
@@ -141,7 +134,7 @@ class TrainSection(_Section):
     def overrides(self, run: MethodRun, data: Path) -> list[str]:
         """``--set`` overrides of ``run``'s config: the experiment's data spec, then the shared
         settings, then the run's own."""
-        return [f"data.spec={data}", *dotted(self.settings), *dotted(run.settings)]
+        return [f"data.spec={data}", *as_overrides(self.settings), *as_overrides(run.settings)]
 
 
 class LinearProbeOptions(_Strict):
@@ -171,13 +164,13 @@ class AlignSection(_Section):
     """Align every trained image encoder with caption embeddings (a GeRA config), then classify zero-shot."""
 
     kind: Literal["align"] = "align"
-    config: ResolvedPath = Field(description="alignment config YAML, e.g. configs/gera.yaml")
+    config: Path = Field(description="alignment config YAML, e.g. configs/gera.yaml")
     settings: Settings = {}
 
     def overrides(self, encoder: Path, data: Path) -> list[str]:
         """``--set`` overrides of the alignment config: the experiment's data spec, ``encoder``'s
         image embeddings (a train stage directory), then the section's settings."""
-        return [f"data.spec={data}", "image.type=encoder", f"image.path={encoder}", *dotted(self.settings)]
+        return [f"data.spec={data}", "image.type=encoder", f"image.path={encoder}", *as_overrides(self.settings)]
 
     def needs(self) -> tuple[str, ...]:
         return ("train",)
@@ -195,7 +188,7 @@ class Experiment(_Strict):
     with ``seeds`` and a ``sweep`` grid, once per seed and grid point."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-    data: ResolvedPath = Field(description="data spec YAML")
+    data: Path = Field(description="data spec YAML")
     stages: list[Section] = Field(min_length=1)
     seeds: list[int] = Field([], description="run once per seed (the seeds of SEED_KEYS); results: mean ± std")
     sweep: dict[str, Annotated[list[Any], Field(min_length=1)]] = Field(
@@ -244,7 +237,7 @@ class Member:
     @property
     def point_label(self) -> str:
         """The grid point as ``key=value`` pairs with each key's last part (``target_temperature=0.05``)."""
-        return " ".join(f"{key.rsplit('.', 1)[-1]}={_inline(value)}" for key, value in self.point)
+        return " ".join(f"{key.rsplit('.', 1)[-1]}={inline(value)}" for key, value in self.point)
 
     @property
     def label(self) -> str:
@@ -263,15 +256,11 @@ def expand(experiment: Experiment) -> list[Member]:
 def _member(single: Experiment, point: tuple[tuple[str, Any], ...], seed: int | None) -> Experiment:
     kinds = [section.kind for section in single.stages]
     seeds = [] if seed is None else [f"{kind}.{key}={seed}" for kind in kinds for key in SEED_KEYS.get(kind, ())]
-    sweep = [f"{key}={_inline(value)}" for key, value in point]
+    sweep = [f"{key}={inline(value)}" for key, value in point]
     try:
         return with_overrides(single, [*sweep, *seeds], origin=f"experiment {single.name}")
     except SpecError as err:
         raise SpecError(f"sweep {', '.join(sweep) or f'seed {seed}'}: {err.what}", err.fix) from None
-
-
-def _inline(value: Any) -> str:
-    return yaml.safe_dump(value, default_flow_style=True, width=1 << 16).strip().removesuffix("\n...")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,9 +270,8 @@ def load_experiment(path: str | Path, overrides: Sequence[str] = ()) -> Experime
     """Read the experiment at ``path`` (or the shipped experiment of that name: ``default``) and apply
     ``overrides``; SpecError in one line naming the file (or the overrides), the field and the fix."""
     path = locate(path, "experiment")
-    raw = read_yaml_mapping(path, "experiment", "experiments/default.yaml")
-    experiment = _validate(raw, str(path), path.parent.resolve())
-    return with_overrides(experiment, overrides, origin=str(path))
+    layer = read_layer(path, "experiment", "experiments/default.yaml", PATH_FIELDS)
+    return with_overrides(_validate(layer.values, layer.name), overrides, origin=layer.name)
 
 
 def with_overrides(experiment: Experiment, overrides: Sequence[str], origin: str = "experiment") -> Experiment:
@@ -293,12 +281,12 @@ def with_overrides(experiment: Experiment, overrides: Sequence[str], origin: str
     values = experiment.model_dump(mode="json")
     for override in overrides:
         values = _apply(values, override)
-    return _validate(values, f"{origin} with --set {' '.join(overrides)}", Path.cwd())
+    return _validate(resolve_paths(values, PATH_FIELDS, Path.cwd()), f"{origin} with --set {' '.join(overrides)}")
 
 
-def _validate(values: dict[str, Any], origin: str, base: Path) -> Experiment:
+def _validate(values: dict[str, Any], origin: str) -> Experiment:
     try:
-        return Experiment.model_validate(values, context={"base": base})
+        return Experiment.model_validate(values)
     except ValidationError as err:
         raise SpecError(*describe(err, origin, Experiment)) from None
 
@@ -309,7 +297,7 @@ def _apply(values: dict[str, Any], override: str) -> dict[str, Any]:
     keys, value = parse_override(override, "train.settings.optim.lr=0.01")
     head, *rest = keys
     if head in Experiment.model_fields and head != "stages":
-        return _set(values, keys, value)
+        return set_dotted(values, keys, value)
     kinds = [section["kind"] for section in values["stages"]]
     if head not in kinds:
         raise SpecError(f"{name}: the experiment has no field or section {head!r}",
@@ -321,7 +309,7 @@ def _apply(values: dict[str, Any], override: str) -> dict[str, Any]:
     if head == "train" and rest[0] == "methods" and len(rest) > 2:
         section = {**section, "methods": _set_method(section["methods"], rest[1], rest[2:], value, name)}
     else:
-        section = _set(section, rest, value)
+        section = set_dotted(section, rest, value)
     stages[kinds.index(head)] = section
     return {**values, "stages": stages}
 
@@ -333,24 +321,7 @@ def _set_method(methods: list[dict[str, Any]], label: str, keys: Sequence[str], 
     if label not in labels:
         raise SpecError(f"{name}: the train section has no method labelled {label!r}",
                         f"use one of {', '.join(labels)} (a run's name, else its config's file name)")
-    return [_set(run, keys, value) if run_label == label else run for run, run_label in zip(methods, labels)]
-
-
-def _set(tree: dict[str, Any], keys: Sequence[str], value: Any) -> dict[str, Any]:
-    head, *rest = keys
-    child = tree.get(head)
-    return {**tree, head: _set(child if isinstance(child, dict) else {}, rest, value) if rest else value}
-
-
-def dotted(settings: Settings, prefix: str = "") -> list[str]:
-    """A nested settings mapping as ``key=value`` overrides: ``{"optim": {"lr": 0.1}}`` -> ``["optim.lr=0.1"]``."""
-    flat: list[str] = []
-    for key, value in settings.items():
-        if isinstance(value, dict) and value:
-            flat += dotted(value, f"{prefix}{key}.")
-        else:
-            flat.append(f"{prefix}{key}={_inline(value)}")
-    return flat
+    return [set_dotted(run, keys, value) if run_label == label else run for run, run_label in zip(methods, labels)]
 
 
 def check_experiment(experiment: Experiment) -> list[Member]:
@@ -381,7 +352,7 @@ class DeploymentSpec(_Strict):
     """A deployment of the experiment flow: an experiment file with overrides, and an optional cron schedule."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-    experiment: ResolvedPath
+    experiment: Path
     overrides: list[str] = []
     cron: str | None = Field(None, description='e.g. "0 2 * * *": every night at 02:00')
     timezone: str = "UTC"
@@ -404,9 +375,9 @@ def load_deployments(path: str | Path) -> tuple[list[DeploymentSpec], list[Exper
     """The deployments at ``path`` (or the shipped deployments file of that name: ``deployments``) and,
     for each, its experiment with its overrides (validated)."""
     path = locate(path, "deployments file")
-    raw = read_yaml_mapping(path, "deployments file", "experiments/deployments.yaml")
+    layer = read_layer(path, "deployments file", "experiments/deployments.yaml", DEPLOYMENT_PATH_FIELDS)
     try:
-        specs = Deployments.model_validate(raw, context={"base": path.parent.resolve()}).deployments
+        specs = Deployments.model_validate(layer.values).deployments
     except ValidationError as err:
-        raise SpecError(*describe(err, str(path), Deployments)) from None
+        raise SpecError(*describe(err, layer.name, Deployments)) from None
     return specs, [load_experiment(spec.experiment, spec.overrides) for spec in specs]

@@ -31,6 +31,7 @@ from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BA
 from prefect.runtime import flow_run
 
 from repsim.errors import RepsimError
+from repsim.layering import flatten
 from repsim.models.backbones import ENCODER_FILE
 from repsim.stage import STAGE_FILE, read_record, repsim_home
 from repsim.tasks.settings import mlflow_artifact_location
@@ -41,18 +42,6 @@ SMALL_ARTIFACT_BYTES = 50 * 2**20
 MODEL_FILES = (ENCODER_FILE, STAGE_FILE)  # what a registered encoder carries for repsim to load and key it
 MODEL_URI = "models:/"
 _EXPORTING = threading.Lock()
-
-
-def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists stay values."""
-    flat: dict[str, Any] = {}
-    for name, value in tree.items():
-        dotted = f"{prefix}{name}"
-        if isinstance(value, Mapping) and value:
-            flat.update(flatten(value, f"{dotted}."))
-        else:
-            flat[dotted] = value
-    return flat
 
 
 def numeric_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:

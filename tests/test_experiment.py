@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 
 from repsim.cli import main
 from repsim.errors import SpecError
-from repsim.experiment import TorchrunLaunch, dotted, load_deployments, load_experiment, with_overrides
+from repsim.experiment import TorchrunLaunch, load_deployments, load_experiment, with_overrides
 from repsim.stage import (COMPLETE, INCOMPLETE, LOCKED, Stage, list_outputs, read_record, rebuilding, remove_output,
                           run_stage, unreferenced_outputs)
 
@@ -49,13 +49,6 @@ def test_overrides_address_sections_by_kind_and_reach_every_method_config(tmp_pa
     assert experiment.name == "other" and experiment.data == tmp_path / "spec.yaml"
     assert train.overrides(train.methods[0], experiment.data) == [
         f"data.spec={tmp_path / 'spec.yaml'}", "optim.epochs=2", "optim.lr=0.01"]
-
-
-def test_nested_settings_become_config_overrides():
-    assert dotted({"optim": {"lr": 0.1, "grad_clip": None}, "method": {"similarity": {"type": "wordnet"}},
-                   "data": {"preset_options": {}}, "tags": ["a", "b"]}) == [
-        "optim.lr=0.1", "optim.grad_clip=null", "method.similarity.type=wordnet", "data.preset_options={}",
-        "tags=[a, b]"]
 
 
 @pytest.mark.parametrize(("stages", "overrides", "expected"), [

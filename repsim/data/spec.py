@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from repsim.config_errors import describe, message, model_at, read_yaml_mapping
+from repsim.config_errors import describe, message, model_at
 from repsim.errors import SpecError
+from repsim.layering import read_layer
 from repsim.shipped import locate
 
 FASHION_MNIST_ROOT = Path("/usr/share/datasets/fashion-mnist")
 SYNSET_PATTERN = re.compile(r"^.+\.[nvasr]\.\d{2}$")
+PATH_FIELDS = ("source.root", "source.path", "source.urls")  # relative to the spec's folder
 
 
 class _Strict(BaseModel):
@@ -177,26 +179,13 @@ def load_spec(path: str | Path) -> DataSpec:
     Raises SpecError with one line naming the file, the field and the fix.
     """
     path = locate(path, "data spec")
-    raw = read_yaml_mapping(path, "data spec", "data_specs/fashion-mnist.yaml")
+    layer = read_layer(path, "data spec", "data_specs/fashion-mnist.yaml", PATH_FIELDS)
     try:
-        spec = DataSpec.model_validate(_resolve_paths(raw, path.parent.resolve()))
+        spec = DataSpec.model_validate(layer.values)
     except ValidationError as err:
         raise SpecError(*_describe(err, path)) from None
     _check_paths_exist(spec, path)
     return spec
-
-
-def _resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
-    source = raw.get("source")
-    if not isinstance(source, dict):
-        return raw
-    source = dict(source)
-    for field in ("root", "path"):
-        if isinstance(source.get(field), str):
-            source[field] = str(base / Path(source[field]).expanduser())
-    if isinstance(source.get("urls"), str) and not source["urls"].startswith(("/", "http", "s3:", "gs:", "pipe:")):
-        source["urls"] = str(base / source["urls"])
-    return {**raw, "source": source}
 
 
 def _check_paths_exist(spec: DataSpec, spec_path: Path) -> None:

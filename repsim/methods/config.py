@@ -6,29 +6,28 @@ is replaced whole, so switching a similarity source drops the old source's field
 override is applied in order. Override values are parsed as YAML
 (``optim.lr=0.1``, ``monitor.knn=false``, ``optim.grad_clip=null``). Relative paths resolve against
 the folder of the file that names them; paths given in overrides resolve against the working
-directory. Every error is one line naming the file (or the override), the field and the fix.
+directory (see :mod:`repsim.layering`). Every error is one line naming the file (or the override),
+the field and the fix.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from repsim.config_errors import describe, model_at, parse_override, read_yaml_mapping
+from repsim.config_errors import describe, model_at
 from repsim.data.augment import PRESETS
 from repsim.errors import SpecError
+from repsim.layering import merge_layers, origin, override_layer, read_layer
 from repsim.models.backbones import RESNETS
 from repsim.models.vit import VITS
 from repsim.shipped import locate, packaged
 
 DEFAULTS = "defaults"  # the shipped config under every training config
-TAG_FIELDS = ("type", "name")
-PATH_FIELDS = (("data", "spec"), ("method", "similarity", "path"), ("image", "path"))  # image: alignment configs
+PATH_FIELDS = ("data.spec", "method.similarity.path", "image.path")  # image: alignment configs
 
 
 class _Strict(BaseModel):
@@ -238,81 +237,17 @@ class Config(_Strict):
 # ---------------------------------------------------------------------------------------------
 # Loading
 
-@dataclass(frozen=True)
-class _Layer:
-    """One source of settings: a YAML file or an override, as a nested mapping."""
-
-    name: str
-    values: dict[str, Any]
-
-
 def load_config(path: str | Path, overrides: Sequence[str] = (), defaults: str | None = DEFAULTS,
                 schema: type[BaseModel] = Config) -> Any:
     """Read the config at ``path`` (or the shipped config of that name) merged over the shipped config
     ``defaults`` (None: no defaults), then apply ``overrides`` (``"optim.lr=0.01"``), as a ``schema``
     (default: a training :class:`Config`). Raises SpecError in one line naming file and field."""
     path = locate(path, "config")
-    layers = [_read_layer(packaged("config", defaults))] if defaults is not None else []
-    layers.append(_read_layer(path))
-    layers += [_override_layer(override) for override in overrides]
-    merged: dict[str, Any] = {}
-    for layer in layers:
-        merged = _merge(merged, layer.values)
+    files = [packaged("config", defaults)] if defaults is not None else []
+    layers = [read_layer(file, "config", "configs/simclr.yaml", PATH_FIELDS) for file in [*files, path]]
+    layers += [override_layer(override, "optim.lr=0.01", PATH_FIELDS) for override in overrides]
     try:
-        return schema.model_validate(merged)
+        return schema.model_validate(merge_layers(layers))
     except ValidationError as err:
-        raise SpecError(*describe(err, _origin(err, layers, path, schema), schema)) from None
-
-
-def _read_layer(path: Path) -> _Layer:
-    raw = read_yaml_mapping(path, "config", "configs/simclr.yaml")
-    return _Layer(str(path), _resolve_paths(raw, path.parent.resolve()))
-
-
-def _override_layer(override: str) -> _Layer:
-    keys, value = parse_override(override, "optim.lr=0.01")
-    for key in reversed(keys):
-        value = {key: value}
-    return _Layer(f"override {override!r}", _resolve_paths(value, Path.cwd()))
-
-
-def _resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
-    """``raw`` with each relative path of PATH_FIELDS made absolute against ``base``."""
-    resolved = dict(raw)
-    for fields in PATH_FIELDS:
-        parent = resolved
-        for key in fields[:-1]:
-            if not isinstance(parent.get(key), dict):
-                break
-            parent[key] = dict(parent[key])
-            parent = parent[key]
-        else:
-            if isinstance(parent.get(fields[-1]), str):
-                parent[fields[-1]] = os.path.normpath(base / Path(parent[fields[-1]]).expanduser())
-    return resolved
-
-
-def _merge(base: Any, update: Any) -> Any:
-    """``update`` over ``base``: mappings merge key by key unless their ``type``/``name`` differs."""
-    if not (isinstance(base, dict) and isinstance(update, dict)):
-        return update
-    if any(key in base and key in update and base[key] != update[key] for key in TAG_FIELDS):
-        return update
-    return {**base, **{key: _merge(base.get(key), value) for key, value in update.items()}}
-
-
-def _origin(err: ValidationError, layers: list[_Layer], path: Path, schema: type[BaseModel] = Config) -> str:
-    """The last layer that set the field of the first error (the config file when none did)."""
-    _, field = model_at(schema, err.errors()[0]["loc"])
-    for layer in reversed(layers):
-        if _sets(layer.values, field):
-            return layer.name
-    return str(path)
-
-
-def _sets(values: Any, field: tuple[str, ...]) -> bool:
-    for key in field:
-        if not isinstance(values, dict) or key not in values:
-            return False
-        values = values[key]
-    return True
+        _, field = model_at(schema, err.errors()[0]["loc"])
+        raise SpecError(*describe(err, origin(layers, field) or str(path), schema)) from None

@@ -1,0 +1,150 @@
+"""Config layering: YAML files and ``key.sub=value`` overrides as nested mappings, merged in order.
+
+A :class:`Layer` is one source of settings (a YAML file, one override) with the name errors give it.
+Layers merge in order, the later winning key by key (:func:`merge`). Override values parse as YAML
+(``optim.lr=0.1``, ``monitor.knn=false``, ``tags=[a, b]``, ``optim.grad_clip=null``), and
+:func:`as_overrides` writes a nested mapping back as overrides that parse to it. Path fields are
+dotted names (``*`` steps into every item of a list); their relative paths resolve against the
+folder of the file that names them, or, in overrides, against the working directory.
+Pydantic validates the merged mapping; the caller names the layer an error came from (:func:`origin`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from repsim.config_errors import read_yaml_mapping
+from repsim.errors import SpecError
+
+TAG_FIELDS = ("type", "name")  # a mapping whose tag changes is replaced whole, not merged
+_KEPT = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://|pipe:)")  # URLs and webdataset pipes are no paths to resolve
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One source of settings: its name in errors (the file, ``override '...'``) and its nested values."""
+
+    name: str
+    values: dict[str, Any]
+
+
+def read_layer(path: Path, kind: str, example: str, paths: Iterable[str] = ()) -> Layer:
+    """The ``kind`` YAML file at ``path`` as a layer, its ``paths`` resolved against its folder;
+    SpecError in one line when it is no YAML mapping (the fix points at ``example``)."""
+    values = read_yaml_mapping(path, kind, example)
+    return Layer(str(path), resolve_paths(values, paths, path.parent.resolve()))
+
+
+def override_layer(override: str, example: str, paths: Iterable[str] = ()) -> Layer:
+    """One ``key.sub=value`` override as a layer, its ``paths`` resolved against the working directory."""
+    keys, value = parse_override(override, example)
+    return Layer(f"override {override!r}", resolve_paths(set_dotted({}, keys, value), paths, Path.cwd()))
+
+
+def parse_override(override: str, example: str) -> tuple[list[str], Any]:
+    """The dotted keys and YAML-parsed value of a ``key.sub=value`` override; SpecError in one line
+    (the fix shows ``example``) when it is not of that form or its value is not valid YAML."""
+    name = f"override {override!r}"
+    dotted, separator, text = override.partition("=")
+    keys = dotted.strip().split(".")
+    if not separator or not all(keys):
+        raise SpecError(f"{name} is not of the form key=value", f"write it like {example}")
+    try:
+        return keys, yaml.safe_load(text)
+    except yaml.YAMLError:
+        raise SpecError(f"{name}: the value is not valid YAML", "quote it or fix its syntax") from None
+
+
+def merge_layers(layers: Iterable[Layer]) -> dict[str, Any]:
+    """The values of ``layers`` merged in order (see :func:`merge`)."""
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        merged = merge(merged, layer.values)
+    return merged
+
+
+def merge(base: Any, update: Any) -> Any:
+    """``update`` over ``base``: mappings merge key by key unless a TAG_FIELDS value differs
+    (then ``update`` replaces ``base`` whole); anything else is replaced."""
+    if not (isinstance(base, dict) and isinstance(update, dict)):
+        return update
+    if any(key in base and key in update and base[key] != update[key] for key in TAG_FIELDS):
+        return update
+    return {**base, **{key: merge(base.get(key), value) for key, value in update.items()}}
+
+
+def origin(layers: Sequence[Layer], field: Sequence[str]) -> str | None:
+    """The name of the last layer that sets ``field`` (its keys), None when none does."""
+    return next((layer.name for layer in reversed(layers) if _sets(layer.values, field)), None)
+
+
+def _sets(values: Any, field: Sequence[str]) -> bool:
+    for key in field:
+        if not isinstance(values, dict) or key not in values:
+            return False
+        values = values[key]
+    return True
+
+
+def set_dotted(tree: dict[str, Any], keys: Sequence[str], value: Any) -> dict[str, Any]:
+    """A copy of ``tree`` with ``value`` at ``keys``; what lies on the way and is no mapping becomes one."""
+    head, *rest = keys
+    child = tree.get(head)
+    return {**tree, head: set_dotted(child if isinstance(child, dict) else {}, rest, value) if rest else value}
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists and empty mappings stay values."""
+    flat: dict[str, Any] = {}
+    for name, value in tree.items():
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten(value, f"{prefix}{name}."))
+        else:
+            flat[f"{prefix}{name}"] = value
+    return flat
+
+
+def as_overrides(tree: Mapping[str, Any]) -> list[str]:
+    """A nested mapping as the ``key=value`` overrides that set it: ``{"optim": {"lr": 0.1}}`` ->
+    ``["optim.lr=0.1"]``."""
+    return [f"{key}={inline(value)}" for key, value in flatten(tree).items()]
+
+
+def inline(value: Any) -> str:
+    """``value`` as one line of YAML that parses back to it: ``[a, b]``, ``null``, ``'yes'``."""
+    return yaml.safe_dump(value, default_flow_style=True, width=1 << 16).strip().removesuffix("\n...")
+
+
+def resolve_paths(tree: Any, fields: Iterable[str], base: Path) -> Any:
+    """A copy of ``tree`` with the relative path (a string) at each dotted field made absolute
+    against ``base`` (see :func:`resolve_path`); ``*`` steps into every item of a list, and fields
+    that are absent or no string stay as they are."""
+    for field in fields:
+        tree = _resolve_at(tree, field.split("."), base)
+    return tree
+
+
+def _resolve_at(node: Any, keys: list[str], base: Path) -> Any:
+    if not keys:
+        return resolve_path(node, base) if isinstance(node, str) else node
+    head, *rest = keys
+    if head == "*":
+        return [_resolve_at(item, rest, base) for item in node] if isinstance(node, list) else node
+    if isinstance(node, dict) and head in node:
+        return {**node, head: _resolve_at(node[head], rest, base)}
+    return node
+
+
+def resolve_path(path: str, base: Path) -> str:
+    """``path`` (``~`` expanded) made absolute against ``base`` and normalised; URLs
+    (``scheme://...``) and ``pipe:`` commands unchanged."""
+    if _KEPT.match(path):
+        return path
+    return os.path.normpath(base / os.path.expanduser(path))
