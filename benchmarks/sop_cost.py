@@ -36,7 +36,8 @@ from repsim.losses import DINOLoss, IBOTPatchLoss, MaskedSOPLoss, SOPLoss
 from repsim.losses.sop import nearest_supports
 from repsim.methods.config import ModelConfig
 from repsim.methods.dino import Dino, Prototypes
-from repsim.methods.sop import SOP, SOPBank, SelfDistillation, projection_head
+from repsim.methods.self_distillation import SelfDistillation, projection_head
+from repsim.methods.sop import SOP, SOPBank
 from repsim.models import vit
 
 RESULTS = Path(__file__).parent / "results" / "sop_cost.md"

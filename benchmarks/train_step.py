@@ -43,7 +43,8 @@ from repsim.device import cpu_plan, resolve_device, torch_threads
 from repsim.experiment import load_experiment
 from repsim.losses import NTXentLoss, XCLRLoss
 from repsim.methods.config import Config, load_config
-from repsim.methods.stage import JsonlMetrics, method_module, prepare, train_loader
+from repsim.methods.registry import method_spec
+from repsim.methods.stage import JsonlMetrics, prepare, train_loader
 from repsim.methods.train import Batch, Method, Trainer, autocast, autocast_dtype, to_device
 
 REPO = Path(__file__).resolve().parents[1]
@@ -174,7 +175,7 @@ def measure(config: Config, rounds: int, held: int, steps: int | None,
     data, _ = prepare(config)
     plan = cpu_plan(device, config.optim.num_workers, config.optim.threads)
     torch.manual_seed(config.optim.seed)
-    base = method_module(config.method.name).build(config, data).to(device)
+    base = method_spec(config.method.name).build(config, data).to(device)
     loader = train_loader(config, data, device, plan.workers)
     batches = [to_device(batch, device, config.optim.channels_last) for _, batch in zip(range(held), loader)]
     steps = min(steps or len(loader), len(loader))

@@ -16,7 +16,7 @@ from repsim.losses.dino import DINOLoss, cross_view_cross_entropy
 from repsim.losses.ibot import IBOTPatchLoss
 from repsim.methods.config import ModelConfig, load_config
 from repsim.methods.dino import Dino, Prototypes
-from repsim.methods.sop import projection_head
+from repsim.methods.self_distillation import projection_head
 from repsim.methods.stage import train
 from repsim.models import vit
 

@@ -1,4 +1,4 @@
-"""Experiment configs, the methods (X-CLR, SimCLR, SupCon, CLIP) and the train stage, on a small
+"""Experiment configs, the methods and their registry, and the train stage, on a small
 Animal-MNIST subset: 4 classes x 40 silhouettes (28×28), 128 train / 32 test samples."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
+from pydantic import TypeAdapter
 from animals import CLASSES, animal_shards
 import torch
 import torch.multiprocessing as mp
@@ -24,9 +25,12 @@ from repsim.data.sharding import ShardResult
 from repsim.data.spec import load_spec
 from repsim.errors import SpecError
 from repsim.losses import XCLRLoss
-from repsim.methods.config import Config, LabelsSimilarity, load_config
-from repsim.methods.stage import file_digest, method_module, train, train_stage_of, training_data
-from repsim.methods.train import init_distributed
+from repsim.methods import registry
+from repsim.methods.config import Config, LabelsSimilarity, MethodConfig, load_config
+from repsim.methods.registry import method_spec, register
+from repsim.methods.stage import (TrainingData, Upstream, file_digest, prepare, train, train_stage_of,
+                                  training_data)
+from repsim.methods.train import Method, init_distributed
 from repsim.methods.xclr import similarity_source, upstream
 from repsim.models import load_encoder
 from repsim.stage import repsim_home
@@ -137,7 +141,7 @@ def test_xclr_loss_is_the_xclr_loss_of_its_embeddings_and_the_same_label_matrix(
     spec, shards = animals
     config = tiny_config(spec, {"name": "xclr", "temperature": 0.2, "target_temperature": 0.3,
                                 "similarity": {"type": "labels"}})
-    method = method_module("xclr").build(config, training_data(config, load_spec(spec), shards))
+    method = method_spec("xclr").build(config, training_data(config, load_spec(spec), shards))
     batch = first_batch(shards)
     outputs = method.training_step(batch)
     z1, z2 = method.project_views(batch)
@@ -200,18 +204,50 @@ def test_xclr_wires_the_configured_similarity_source(animals, tmp_path, kind):
     torch.testing.assert_close(got, expected.float(), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("method", [{"name": "simclr"}, {"name": "supcon"}, {"name": "clip", "text_hidden_dim": 16}])
-def test_baselines_take_a_training_step(animals, method):
+ACCEPTED_METHODS = list(TypeAdapter(MethodConfig).json_schema()["discriminator"]["mapping"])
+SETTINGS = {"xclr": {"similarity": {"type": "labels"}}, "clip": {"text_hidden_dim": 16}}
+TINY_VIT = {"backbone": "vit_tiny", "patch_size": 7, "depth": 1}
+
+
+@pytest.mark.parametrize("name", ACCEPTED_METHODS)
+def test_every_method_the_config_accepts_is_registered_and_takes_a_training_step(animals, name):
     spec, shards = animals
-    config = tiny_config(spec, method)
-    data = training_data(config, load_spec(spec), shards)
-    plan = getattr(method_module(method["name"]), "upstream", lambda *_: None)(config, data)
-    if plan is not None:
-        data = replace(data, upstream=plan.run())
-    model = method_module(method["name"]).build(config, data)
+    vit = {"model": TINY_VIT} if name in ("sop", "dino", "ibot") else {}
+    config = tiny_config(spec, {"name": name, **SETTINGS.get(name, {})}, **vit)
+    data, _ = prepare(config, shards, progress=False)  # the method's upstream stage run
+    model = method_spec(name).build(config, data)
     outputs = model.training_step(first_batch(shards, 8))
     outputs["loss"].backward()
-    assert torch.isfinite(outputs["loss"]) and model.encoder.conv1.weight.grad is not None
+    assert isinstance(model, Method) and torch.isfinite(outputs["loss"])
+    assert all(p.grad is not None for p in model.encoder.parameters() if p.requires_grad)
+
+
+def test_a_method_registered_outside_the_library_is_found_by_the_train_stage(animals, monkeypatch):
+    spec, shards = animals
+    monkeypatch.setattr(registry, "_methods", dict(registry._methods))  # registered for this test only
+    produced = object()
+
+    def toy_upstream(config: Config, data: TrainingData) -> Upstream:
+        return Upstream(f"toy-input-{data.image_size}", lambda: produced)
+
+    @register("toy", upstream=toy_upstream)
+    def build(config: Config, data: TrainingData) -> Method:
+        return method_spec("simclr").build(config, data)
+
+    simclr = tiny_config(spec, {"name": "simclr"})
+    toy = simclr.model_copy(update={"method": simclr.method.model_copy(update={"name": "toy"})})
+    data, upstream = prepare(toy, shards, progress=False)
+    assert upstream.key == "toy-input-28" and data.upstream is produced
+    assert method_spec("toy").build is build
+    assert prepare(simclr, shards, progress=False)[1] is None  # a method without upstream
+
+
+def test_an_unknown_method_name_is_one_line_naming_the_known_methods():
+    with pytest.raises(SpecError) as raised:
+        method_spec("xclrr")
+    assert str(raised.value) == ("method.name is 'xclrr', which is not known; use one of "
+                                 + ", ".join(repr(name) for name in registry.shipped()))
+    assert sorted(registry.shipped()) == sorted(ACCEPTED_METHODS)
 
 
 @pytest.mark.parametrize("method, needs", [({"name": "supcon"}, "SupCon"),
@@ -222,7 +258,7 @@ def test_label_methods_refuse_unlabelled_data(animals, method, needs):
     data = training_data(config, load_spec(spec), shards)
     unlabelled = replace(data, spec=data.spec.model_copy(update={"classes": None}))
     with pytest.raises(SpecError, match=f"{needs} needs labelled data"):
-        method_module(method["name"]).build(config, unlabelled)
+        method_spec(method["name"]).build(config, unlabelled)
 
 
 # ---------------------------------------------------------------------------------------------

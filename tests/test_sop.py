@@ -17,7 +17,8 @@ from repsim.data.sharding import ShardResult, shard
 from repsim.errors import SpecError
 from repsim.losses.sop import MaskedSOPLoss, SOPLoss, build_sops, cross_entropy, nearest_supports
 from repsim.methods.config import Config, ModelConfig, OptimConfig, load_config
-from repsim.methods.sop import SOP, Memory, SOPBank, projection_head, teacher_momentum
+from repsim.methods.self_distillation import Memory, projection_head, teacher_momentum
+from repsim.methods.sop import SOP, SOPBank
 from repsim.methods.stage import train
 from repsim.methods.train import Trainer, seed_everything
 from repsim.models import load_encoder, vit

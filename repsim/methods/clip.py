@@ -16,6 +16,7 @@ from torch import nn
 from repsim.losses import ClipLoss
 from repsim.methods.config import Config
 from repsim.methods.contrastive import backbone_and_projection
+from repsim.methods.registry import register
 from repsim.methods.stage import TrainingData, Upstream
 from repsim.methods.train import Batch, Method
 from repsim.models import ProjectionMLP
@@ -54,6 +55,7 @@ def upstream(config: Config, data: TrainingData) -> Upstream:
     return Upstream(embed_captions_stage_of(data.shards, model).key, partial(embed_captions_stage, data.shards, model))
 
 
+@register("clip", upstream=upstream)
 def build(config: Config, data: TrainingData) -> CLIP:
     method = config.method
     text_embeddings = np.load(data.upstream.path / EMBEDDINGS_FILE, mmap_mode="r")

@@ -1,11 +1,11 @@
 """The DINO-style baseline (Caron et al., 2021) to SOP: learnable prototypes instead of SOPs.
 
-The same ViT, multi-crop views, projection head and EMA teacher as :mod:`repsim.methods.sop`
-(:class:`~repsim.methods.sop.SelfDistillation`); the unit projection goes through a weight-normalised
-layer of K prototypes, and :class:`~repsim.losses.dino.DINOLoss` matches the student's prototype
-distributions to the centred, sharpened teacher's of the other views. A FIFO memory of the
-teacher's projections serves the collapse diagnostics only. With a patch loss and masking, the same
-class is the iBOT-style baseline of :mod:`repsim.methods.ibot`.
+The same ViT, multi-crop views, projection head and EMA teacher as SOP
+(:class:`~repsim.methods.self_distillation.SelfDistillation`); the unit projection goes through a
+weight-normalised layer of K prototypes, and :class:`~repsim.losses.dino.DINOLoss` matches the
+student's prototype distributions to the centred, sharpened teacher's of the other views. A FIFO
+memory of the teacher's projections serves the collapse diagnostics only. With a patch loss and
+masking, the same class is the iBOT-style baseline of :mod:`repsim.methods.ibot`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from repsim.losses.dino import DINOLoss
 from repsim.losses.ibot import IBOTPatchLoss
 from repsim.losses.sop import mean_assignment_entropy
 from repsim.methods.config import Config
-from repsim.methods.sop import Memory, SelfDistillation, projection_head, vit_backbone
+from repsim.methods.registry import register
+from repsim.methods.self_distillation import Memory, SelfDistillation, projection_head, vit_backbone
 from repsim.methods.stage import TrainingData
 from repsim.methods.train import Batch
 from repsim.models.vit import MaskableViT
@@ -85,6 +86,7 @@ class Dino(SelfDistillation):
                 "prototype_entropy": entropy}
 
 
+@register("dino")
 def build(config: Config, data: TrainingData, **patch_options: object) -> Dino:
     """DINO from ``config``; ``patch_options`` (patch_loss, patch_weight, masking) make it iBOT."""
     method = config.method

@@ -1,7 +1,7 @@
 """The iBOT-style baseline to SOP (Zhou et al., 2022): DINO's [CLS] loss over learnable prototypes
 plus iBOT's masked-patch loss (:class:`~repsim.losses.ibot.IBOTPatchLoss`) through the same head and
 prototypes, the student's global views block-masked as SOP's are. The ViT, views, head and EMA
-teacher are those of :mod:`repsim.methods.sop` and :mod:`repsim.methods.dino`.
+teacher are those of :mod:`repsim.methods.self_distillation` and :mod:`repsim.methods.dino`.
 """
 
 from __future__ import annotations
@@ -10,9 +10,11 @@ from repsim.data.masking import BlockMasking
 from repsim.losses.ibot import IBOTPatchLoss
 from repsim.methods import dino
 from repsim.methods.config import Config
+from repsim.methods.registry import register
 from repsim.methods.stage import TrainingData
 
 
+@register("ibot")
 def build(config: Config, data: TrainingData) -> dino.Dino:
     method = config.method
     patch_loss = IBOTPatchLoss(method.num_prototypes, method.student_temperature, method.patch_teacher_temperature,

@@ -8,6 +8,7 @@ from torch import nn
 from repsim.losses import NTXentLoss
 from repsim.methods.config import Config
 from repsim.methods.contrastive import TwoViewMethod, backbone_and_projection
+from repsim.methods.registry import register
 from repsim.methods.stage import TrainingData
 from repsim.methods.train import Batch
 
@@ -23,5 +24,6 @@ class SimCLR(TwoViewMethod):
         return {"loss": self.loss(*self.project_views(batch))}
 
 
+@register("simclr")
 def build(config: Config, data: TrainingData) -> SimCLR:
     return SimCLR(*backbone_and_projection(config.model, data.channels), config.method.temperature)

@@ -6,7 +6,7 @@ Output (``$REPSIM_HOME/artifacts/train/<key>/`` unless given), besides ``stage.j
 - ``checkpoint.pt``: the final training checkpoint (method, optimizer, progress, RNG states);
 - ``metrics.jsonl``: one JSON object per line, ``{"step", "loss", "lr", ...}`` per step and
   ``{"step", "epoch", "knn_top1_k{k}", ...}`` per epoch.
-- the method's figures of training, if its module has ``write_figures(method, out)`` (X-CLR:
+- the method's figures of training, if it registers ``write_figures`` (X-CLR:
   ``target_similarity.png``, the histogram of the first batches' target similarities).
 
 ``stage.json`` metrics: ``loss`` (mean over the last epoch), ``final_loss`` (last step), ``steps``,
@@ -25,13 +25,11 @@ alongside and return the same output.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -43,6 +41,7 @@ from repsim.data.spec import DataSpec, load_spec
 from repsim.device import cpu_plan, resolve_device, torch_threads
 from repsim.errors import SpecError
 from repsim.methods.config import Config
+from repsim.methods.registry import method_spec
 from repsim.methods.train import (KnnMonitor, LogFn, Method, Trainer, distributed,
                                   init_distributed, is_main_process, seed_everything)
 from repsim.models.backbones import ENCODER_FILE, load_encoder, save_encoder
@@ -83,12 +82,6 @@ class TrainingData:
     @property
     def labelled(self) -> bool:
         return self.spec.classes is not None
-
-
-def method_module(name: str) -> ModuleType:
-    """The module of method ``name``: ``build(config, data) -> Method``, optionally
-    ``upstream(config, data) -> Upstream | None`` and ``write_figures(method, out)``."""
-    return importlib.import_module(f"repsim.methods.{name}")
 
 
 def file_digest(path: Path, field: str) -> str:
@@ -155,8 +148,7 @@ def training_data(config: Config, spec: DataSpec, shards: ShardResult) -> Traini
 
 
 def _upstream(config: Config, data: TrainingData) -> Upstream | None:
-    plan = getattr(method_module(config.method.name), "upstream", None)
-    return plan(config, data) if plan is not None else None
+    return method_spec(config.method.name).upstream(config, data)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,7 +221,8 @@ def _builder(config: Config, data: TrainingData, scratch: Path, log: LogFn | Non
     """``build(out)``: train (resuming from ``scratch``) and write the outputs into ``out`` (None: write nothing)."""
     def build(out: Path | None) -> dict[str, float]:
         seed_everything(config.optim.seed)
-        method: Method = method_module(config.method.name).build(config, data)
+        spec = method_spec(config.method.name)
+        method: Method = spec.build(config, data)
         metrics = JsonlMetrics(scratch / METRICS_FILE)
         plan = cpu_plan(device, config.optim.num_workers, config.optim.threads)
         trainer = Trainer(method, config.optim, train_loader(config, data, device, plan.workers),
@@ -242,16 +235,10 @@ def _builder(config: Config, data: TrainingData, scratch: Path, log: LogFn | Non
         shutil.copyfile(scratch / CHECKPOINT_FILE, out / CHECKPOINT_FILE)
         shutil.copyfile(metrics.path, out / METRICS_FILE)
         save_encoder(method.encoder, out / ENCODER_FILE)
-        _write_figures(config, method, out)
+        spec.write_figures(method, out)
         seen = {"loader_workers": plan.workers, "channels": data.channels, "image_size": data.image_size}
         return summarise(out / METRICS_FILE, trainer.steps_per_epoch) | seen
     return build
-
-
-def _write_figures(config: Config, method: Method, out: Path) -> None:
-    write = getattr(method_module(config.method.name), "write_figures", None)
-    if write is not None:
-        write(method, out)
 
 
 def train_loader(config: Config, data: TrainingData, device: torch.device, workers: int) -> ShardLoader:

@@ -8,6 +8,7 @@ from torch import nn
 from repsim.losses import SupConLoss
 from repsim.methods.config import Config
 from repsim.methods.contrastive import TwoViewMethod, backbone_and_projection, require_labels
+from repsim.methods.registry import register
 from repsim.methods.stage import TrainingData
 from repsim.methods.train import Batch
 
@@ -23,6 +24,7 @@ class SupCon(TwoViewMethod):
         return {"loss": self.loss(*self.project_views(batch), batch["label"])}
 
 
+@register("supcon")
 def build(config: Config, data: TrainingData) -> SupCon:
     require_labels(data.labelled, "SupCon")
     return SupCon(*backbone_and_projection(config.model, data.channels), config.method.temperature)

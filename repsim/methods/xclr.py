@@ -17,13 +17,14 @@ import pyarrow.parquet as pq
 import torch
 from torch import nn
 
-from repsim.plots import histogram_plot
 from repsim.losses import XCLRLoss
 from repsim.losses._pairs import gather_no_grad
 from repsim.methods.config import Config, Similarity
 from repsim.methods.contrastive import TwoViewMethod, backbone_and_projection, require_labels
+from repsim.methods.registry import register
 from repsim.methods.stage import TrainingData, Upstream, file_digest
 from repsim.methods.train import Batch
+from repsim.plots import histogram_plot
 from repsim.similarity.sources import (ClassMatrixSource, EmbeddingSource, GraphSource, LabelSource,
                                        SimilaritySource, load_class_matrix)
 from repsim.similarity.stages import (EMBEDDINGS_FILE, SIMILARITY_FILE, embed_captions_stage,
@@ -107,6 +108,7 @@ def similarity_source(similarity: Similarity, data: TrainingData) -> SimilarityS
     return LabelSource()
 
 
+@register("xclr", upstream=upstream, write_figures=write_figures)
 def build(config: Config, data: TrainingData) -> XCLR:
     method = config.method
     return XCLR(*backbone_and_projection(config.model, data.channels), similarity_source(method.similarity, data),

@@ -1,0 +1,176 @@
+"""What the self-distillation methods share (SOP, and the DINO- and iBOT-style baselines): a student
+ViT with a projection head and its EMA teacher on multi-crop views, block masking of the student's
+global views, and a FIFO :class:`Memory` of teacher embeddings.
+
+Each epoch, :meth:`SelfDistillation.epoch_metrics` reports the effective rank and per-dimension std
+of the memory of teacher embeddings and the mean over the epoch's steps of the normalised entropy
+of the teacher's mean assignment. ``encoder`` is the student's backbone: what the kNN monitor and
+the evaluate stage score.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from abc import abstractmethod
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from repsim.data.masking import BlockMasking
+from repsim.errors import SpecError
+from repsim.eval.diagnostics import effective_rank, embedding_std
+from repsim.losses._pairs import gather_no_grad
+from repsim.methods.config import Config, ModelConfig
+from repsim.methods.stage import TrainingData
+from repsim.methods.train import Batch, Method
+from repsim.models.vit import VITS, MaskableViT, vit
+
+
+class Memory(nn.Module):
+    """A FIFO queue of ``size`` embeddings (D = ``dim``): each enqueue overwrites the oldest entries.
+
+    Buffers (checkpointed with the model): ``entries`` (size, D), ``ids`` (size,) the running number
+    of the embedding each slot holds (-1 while empty) and ``count``, the number ever enqueued. Until
+    the queue is full, the ``filled`` entries are the first slots.
+    """
+
+    def __init__(self, size: int, dim: int):
+        super().__init__()
+        self.register_buffer("entries", torch.zeros(size, dim))
+        self.register_buffer("ids", torch.full((size,), -1, dtype=torch.long))
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+
+    @property
+    def size(self) -> int:
+        return len(self.entries)
+
+    @property
+    def filled(self) -> int:
+        return min(int(self.count), self.size)
+
+    def contents(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(embeddings (filled, D), their ids (filled,))."""
+        return self.entries[:self.filled], self.ids[:self.filled]
+
+    @torch.no_grad()
+    def enqueue(self, embeddings: torch.Tensor, gather: bool = True) -> None:
+        """Append embeddings (n, D), those of every rank in rank order under DDP (when ``gather``)."""
+        embeddings = gather_no_grad(embeddings.detach().contiguous(), gather)
+        arriving = len(embeddings)
+        numbers = self.count + torch.arange(arriving, device=self.count.device)
+        embeddings, numbers = embeddings[-self.size:], numbers[-self.size:]  # more than fit: the newest
+        self.entries[numbers % self.size] = embeddings.to(self.entries.dtype)
+        self.ids[numbers % self.size] = numbers
+        self.count += arriving
+
+
+def teacher_momentum(step: int, total_steps: int, base: float) -> float:
+    """The EMA momentum after ``step`` of ``total_steps``: cosine from ``base`` (step 0) to 1 (the last)."""
+    return 1 - (1 - base) * (math.cos(math.pi * min(step, total_steps) / max(total_steps, 1)) + 1) / 2
+
+
+class Normalize(nn.Module):
+    """Rows scaled to unit length along the last dimension."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.normalize(x, dim=-1)
+
+
+def projection_head(in_dim: int, model: ModelConfig) -> nn.Sequential:
+    """DINO's head: ``projection_layers`` linear maps with GELU between them, to ``projection_dim``,
+    then L2 normalisation. No BatchNorm, so each token is projected on its own."""
+    widths = [in_dim] + [model.projection_hidden_dim] * (model.projection_layers - 1) + [model.projection_dim]
+    layers: list[nn.Module] = []
+    for width_in, width_out in zip(widths, widths[1:]):
+        layers += [nn.Linear(width_in, width_out), nn.GELU()]
+    return nn.Sequential(*layers[:-1], Normalize())
+
+
+class SelfDistillation(Method):
+    """A student (``encoder`` and ``head``), its EMA teacher (``teacher_encoder``, ``teacher_head``,
+    without gradients) and block masking of the student's global views (None: no masking).
+
+    ``embeddings`` is a memory of teacher embeddings whose effective rank and per-dimension std
+    :meth:`epoch_metrics` reports, with the epoch's mean of the entropies passed to
+    :meth:`record_entropy` under the name ``entropy_metric``.
+    """
+
+    entropy_metric = "assignment_entropy"
+
+    def __init__(self, encoder: MaskableViT, head: nn.Module, momentum: float, masking: BlockMasking | None):
+        super().__init__()
+        self.encoder, self.head, self.base_momentum, self.masking = encoder, head, momentum, masking
+        self.teacher_encoder = copy.deepcopy(encoder).requires_grad_(False)
+        self.teacher_head = copy.deepcopy(head).requires_grad_(False)
+        if masking is None:
+            encoder.mask_token.requires_grad_(False)
+        self.register_buffer("entropy_sum", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("entropy_steps", torch.zeros((), dtype=torch.long))
+
+    @property
+    @abstractmethod
+    def embeddings(self) -> Memory:
+        """The memory of teacher embeddings the collapse diagnostics look at."""
+
+    def global_views(self, batch: Batch) -> torch.Tensor:
+        """The two global views stacked (2B, C, H, W)."""
+        if len(batch["views"]) < 2:
+            raise SpecError(f"{type(self).__name__} needs two global views, the augmentation gives "
+                            f"{len(batch['views'])}", "set data.preset to multicrop")
+        return torch.cat(batch["views"][:2])
+
+    def draw_mask(self, images: torch.Tensor) -> torch.Tensor | None:
+        """(N, P) bool patch masks of images (N, C, H, W), or None without masking."""
+        if self.masking is None:
+            return None
+        return self.masking(len(images), self.encoder.patch_grid(*images.shape[-2:])).to(images.device)
+
+    @torch.no_grad()
+    def teacher_tokens(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The teacher's ([CLS] (N, D), patches (N, P, D)) backbone tokens of images (N, C, H, W)."""
+        return self.teacher_encoder.forward_tokens(images)
+
+    def student_tokens(self, batch: Batch, globals_: torch.Tensor,
+                       mask: torch.Tensor | None) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The student's [CLS] tokens, one (B, D) per view (global views masked by ``mask``), and the
+        patch tokens (2B, P, D) of the global views; views of one size go through in one pass."""
+        cls, patches = self.encoder.forward_tokens(globals_, mask)
+        local = batch["views"][2:]
+        if local:
+            cls = torch.cat([cls, self.encoder(torch.cat(local))])
+        return list(cls.chunk(len(batch["views"]))), patches
+
+    @torch.no_grad()
+    def after_optimizer_step(self, step: int, total_steps: int) -> None:
+        momentum = teacher_momentum(step, total_steps, self.base_momentum)
+        for student, teacher in ((self.encoder, self.teacher_encoder), (self.head, self.teacher_head)):
+            torch._foreach_lerp_(list(teacher.parameters()), list(student.parameters()), 1 - momentum)
+
+    def record_entropy(self, entropy: torch.Tensor) -> None:
+        self.entropy_sum += entropy.detach().double()
+        self.entropy_steps += 1
+
+    def epoch_metrics(self) -> dict[str, float]:
+        """``effective_rank`` and ``embedding_std`` of the teacher embeddings in memory and the mean
+        ``entropy_metric`` of the epoch's steps (then reset)."""
+        metrics = {}
+        entries, _ = self.embeddings.contents()
+        if len(entries) >= 2:
+            metrics |= {"effective_rank": effective_rank(entries, device=entries.device),
+                        "embedding_std": embedding_std(entries, device=entries.device)}
+        if int(self.entropy_steps):
+            metrics[self.entropy_metric] = float(self.entropy_sum / self.entropy_steps)
+        self.entropy_sum.zero_()
+        self.entropy_steps.zero_()
+        return metrics
+
+
+def vit_backbone(config: Config, data: TrainingData) -> MaskableViT:
+    """The configured ViT for the data's channels and view size; SpecError for a ResNet."""
+    model = config.model
+    if model.backbone not in VITS:
+        raise SpecError(f"method {config.method.name!r} needs a ViT, but model.backbone is {model.backbone!r}",
+                        f"set model.backbone to one of {', '.join(VITS)}")
+    return vit(model.backbone.removeprefix("vit_"), data.image_size, model.patch_size, model.depth, data.channels)
