@@ -1,7 +1,10 @@
-"""Contrastive losses: against loop references, their stated equivalences, and across DDP ranks."""
+"""Contrastive losses: against loop references, their stated equivalences, and across DDP ranks;
+the usage example of every loss."""
 
+import doctest
 import math
 import os
+import sys
 
 import pytest
 import torch
@@ -9,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from repsim import losses
 from repsim.losses import ClipLoss, NTXentLoss, SupConLoss, XCLRLoss
 
 TINY = 1e-4  # a target temperature small enough to be the tau_s -> 0 limit
@@ -193,3 +197,11 @@ def test_gathered_losses_equal_the_global_batch_loss():
             rows = slice(rank * 6, rank * 6 + 6)
             torch.testing.assert_close(results[rank][name][1], g1[rows])
             torch.testing.assert_close(results[rank][name][2], g2[rows])
+
+
+@pytest.mark.parametrize("name", losses.__all__)
+def test_every_loss_has_a_usage_example_that_runs_to_a_scalar(name):
+    loss = getattr(losses, name)
+    [example] = doctest.DocTestFinder(recurse=False).find(loss, name, module=sys.modules[loss.__module__])
+    assert example.examples and example.examples[-1].want == "torch.Size([])\n"
+    assert doctest.DocTestRunner().run(example).failed == 0

@@ -1,4 +1,4 @@
-"""Losses, one family per file; each a plain ``nn.Module`` with its shapes documented."""
+"""Losses, one family per file; each a plain ``nn.Module`` with its shapes and a usage example documented."""
 
 from repsim.losses.clip import ClipLoss
 from repsim.losses.dino import DINOLoss

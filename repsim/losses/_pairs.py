@@ -32,7 +32,8 @@ class ViewPairs:
     """Cosine logits of this rank's 2B views (rows) against all 2B' views (columns).
 
     Rows are ``[view1; view2]`` of the local batch; columns are ``[view1; view2]`` of the global batch
-    (B' = world size x B). ``row_ids[r]`` is row r's own column, where ``logits`` is -inf.
+    (B' = world size x B). ``row_ids[r]`` is row r's own column, where ``logits`` holds the dtype's
+    most negative value, ``torch.finfo(dtype).min``: a softmax gives it 0 and, unlike -inf, 0 · logit stays 0.
     """
 
     logits: torch.Tensor   # (2B, 2B') = z_r . z_c / temperature, self excluded

@@ -20,6 +20,11 @@ class ClipLoss(nn.Module):
         gather: under DDP, contrast against every rank's pairs.
 
     Shapes: image, text (B, D) embeddings (normalised here). Returns a scalar.
+
+    >>> loss = ClipLoss(temperature=0.07)
+    >>> image, text = torch.randn(8, 32), torch.randn(8, 32)  # B = 8 pairs, D = 32
+    >>> loss(image, text).shape  # a scalar
+    torch.Size([])
     """
 
     def __init__(self, temperature: float = 0.07, learnable: bool = True, max_scale: float = 100.0,

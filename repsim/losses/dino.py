@@ -38,6 +38,11 @@ class DINOLoss(nn.Module):
     call made in training mode.
     """
 
+    >>> loss = DINOLoss(num_prototypes=16)
+    >>> student, teacher = list(torch.randn(3, 4, 16)), list(torch.randn(2, 4, 16))  # views of (B, K) = (4, 16)
+    >>> loss(student, teacher).shape  # a scalar
+    torch.Size([])
+
     def __init__(self, num_prototypes: int, student_temperature: float = 0.1, teacher_temperature: float = 0.04,
                  center_momentum: float = 0.9):
         super().__init__()

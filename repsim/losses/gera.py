@@ -101,6 +101,11 @@ class GeometricLoss(nn.Module):
 
     Shapes: inputs (B, m, D_in) and aligned (B, m, D_out), the same m points per neighborhood in the
     same order (the paired point first). Returns a scalar.
+
+    >>> loss = GeometricLoss(kernel="heat", sigma=1.0)
+    >>> inputs, aligned = torch.randn(4, 6, 32), torch.randn(4, 6, 8)  # B = 4 neighborhoods of m = 6 points
+    >>> loss(inputs, aligned).shape  # a scalar
+    torch.Size([])
     """
 
     def __init__(self, kernel: Kernel = "heat", sigma: float = 1.0, knn_k: int = 5):
@@ -129,6 +134,11 @@ class GeRALoss(nn.Module):
     other rows its sampled unpaired neighbors in its own modality. With m = 1 only InfoNCE is left.
     Returns ``{"loss", "contrastive", "geo_a", "geo_b"}`` scalars; with ``alpha == 0`` the geometric
     terms are still reported (when m > 1) but carry no gradient.
+
+    >>> loss = GeRALoss(alpha=1.0)
+    >>> x, y, fx, gy = torch.randn(4, 6, 32), torch.randn(4, 6, 24), torch.randn(4, 6, 8), torch.randn(4, 6, 8)
+    >>> loss(x, y, fx, gy)["loss"].shape  # B = 4 neighborhoods of m = 6 points: a scalar
+    torch.Size([])
     """
 
     def __init__(self, alpha: float = 1.0, temperature: float = 0.07, learn_temperature: bool = True,

@@ -16,7 +16,13 @@ from repsim.losses.dino import DINOLoss
 class IBOTPatchLoss(DINOLoss):
     """``forward(student, teacher)``: (N, K) prototype logits of the same N masked patches, the
     student's from the masked views and the teacher's from the unmasked ones. 0 when N = 0. The centre
-    moves after each call made in training mode."""
+    moves after each call made in training mode.
+
+    >>> loss = IBOTPatchLoss(num_prototypes=16)
+    >>> student, teacher = torch.randn(10, 16), torch.randn(10, 16)  # N = 10 masked patches, K = 16
+    >>> loss(student, teacher).shape  # a scalar
+    torch.Size([])
+    """
 
     def forward(self, student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if student.shape != teacher.shape or student.ndim != 2:

@@ -14,6 +14,11 @@ class NTXentLoss(nn.Module):
 
     Shapes: z1, z2 (B, D) projections of the two views (normalised here). Returns a scalar.
     ``gather`` contrasts against every rank's views under DDP.
+
+    >>> loss = NTXentLoss(temperature=0.1)
+    >>> z1, z2 = torch.randn(8, 128), torch.randn(8, 128)  # the two views' projections, B = 8, D = 128
+    >>> loss(z1, z2).shape  # a scalar
+    torch.Size([])
     """
 
     def __init__(self, temperature: float = 0.1, gather: bool = False):

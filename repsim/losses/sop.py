@@ -107,7 +107,14 @@ def cross_entropy(target: torch.Tensor, prediction: torch.Tensor) -> torch.Tenso
 
 class SOPLoss(nn.Module):
     """[CLS] loss over SOPs; ``forward(student, teacher, sops)`` with lists of (B, D) unit embeddings,
-    the student's views (global ones first) and the teacher's global views."""
+    the student's views (global ones first) and the teacher's global views.
+
+    >>> memory = torch.nn.functional.normalize(torch.randn(64, 16), dim=1)  # N = 64 teacher embeddings, D = 16
+    >>> sops = build_sops(memory[:8], torch.arange(8), memory, torch.arange(64), support_size=4)  # K = 8 SOPs
+    >>> views = list(torch.nn.functional.normalize(torch.randn(3, 4, 16), dim=-1))  # 3 views, B = 4
+    >>> SOPLoss()(views, views[:2], sops).shape  # a scalar
+    torch.Size([])
+    """
 
     def __init__(self, student_temperature: float = 0.1, teacher_temperature: float = 0.04):
         super().__init__()
@@ -122,7 +129,14 @@ class SOPLoss(nn.Module):
 class MaskedSOPLoss(nn.Module):
     """MIM loss over patch SOPs; ``forward(student, teacher, mask, sops)`` with student and teacher
     patch embeddings (V, P, D) of the same V views and ``mask`` (V, P) bool, True where the student
-    saw the mask token. The mean cross-entropy over masked positions (0 when none is masked)."""
+    saw the mask token. The mean cross-entropy over masked positions (0 when none is masked).
+
+    >>> memory = torch.nn.functional.normalize(torch.randn(64, 16), dim=1)  # N = 64 teacher embeddings, D = 16
+    >>> sops = build_sops(memory[:8], torch.arange(8), memory, torch.arange(64), support_size=4)  # K = 8 SOPs
+    >>> patches, mask = torch.nn.functional.normalize(torch.randn(2, 9, 16), dim=-1), torch.rand(2, 9) < 0.5
+    >>> MaskedSOPLoss()(patches, patches, mask, sops).shape  # V = 2 views of P = 9 patches: a scalar
+    torch.Size([])
+    """
 
     def __init__(self, student_temperature: float = 0.1, teacher_temperature: float = 0.07):
         super().__init__()

@@ -13,6 +13,11 @@ class SupConLoss(nn.Module):
 
     Shapes: z1, z2 (B, D) projections of the two views (normalised here); labels (B,) long.
     Returns a scalar. ``gather`` contrasts against every rank's views under DDP.
+
+    >>> loss = SupConLoss(temperature=0.1)
+    >>> z1, z2, labels = torch.randn(8, 128), torch.randn(8, 128), torch.randint(0, 3, (8,))  # B = 8, D = 128
+    >>> loss(z1, z2, labels).shape  # a scalar
+    torch.Size([])
     """
 
     def __init__(self, temperature: float = 0.1, gather: bool = False):

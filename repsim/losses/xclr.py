@@ -88,6 +88,11 @@ class XCLRLoss(nn.Module):
 
     Shapes: z1, z2 (B, D) projections of the two views (normalised here); similarity (B', B') with
     B' = world size x B when gathering, else B. Returns a scalar.
+
+    >>> loss = XCLRLoss(temperature=0.1, target_temperature=0.1)
+    >>> z1, z2, similarity = torch.randn(8, 128), torch.randn(8, 128), torch.rand(8, 8)  # B = 8, D = 128
+    >>> loss(z1, z2, similarity).shape  # a scalar
+    torch.Size([])
     """
 
     def __init__(self, temperature: float = 0.1, target_temperature: float = 0.1, gather: bool = False):
