@@ -10,7 +10,7 @@ from pydantic import BaseModel
 
 from repsim.data.sharding import MANIFEST
 from repsim.tasks.shard import shard_task
-from repsim.tasks.stage import log_stage
+from repsim.tasks.stage import from_prefect_cache, log_stage, reused
 from repsim.tasks.tracking import Tracker
 
 
@@ -29,8 +29,8 @@ def shard_then_stage(flow_name: str, config: str, overrides: list[str], resolved
         log_stage(tracker, parent, shards.result().path, shards, [shards.result().path / MANIFEST])
         state = stage_task(config, overrides, parent.run_id, return_state=True)
         output = state.result()
-        if state.name == "Cached":  # the task did not run, so it logged nothing
+        if from_prefect_cache(state):  # the task did not run, so it logged nothing
             log_stage(tracker, parent, output.path, state, [output.path / name for name in artifacts])
         parent.log_metrics(output.metrics)
-    return {"key": output.key, "path": str(output.path), "cached": output.cached or state.name == "Cached",
+    return {"key": output.key, "path": str(output.path), "cached": reused(state),
             "metrics": output.metrics}

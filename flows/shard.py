@@ -6,7 +6,7 @@ from prefect import flow
 
 from repsim.errors import SpecError
 from repsim.tasks.shard import shard_task
-from repsim.tasks.stage import log_stage
+from repsim.tasks.stage import log_stage, reused
 from repsim.tasks.tracking import Tracker
 
 
@@ -26,6 +26,6 @@ def shard_flow(specs: list[str], out_dir: str | None = None) -> list[dict]:
             result = state.result()
             log_stage(tracker, parent, result.path, state, artifacts=[result.manifest])
             summaries.append({"spec": spec, "key": result.key, "path": str(result.path),
-                              "cached": result.cached or state.name == "Cached",
+                              "cached": reused(state),
                               "splits": dict(result.splits), "errors": result.errors})
     return summaries

@@ -107,11 +107,22 @@ def current_record(stage: Stage, out: Path) -> dict[str, Any] | None:
     return record if record is not None and record.get("key") == stage.key and is_current(out, record) else None
 
 
+def from_prefect_cache(state: State) -> bool:
+    """Whether Prefect served the task run ``state`` from its cache, so the task did not run."""
+    return state.name == "Cached"
+
+
+def reused(state: State) -> bool:
+    """Whether the finished stage task ``state`` built nothing: Prefect served it from its cache, or
+    the task found the stage's output complete."""
+    return from_prefect_cache(state) or state.result().cached
+
+
 def log_stage(tracker: Tracker, parent: StageRun, path: Path, state: State,
               artifacts: Iterable[Path] = (), label: str | None = None) -> None:
     """Log a finished stage (its ``stage.json`` at ``path``) as a nested run under ``parent``."""
     record = read_record(path)
-    cached = state.name == "Cached" or bool(getattr(state.result(), "cached", False))
+    cached = reused(state)
     with tracker.stage_run(parent.run_id, record["stage"], record["key"], path, label,
                            None if cached else stage_span(record)) as run:
         run.log_stage_output(path, cached, artifacts)
@@ -124,13 +135,13 @@ def track(tracker: Tracker, parent: StageRun, summaries: list[dict], state: Stat
     result. A ``self_logging`` task (train, align) logged its run while it ran, unless Prefect served
     it from its cache."""
     result = state.result()
-    if not self_logging or state.name == "Cached":
+    if not self_logging or from_prefect_cache(state):
         log_stage(tracker, parent, result.path, state,
                   sorted(path for pattern in artifacts for path in result.path.glob(pattern)), label)
     record = read_record(result.path)
     summaries.append({"stage": record["stage"], "detail": ": ".join(filter(None, [label, describe(record)])),
                       "key": result.key, "path": str(result.path),
-                      "cached": result.cached or state.name == "Cached"})
+                      "cached": reused(state)})
     return result
 
 
