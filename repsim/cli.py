@@ -55,8 +55,7 @@ def cmd_precompute(args: argparse.Namespace) -> None:
     summaries = precompute_flow(spec=args.spec, captions=captions, wordnet_measures=measures, neighbors=neighbors,
                                 k=args.k, index=args.index, metric=args.metric, model=args.model,
                                 target_temperature=args.target_temperature)
-    print(_table(["stage", "detail", "cached", "output"], [
-        [s["stage"], s["detail"], "yes" if s["cached"] else "no", s["path"]] for s in summaries]))
+    _print_stages(summaries)
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -78,8 +77,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     _start_orchestration()
     outcome = evaluate_flow(spec=args.spec, encoder=args.encoder, suites=list(suites), knn_k=list(knn_k),
                             batch_size=args.batch_size, device=args.device)
-    print(_table(["stage", "detail", "cached", "output"], [
-        [s["stage"], s["detail"], "yes" if s["cached"] else "no", s["path"]] for s in outcome["stages"]]))
+    _print_stages(outcome["stages"])
     rows = result_rows(json.loads(Path(outcome["results"]).read_text()))
     print()
     print(_table(["suite", "metric", "value"], [[suite, name, f"{value:.4g}"] for suite, name, value in rows]))
@@ -165,15 +163,22 @@ def _print_outcome(outcome: dict) -> None:
     """One row per stage (with how many members share it, when there are several), then the results."""
     from repsim.results import cell
 
-    stages, rows, columns = outcome["stages"], outcome["rows"], outcome["columns"]
-    shared, swept = any(s["members"] > 1 for s in stages), any(row.point for row in rows)
-    print(_table(["stage", "detail", *(["members"] if shared else []), "cached", "output"], [
-        [s["stage"], s["detail"], *([s["members"]] if shared else []), "yes" if s["cached"] else "no", s["path"]]
-        for s in stages]))
+    rows, columns = outcome["rows"], outcome["columns"]
+    swept = any(row.point for row in rows)
+    _print_stages(outcome["stages"])
     print()
     print(_table([*(["grid point"] if swept else []), "method", *columns],
                  [[*([row.point] if swept else []), row.encoder, *(cell(row, name) for name in columns.values())]
                   for row in rows]))
+
+
+def _print_stages(stages: list[dict]) -> None:
+    """One row per stage summary: stage, detail, how many members share it (when any is shared),
+    whether it was cached, and its output."""
+    shared = any(s.get("members", 1) > 1 for s in stages)
+    print(_table(["stage", "detail", *(["members"] if shared else []), "cached", "output"], [
+        [s["stage"], s["detail"], *([s["members"]] if shared else []), "yes" if s["cached"] else "no", s["path"]]
+        for s in stages]))
 
 
 def _print_plan(plan: dict) -> None:

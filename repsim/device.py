@@ -68,6 +68,18 @@ def default_workers(device: torch.device, cores: int) -> int:
     return 0 if cores <= SMALL_CPU else cores // 4
 
 
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size) of the initialised torch.distributed process group, else (0, 1)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def distributed() -> bool:
+    """Whether this process is one rank of several (an initialised process group of world size > 1)."""
+    return rank_and_world()[1] > 1
+
+
 @contextlib.contextmanager
 def torch_threads(threads: int) -> Iterator[None]:
     """Run the block with ``threads`` torch intra-op threads, then restore the previous number."""

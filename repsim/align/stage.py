@@ -50,7 +50,7 @@ from repsim.align.train import (
     save_alignment,
 )
 from repsim.asif import ASIF
-from repsim.data.sharding import ShardResult, shard, shard_stage
+from repsim.data.sharding import ShardResult, sharded, sharded_already
 from repsim.data.spec import DataSpec, load_spec
 from repsim.device import resolve_device
 from repsim.methods.stage import (
@@ -78,7 +78,7 @@ def align_stage_of(config: AlignConfig, shards: ShardResult | str | Path | None 
     """The align stage of ``config`` (and thus its key) without running it. ``shards`` defaults to the
     completed shard output of the config's data spec (StageError if it has not been sharded)."""
     spec = load_spec(config.data.spec)
-    shards = _as_shards(shards) if shards is not None else ShardResult.from_dir(shard_stage(spec).default_dir())
+    shards = sharded_already(spec, shards)
     keys = [embedding_tables_stage_of(shards, config.image, config.text, split, device).key
             for split in (config.data.train_split, config.data.test_split)]
     return _stage(config, *keys)
@@ -87,10 +87,6 @@ def align_stage_of(config: AlignConfig, shards: ShardResult | str | Path | None 
 def _stage(config: AlignConfig, train_key: str, test_key: str) -> Stage:
     return Stage("align", VERSION, config.model_dump(mode="json", exclude=KEY_NEUTRAL),
                  {"train_tables": train_key, "test_tables": test_key})
-
-
-def _as_shards(shards: ShardResult | str | Path) -> ShardResult:
-    return shards if isinstance(shards, ShardResult) else ShardResult.from_dir(shards)
 
 
 def align(config: AlignConfig, out_dir: str | Path | None = None, log: LogFn | None = None,
@@ -105,7 +101,7 @@ def align(config: AlignConfig, out_dir: str | Path | None = None, log: LogFn | N
     of the test split.
     """
     spec = load_spec(config.data.spec)
-    shards = _as_shards(shards) if shards is not None else shard(spec, progress=progress)
+    shards = sharded(spec, shards, progress)
     train_tables, test_tables = (embedding_tables(shards, spec, config.image, config.text, split, device,
                                                   progress=progress)
                                  for split in (config.data.train_split, config.data.test_split))

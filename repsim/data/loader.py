@@ -67,7 +67,7 @@ from torchvision.transforms.v2 import functional as TF
 from repsim.data.augment import Views, make_views
 from repsim.data.batch_augment import BatchViews, make_batch_views
 from repsim.data.sharding import MANIFEST, ShardResult
-from repsim.device import torch_threads
+from repsim.device import rank_and_world, torch_threads
 from repsim.errors import DataError, RepsimError, SpecError
 
 IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp")
@@ -99,7 +99,7 @@ def make_loader(shards: str | Path | ShardResult | Sequence[str | Path], preset:
     """
     urls, manifest_path = resolve_shards(shards, split, manifest)
     shuffle = split == "train" if shuffle is None else shuffle
-    default_rank, default_world_size = distributed_rank()
+    default_rank, default_world_size = rank_and_world()
     rank, world_size = default_rank if rank is None else rank, default_world_size if world_size is None else world_size
     if not 0 <= rank < world_size:
         raise DataError(f"rank {rank} is outside world size {world_size}", "pass 0 <= rank < world_size")
@@ -176,13 +176,6 @@ def peek_image(url: str) -> tuple[int, int]:
         raise DataError(f"shard {url} holds no samples", "re-run the shard stage")
     image = read_image(sample)
     return (1 if image.shape[0] in (1, 2) else 3), min(image.shape[-2:])
-
-
-def distributed_rank() -> tuple[int, int]:
-    """(rank, world size) of torch.distributed when initialised, else (0, 1)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
 
 
 # ---------------------------------------------------------------------------------------------

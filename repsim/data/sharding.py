@@ -76,6 +76,22 @@ class ShardResult:
                    shards={split: [path / name for name in info["shards"]] for split, info in index["splits"].items()},
                    manifest=path / MANIFEST, errors=index["errors"], image_format=index["image_format"])
 
+    @classmethod
+    def of(cls, shards: ShardResult | str | Path) -> ShardResult:
+        """``shards`` itself, or the completed shard output at that path (StageError if it is not one)."""
+        return shards if isinstance(shards, cls) else cls.from_dir(shards)
+
+
+def sharded(spec: DataSpec, shards: ShardResult | str | Path | None = None, progress: bool = True) -> ShardResult:
+    """``shards`` when given (:meth:`ShardResult.of`), else ``spec`` sharded now or found cached."""
+    return ShardResult.of(shards) if shards is not None else shard(spec, progress=progress)
+
+
+def sharded_already(spec: DataSpec, shards: ShardResult | str | Path | None = None) -> ShardResult:
+    """``shards`` when given, else the completed shard output of ``spec``, for planning without running
+    (StageError if it has not been sharded)."""
+    return ShardResult.of(shards if shards is not None else shard_stage(spec).default_dir())
+
 
 def shard(spec: DataSpec | str | Path, out_dir: str | Path | None = None, progress: bool = True) -> ShardResult:
     """Write ``spec``'s samples as WebDataset shards, or return the cached output at once.

@@ -139,7 +139,7 @@ def extract_features(shards: ShardsLike, encoder: str | Path = PIXELS, split: st
     encoder was trained with), in batches of ``batch_size``, without gradients, under bfloat16
     autocast on a GPU. ``device`` defaults to the GPU when there is one.
     """
-    shards, source, device = _shard_result(shards), encoder_source(encoder), resolve_device(device)
+    shards, source, device = ShardResult.of(shards), encoder_source(encoder), resolve_device(device)
     stage = _features_stage(shards, source, split, device, image_size, preset_options)
     return run_stage(stage, lambda tmp: _write_features(shards, source, stage.config, batch_size, device,
                                                         num_workers, progress, tmp), out_dir)
@@ -149,13 +149,13 @@ def features_stage_of(shards: ShardsLike, encoder: str | Path = PIXELS, split: s
                       device: str | torch.device | None = None, image_size: int | None = None,
                       preset_options: Mapping[str, Any] | None = None) -> Stage:
     """The features stage, keyed by the shard key, the encoder's key, the split, view and precision."""
-    return _features_stage(_shard_result(shards), encoder_source(encoder), split, resolve_device(device),
+    return _features_stage(ShardResult.of(shards), encoder_source(encoder), split, resolve_device(device),
                            image_size, preset_options)
 
 
 def check_split(shards: ShardsLike, split: str) -> None:
     """EvalError unless ``shards`` hold at least one sample of ``split``."""
-    shards = _shard_result(shards)
+    shards = ShardResult.of(shards)
     if not shards.splits.get(split):
         raise EvalError(f"the shards at {shards.path} hold no {split!r} samples (splits: "
                         f"{', '.join(f'{name}={count}' for name, count in shards.splits.items())})",
@@ -169,10 +169,6 @@ def _features_stage(shards: ShardResult, source: EncoderSource, split: str, devi
               "preset_options": {**source.view_options, **(preset_options or {})},
               "precision": _precision(source, device)}
     return Stage("features", STAGE_VERSION, config, inputs={"shards": shards.key, "encoder": source.key})
-
-
-def _shard_result(shards: ShardsLike) -> ShardResult:
-    return shards if isinstance(shards, ShardResult) else ShardResult.from_dir(shards)
 
 
 def _write_features(shards: ShardResult, source: EncoderSource, config: dict[str, Any], batch_size: int,
@@ -310,7 +306,7 @@ def evaluate(shards: ShardsLike, encoder: str | Path = PIXELS, suites: Iterable[
              out_dir: str | Path | None = None, progress: bool = True) -> StageOutput:
     """Extract ``encoder``'s features of the train and test splits (cached), then run ``suites`` on
     them (:func:`evaluate_features`). Missing labels or inputs fail before any feature is extracted."""
-    shards = _shard_result(shards)
+    shards = ShardResult.of(shards)
     suites, knn_k = check_evaluation(suites, knn_k, bool(_shard_classes(shards)), text_encoder, captions)
     for split in (train_split, test_split):  # both, before extracting either
         check_split(shards, split)

@@ -9,18 +9,20 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 
+from repsim.device import distributed
+
 
 def gather_with_grad(x: torch.Tensor, gather: bool) -> tuple[torch.Tensor, int]:
     """All ranks' ``x`` (B, ...) concatenated in rank order (B', ...), gradients flowing back to every
     rank, and the offset of this rank's rows. Without an initialised process group: (x, 0)."""
-    if not (gather and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if not (gather and distributed()):
         return x, 0
     return torch.cat(dist_fn.all_gather(x)), dist.get_rank() * x.shape[0]
 
 
 def gather_no_grad(x: torch.Tensor, gather: bool) -> torch.Tensor:
     """All ranks' ``x`` (B, ...) concatenated in rank order, without gradient (labels, sample ids)."""
-    if not (gather and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if not (gather and distributed()):
         return x
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, x.contiguous())

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from repsim.device import distributed
 from repsim.losses._pairs import at_least_float32
 
 
@@ -36,12 +37,12 @@ class DINOLoss(nn.Module):
     ``forward(student, teacher)``: lists of (B, K) logits, the student's views (global ones first)
     and the teacher's global views. The centre (a buffer, so it is checkpointed) moves after each
     call made in training mode.
-    """
 
     >>> loss = DINOLoss(num_prototypes=16)
     >>> student, teacher = list(torch.randn(3, 4, 16)), list(torch.randn(2, 4, 16))  # views of (B, K) = (4, 16)
     >>> loss(student, teacher).shape  # a scalar
     torch.Size([])
+    """
 
     def __init__(self, num_prototypes: int, student_temperature: float = 0.1, teacher_temperature: float = 0.04,
                  center_momentum: float = 0.9):
@@ -71,7 +72,7 @@ class DINOLoss(nn.Module):
         """c ← m·c + (1 − m)·(mean of the teacher logits (N, K) over every rank); no change when no rank
         has any (N may be 0 on some ranks: every rank still joins the reduction)."""
         total, count = at_least_float32(teacher).sum(dim=0), torch.tensor(float(len(teacher)), device=teacher.device)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if distributed():
             dist.all_reduce(total)
             dist.all_reduce(count)
         weight = (count > 0) * (1 - self.center_momentum)  # a tensor: no host sync

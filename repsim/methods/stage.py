@@ -36,14 +36,14 @@ import torch
 import torch.distributed as dist
 
 from repsim.data.loader import ShardLoader, make_loader, peek_image
-from repsim.data.sharding import ShardResult, shard, shard_stage
+from repsim.data.sharding import ShardResult, sharded, sharded_already
 from repsim.data.spec import DataSpec, load_spec
-from repsim.device import cpu_plan, resolve_device, torch_threads
+from repsim.device import cpu_plan, distributed, resolve_device, torch_threads
 from repsim.errors import SpecError
 from repsim.methods.config import Config
 from repsim.methods.registry import method_spec
-from repsim.methods.train import (KnnMonitor, LogFn, Method, Trainer, distributed,
-                                  init_distributed, is_main_process, seed_everything)
+from repsim.methods.train import (KnnMonitor, LogFn, Method, Trainer, init_distributed, is_main_process,
+                                  seed_everything)
 from repsim.models.backbones import ENCODER_FILE, load_encoder, save_encoder
 from repsim.stage import Stage, StageOutput, read_record, repsim_home, run_stage
 
@@ -102,7 +102,7 @@ def train_stage_of(config: Config, shards: ShardResult | str | Path | None = Non
     """The train stage of ``config`` (and thus its key) without training. ``shards`` defaults to the
     completed shard output of the config's data spec (StageError if it has not been sharded)."""
     spec = load_spec(config.data.spec)
-    shards = _as_shards(shards) if shards is not None else ShardResult.from_dir(shard_stage(spec).default_dir())
+    shards = sharded_already(spec, shards)
     data = training_data(config, spec, shards)
     return _stage(config, shards, _upstream(config, data))
 
@@ -131,10 +131,6 @@ def _without(values: dict[str, Any], fields: tuple[tuple[str, ...], ...]) -> dic
         if isinstance(parent, dict):
             parent.pop(path[-1], None)
     return values
-
-
-def _as_shards(shards: ShardResult | str | Path) -> ShardResult:
-    return shards if isinstance(shards, ShardResult) else ShardResult.from_dir(shards)
 
 
 def training_data(config: Config, spec: DataSpec, shards: ShardResult) -> TrainingData:
@@ -180,7 +176,7 @@ def prepare(config: Config, shards: ShardResult | str | Path | None = None,
     """What ``config`` trains on, its upstream stages run (all cached): the spec sharded unless
     ``shards`` is given, and the method's upstream output in ``TrainingData.upstream``."""
     spec = load_spec(config.data.spec)
-    shards = _as_shards(shards) if shards is not None else shard(spec, progress=progress)
+    shards = sharded(spec, shards, progress)
     data = training_data(config, spec, shards)
     upstream = _upstream(config, data)
     if upstream is not None and upstream.run is not None:

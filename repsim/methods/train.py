@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from repsim.data.loader import Batch, ShardLoader
-from repsim.device import resolve_device
+from repsim.device import distributed, resolve_device
 from repsim.errors import RepsimError
 from repsim.eval.knn import knn_accuracy
 from repsim.methods.config import OptimConfig
@@ -159,10 +159,6 @@ def init_distributed(backend: str | None = None) -> tuple[int, int]:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend)
     return dist.get_rank(), dist.get_world_size()
-
-
-def distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def is_main_process() -> bool:

@@ -62,7 +62,7 @@ def embed_captions_stage(shards: ShardResult | str | Path, model: str | Path | N
     ``model``: a local sentence-transformers folder or cached model name (default all-MiniLM-L6-v2).
     Identical captions are embedded once; rows are written straight into a memory-mapped file.
     """
-    shards = _shard_result(shards)
+    shards = ShardResult.of(shards)
     return run_stage(embed_captions_stage_of(shards, model),
                      lambda tmp: _write_embeddings(shards.manifest, model, batch_size, device, progress, tmp),
                      out_dir)
@@ -71,7 +71,7 @@ def embed_captions_stage(shards: ShardResult | str | Path, model: str | Path | N
 def embed_captions_stage_of(shards: ShardResult | str | Path, model: str | Path | None = None) -> Stage:
     """The caption stage of ``shards`` with ``model``: keyed by the shard key and the model's identity."""
     return Stage("captions", STAGE_VERSION, config={"model": text_model_identity(model)},
-                 inputs={"shards": _shard_result(shards).key})
+                 inputs={"shards": ShardResult.of(shards).key})
 
 
 def text_model_identity(model: str | Path | None) -> dict[str, str]:
@@ -85,10 +85,6 @@ def text_model_identity(model: str | Path | None) -> dict[str, str]:
         files = sorted(path for path in folder.resolve().rglob("*") if path.is_file())
         return {"path": str(folder.resolve()), "files": fingerprint_files(files)}
     return {"name": str(model)}
-
-
-def _shard_result(shards: ShardResult | str | Path) -> ShardResult:
-    return shards if isinstance(shards, ShardResult) else ShardResult.from_dir(shards)
 
 
 def _write_embeddings(manifest: Path, model: str | Path | None, batch_size: int, device: str | None,
