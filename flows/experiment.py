@@ -36,15 +36,14 @@ from repsim.results import Row, Score, aggregate, as_columns, headline_metrics, 
 from repsim.similarity.stages import CLASSES_FILE, HEAT_MAP_FILE, SIMILARITY_FILE
 from repsim.stage import StageOutput, rebuilding, verifying
 from repsim.tasks.align import ARTIFACTS as ALIGN_ARTIFACTS
-from repsim.tasks.align import align_task, plan_align
-from repsim.tasks.evaluate import evaluate_task, features_task, plan_evaluate, plan_features
-from repsim.tasks.precompute import (embed_captions_task, neighbors_task, plan_captions, plan_neighbors,
-                                     plan_wordnet, wordnet_task)
-from repsim.tasks.shard import plan_shard, shard_task
-from repsim.tasks.stage import Plan, current_record, track
+from repsim.tasks.align import align_task
+from repsim.tasks.evaluate import evaluate_task, features_task
+from repsim.tasks.precompute import embed_captions_task, neighbors_task, wordnet_task
+from repsim.tasks.shard import shard_task
+from repsim.tasks.stage import current_record, plan_call, track
 from repsim.tasks.tracking import StageRun, Tracker, model_name
 from repsim.tasks.train import ARTIFACTS as TRAIN_ARTIFACTS
-from repsim.tasks.train import plan_train, train_task
+from repsim.tasks.train import train_task
 
 RESULTS_TABLE = "results.json"  # the result table's file among the parent run's artifacts
 
@@ -109,11 +108,6 @@ class Stages:
         return output
 
 
-PLANS: dict[str, Plan] = {"shard": plan_shard, "captions": plan_captions, "wordnet": plan_wordnet,
-                         "neighbors": plan_neighbors, "train": plan_train, "features": plan_features,
-                         "evaluate": plan_evaluate, "align": plan_align}
-
-
 @dataclass
 class Planner:
     """Stands in for :class:`Stages` to plan a run without running it: each distinct call is planned,
@@ -128,18 +122,19 @@ class Planner:
                **kwargs: Any) -> str:
         call = _call(task, args, kwargs)
         if call not in self._outputs:
-            self._outputs[call] = self._plan(task.name, call, label, args, kwargs)
+            self._outputs[call] = self._plan(task, call, label, args, kwargs)
         self._outputs[call][1]["members"] += 1
         return call
 
     def result(self, call: str) -> Any:
         return self._outputs[call][0]
 
-    def _plan(self, name: str, call: str, label: str | None, args: tuple,
+    def _plan(self, task: Task, call: str, label: str | None, args: tuple,
               kwargs: dict[str, Any]) -> tuple[Any, dict]:
         """The call's output (found, or a stand-in for one not built) and its summary."""
+        name = task.name
         try:
-            stage, out = PLANS[name](*args, **kwargs)
+            stage, out = plan_call(task, args, kwargs)
         except (RepsimError, OSError):  # an input is not built yet
             stage, out = None, None
         record = current_record(stage, out) if stage is not None else None

@@ -14,8 +14,7 @@ from repsim.tasks.stage import run_streamed, stage_task
 ARTIFACTS = (RESULTS_FILE, LOSS_PLOT_FILE, METRICS_FILE, ALIGNMENT_FILE)
 
 
-def plan_align(config: str, overrides: list[str], parent_run_id: str | None = None,
-               run_name: str | None = None) -> tuple[Stage, Path]:
+def plan_align(config: str, overrides: list[str]) -> tuple[Stage, Path]:
     """The align stage of a config file with ``--set`` overrides (its shards must exist)."""
     stage = align_stage_of(load_align_config(config, overrides))
     return stage, stage.default_dir()

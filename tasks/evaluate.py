@@ -14,17 +14,17 @@ from repsim.stage import Stage, StageOutput
 from repsim.tasks.stage import stage_task
 
 
-def plan_features(shards_path: str, encoder: str = PIXELS, split: str = "test", batch_size: int = 512,
-                  device: str | None = None, out_dir: str | None = None) -> tuple[Stage, Path]:
-    """The features stage of one split and the directory it writes to (the batch size is not in the key)."""
+def plan_features(shards_path: str, encoder: str = PIXELS, split: str = "test", device: str | None = None,
+                  out_dir: str | None = None) -> tuple[Stage, Path]:
+    """The features stage of one split and the directory it writes to."""
     stage = features_stage_of(shards_path, encoder, split, device)
     return stage, stage.output_dir(out_dir)
 
 
 def plan_evaluate(train_path: str, test_path: str, suites: Sequence[str] = DEFAULT_SUITES,
                   knn_k: Sequence[int] = KNN_K, text_encoder: TextEncoder | None = None,
-                  captions_path: str | None = None, device: str | None = None,
-                  linear_options: dict[str, Any] | None = None, out_dir: str | None = None) -> tuple[Stage, Path]:
+                  captions_path: str | None = None, linear_options: dict[str, Any] | None = None,
+                  out_dir: str | None = None) -> tuple[Stage, Path]:
     """The evaluate stage of two features outputs and the directory it writes to."""
     stage = evaluate_stage_of(train_path, test_path, suites, knn_k, linear_options, text_encoder=text_encoder,
                               captions=captions_path)

@@ -12,10 +12,8 @@ from repsim.stage import Stage, StageOutput
 from repsim.tasks.stage import stage_task
 
 
-def plan_captions(shards_path: str, model: str | None = None, batch_size: int = 256,
-                  out_dir: str | None = None) -> tuple[Stage, Path]:
-    """The caption stage of a shard directory and the directory it writes to (the batch size does not
-    change the output, so it is not part of the key)."""
+def plan_captions(shards_path: str, model: str | None = None, out_dir: str | None = None) -> tuple[Stage, Path]:
+    """The caption stage of a shard directory and the directory it writes to."""
     stage = embed_captions_stage_of(shards_path, model)
     return stage, stage.output_dir(out_dir)
 

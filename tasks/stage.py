@@ -33,7 +33,8 @@ TRANSIENT = (ConnectionError, TimeoutError, httpx.TransportError, requests.Conne
 
 
 def stage_cache_key(plan: Plan) -> Callable[[TaskRunContext, dict[str, Any]], str | None]:
-    """A Prefect ``cache_key_fn`` for a task whose parameters ``plan`` turns into (stage, out_dir).
+    """A Prefect ``cache_key_fn`` for a task whose parameters ``plan`` turns into (stage, out_dir);
+    ``plan`` takes only the task parameters that decide the output, by name.
 
     The key is the stage key and the output directory once that directory is complete and intact, and
     None (no cache) before, while it is being rebuilt (:func:`repsim.stage.rebuilding`) or once it is
@@ -43,7 +44,7 @@ def stage_cache_key(plan: Plan) -> Callable[[TaskRunContext, dict[str, Any]], st
     """
 
     def key(_: TaskRunContext, parameters: dict[str, Any]) -> str | None:
-        stage, out = plan(**parameters)
+        stage, out = _planned(plan, parameters)
         where = hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:12]
         return f"{stage.name}-{stage.key}-{where}" if current_record(stage, out) is not None else None
 
@@ -59,6 +60,7 @@ def stage_task(name: str, plan: Plan) -> Callable[[Callable[..., StageOutput]], 
     def decorate(produce: Callable[..., StageOutput]) -> Task:
         key_of = stage_cache_key(plan)
         signature = inspect.signature(produce)
+        produce.plan = plan  # for plan_call
 
         @functools.wraps(produce)
         def run(*args: Any, **kwargs: Any) -> StageOutput:
@@ -75,6 +77,19 @@ def stage_task(name: str, plan: Plan) -> Callable[[Callable[..., StageOutput]], 
                     retry_delay_seconds=RETRY_DELAYS_S, retry_condition_fn=retry_if_transient)(run)
 
     return decorate
+
+
+def plan_call(stage_task: Task, args: tuple, kwargs: dict[str, Any]) -> tuple[Stage, Path]:
+    """(stage, out_dir) of a call of a :func:`stage_task` with these arguments, without running it."""
+    bound = inspect.signature(stage_task.fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return _planned(stage_task.fn.plan, bound.arguments)
+
+
+def _planned(plan: Plan, parameters: dict[str, Any]) -> tuple[Stage, Path]:
+    """``plan`` of a stage task's parameters: it takes, by name, the ones that decide the output."""
+    wanted = inspect.signature(plan).parameters
+    return plan(**{name: value for name, value in parameters.items() if name in wanted})
 
 
 def transient(error: BaseException | None) -> bool:

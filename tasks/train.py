@@ -27,9 +27,7 @@ from repsim.tasks.tracking import StageRun
 ARTIFACTS = (METRICS_FILE, ENCODER_FILE, CHECKPOINT_FILE, TARGET_HISTOGRAM_FILE)  # those that exist
 
 
-def plan_train(config: str, overrides: list[str], parent_run_id: str | None = None,
-               launch: TorchrunLaunch | None = None, run_name: str | None = None,
-               model: str | None = None) -> tuple[Stage, Path]:
+def plan_train(config: str, overrides: list[str]) -> tuple[Stage, Path]:
     """The train stage of a config file with ``--set`` overrides (its shards must exist)."""
     stage = train_stage_of(load_config(config, overrides))
     return stage, stage.default_dir()
