@@ -1,7 +1,8 @@
-"""CLIP baseline (Radford et al., 2021): images against their captions with a symmetric InfoNCE.
+"""CLIP baseline (Radford et al., 2021): one image view per sample against its caption with a
+symmetric InfoNCE.
 
-The text tower is the frozen sentence-transformer of the caption stage followed by a trainable
-projection. Its frozen output for every sample is the caption stage's ``embeddings.npy`` (row =
+The text tower is the frozen sentence-transformer of the caption stage (all-MiniLM-L6-v2 by default)
+followed by a trainable projection, not a text encoder trained from scratch as in the paper. Its frozen output for every sample is the caption stage's ``embeddings.npy`` (row =
 manifest index), so a step reads B rows instead of running the text model.
 """
 
