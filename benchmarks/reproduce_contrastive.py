@@ -29,7 +29,8 @@ from repsim.similarity.wordnet import class_similarity  # noqa: E402
 
 BENCHMARKS = Path(__file__).resolve().parent
 NAMES = {"pixels": "raw pixels (floor)", "simclr": "SimCLR", "supcon": "SupCon", "xclr-wordnet": "X-CLR (WordNet)",
-         "xclr-captions": "X-CLR (captions)", "clip": "CLIP (frozen MiniLM text tower, one image view)"}
+         "xclr-captions": "X-CLR (captions)",
+         "xclr-identity": "X-CLR (identity targets; ablation)", "clip": "CLIP (frozen MiniLM text tower, one image view)"}
 SWEPT, DEFAULT_TAU = "xclr-wordnet", 0.1  # the encoder whose τ_s the sweep varies, and the config's τ_s
 METRICS = {"kNN top-1 (k = 20)": "knn_top1_k20", "linear top-1": "linear_top1"}
 

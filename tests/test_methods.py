@@ -24,7 +24,7 @@ from repsim.data.loader import make_loader
 from repsim.data.sharding import ShardResult
 from repsim.data.spec import load_spec
 from repsim.errors import SpecError
-from repsim.losses import XCLRLoss
+from repsim.losses import NTXentLoss, XCLRLoss
 from repsim.methods import registry
 from repsim.methods.config import Config, LabelsSimilarity, MethodConfig, load_config
 from repsim.methods.registry import method_spec, register
@@ -151,6 +151,16 @@ def test_xclr_loss_is_the_xclr_loss_of_its_embeddings_and_the_same_label_matrix(
     torch.testing.assert_close(outputs["target_similarity"], off_diagonal)
 
 
+def test_xclr_towards_identity_targets_is_simclr_at_its_temperature(animals):
+    spec, shards = animals
+    config = tiny_config(spec, {"name": "xclr", "temperature": 0.2, "target_temperature": 1e-3,
+                                "similarity": {"type": "identity"}})
+    method = method_spec("xclr").build(config, training_data(config, load_spec(spec), shards))
+    batch = first_batch(shards)
+    z1, z2 = method.project_views(batch)
+    torch.testing.assert_close(method.training_step(batch)["loss"], NTXentLoss(0.2)(z1, z2), rtol=0, atol=1e-5)
+
+
 def _write_class_matrix(path: Path) -> np.ndarray:
     matrix = np.array([[1.0, 0.2, 0.3, 0.4], [0.2, 1.0, 0.5, 0.6], [0.3, 0.5, 1.0, 0.7], [0.4, 0.6, 0.7, 1.0]])
     names = list(CLASSES)
@@ -164,7 +174,7 @@ def _write_graph(path: Path, shards: ShardResult, batch: dict) -> None:
     pq.write_table(pa.table({"key_i": [keys[first]], "key_j": [keys[second]], "s": [0.25]}), path)
 
 
-@pytest.mark.parametrize("kind", ["labels", "wordnet", "captions", "matrix", "graph"])
+@pytest.mark.parametrize("kind", ["labels", "identity", "wordnet", "captions", "matrix", "graph"])
 def test_xclr_wires_the_configured_similarity_source(animals, tmp_path, kind):
     spec, shards = animals
     batch = first_batch(shards, 8)
@@ -186,6 +196,9 @@ def test_xclr_wires_the_configured_similarity_source(animals, tmp_path, kind):
     if kind == "labels":
         assert plan is None
         expected = same_label
+    elif kind == "identity":
+        assert plan is None
+        expected = torch.eye(8)
     elif kind == "wordnet":
         table = np.load(data.upstream.path / "similarity.npy")
         expected = torch.from_numpy(table)[labels[:, None], labels[None, :]]

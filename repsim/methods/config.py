@@ -109,6 +109,13 @@ class LabelsSimilarity(_Strict):
     type: Literal["labels"]
 
 
+class IdentitySimilarity(_Strict):
+    """1 for a sample with itself, else 0: X-CLR's loss towards SimCLR's targets (an ablation of the
+    soft graph, NT-Xent as ``target_temperature`` -> 0)."""
+
+    type: Literal["identity"]
+
+
 class MatrixSimilarity(_Strict):
     """A user's (C, C) class similarity, CSV or Parquet (see ``load_class_matrix``)."""
 
@@ -123,8 +130,8 @@ class GraphSimilarity(_Strict):
     path: Path
 
 
-Similarity = Annotated[CaptionsSimilarity | WordnetSimilarity | LabelsSimilarity | MatrixSimilarity |
-                       GraphSimilarity, Field(discriminator="type")]
+Similarity = Annotated[CaptionsSimilarity | WordnetSimilarity | LabelsSimilarity | IdentitySimilarity |
+                       MatrixSimilarity | GraphSimilarity, Field(discriminator="type")]
 
 
 class XCLRConfig(_Strict):

@@ -2,7 +2,7 @@
 
 The similarity of a batch comes from a :class:`~repsim.similarity.sources.SimilaritySource` chosen by
 ``method.similarity``: caption embeddings (the caption stage), WordNet class similarities (the WordNet
-stage), labels, a user class matrix or a user sample graph. Under DDP the batch's indices and labels
+stage), labels, the identity (an ablation), a user class matrix or a user sample graph. Under DDP the batch's indices and labels
 are gathered from every rank, so the source answers for the global batch in rank order, as
 :class:`~repsim.losses.XCLRLoss` expects.
 """
@@ -25,8 +25,8 @@ from repsim.methods.registry import register
 from repsim.methods.stage import TrainingData, Upstream, file_digest
 from repsim.methods.train import Batch
 from repsim.plots import histogram_plot
-from repsim.similarity.sources import (ClassMatrixSource, EmbeddingSource, GraphSource, LabelSource,
-                                       SimilaritySource, load_class_matrix)
+from repsim.similarity.sources import (ClassMatrixSource, EmbeddingSource, GraphSource, IdentitySource,
+                                       LabelSource, SimilaritySource, load_class_matrix)
 from repsim.similarity.stages import (EMBEDDINGS_FILE, SIMILARITY_FILE, embed_captions_stage,
                                       embed_captions_stage_of, wordnet_similarity_stage, wordnet_similarity_stage_of)
 
@@ -105,6 +105,8 @@ def similarity_source(similarity: Similarity, data: TrainingData) -> SimilarityS
     if similarity.type == "graph":
         keys = pq.read_table(data.shards.manifest, columns=["key"]).column("key").to_pylist()
         return GraphSource.from_parquet(similarity.path, keys)
+    if similarity.type == "identity":
+        return IdentitySource()
     return LabelSource()
 
 
