@@ -8,8 +8,19 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
+from torch import nn
 
 from repsim.device import distributed
+
+
+class TemperatureLoss(nn.Module):
+    """A view-pair loss at a positive ``temperature``, over the global batch when ``gather`` (DDP)."""
+
+    def __init__(self, temperature: float = 0.1, gather: bool = False):
+        super().__init__()
+        if temperature <= 0:
+            raise ValueError("temperature must be positive")
+        self.temperature, self.gather = temperature, gather
 
 
 def gather_with_grad(x: torch.Tensor, gather: bool) -> tuple[torch.Tensor, int]:

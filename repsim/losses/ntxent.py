@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from repsim.losses._pairs import view_pairs
+from repsim.losses._pairs import TemperatureLoss, view_pairs
 
 
-class NTXentLoss(nn.Module):
+class NTXentLoss(TemperatureLoss):
     """Each view must pick its sample's other view among the other 2B - 1 views.
 
     Shapes: z1, z2 (B, D) projections of the two views (normalised here). Returns a scalar.
@@ -20,12 +19,6 @@ class NTXentLoss(nn.Module):
     >>> loss(z1, z2).shape  # a scalar
     torch.Size([])
     """
-
-    def __init__(self, temperature: float = 0.1, gather: bool = False):
-        super().__init__()
-        if temperature <= 0:
-            raise ValueError("temperature must be positive")
-        self.temperature, self.gather = temperature, gather
 
     def forward(self, z1: torch.Tensor, z2: torch.Tensor) -> torch.Tensor:
         pairs = view_pairs(z1, z2, self.temperature, self.gather)

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from repsim.losses._pairs import gather_no_grad, view_pairs
+from repsim.losses._pairs import TemperatureLoss, gather_no_grad, view_pairs
 
 
-class SupConLoss(nn.Module):
+class SupConLoss(TemperatureLoss):
     """For each view, the mean over its positives (other views of the same label) of -log p(positive).
 
     Shapes: z1, z2 (B, D) projections of the two views (normalised here); labels (B,) long.
@@ -19,12 +18,6 @@ class SupConLoss(nn.Module):
     >>> loss(z1, z2, labels).shape  # a scalar
     torch.Size([])
     """
-
-    def __init__(self, temperature: float = 0.1, gather: bool = False):
-        super().__init__()
-        if temperature <= 0:
-            raise ValueError("temperature must be positive")
-        self.temperature, self.gather = temperature, gather
 
     def forward(self, z1: torch.Tensor, z2: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         pairs = view_pairs(z1, z2, self.temperature, self.gather)
