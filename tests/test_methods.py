@@ -8,13 +8,14 @@ import os
 import socket
 from dataclasses import replace
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
-from pydantic import TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from animals import CLASSES, animal_shards
 import torch
 import torch.multiprocessing as mp
@@ -253,6 +254,55 @@ def test_a_method_registered_outside_the_library_is_found_by_the_train_stage(ani
     assert upstream.key == "toy-input-28" and data.upstream is produced
     assert method_spec("toy").build is build
     assert prepare(simclr, shards, progress=False)[1] is None  # a method without upstream
+
+
+class ToyConfig(BaseModel):
+    """The settings of a method outside the library."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: Literal["toy"]
+    temperature: float = Field(0.1, gt=0)
+
+
+@pytest.fixture
+def registry_restored(monkeypatch):
+    """The methods registered in the test are forgotten after it, by the registry and by the config."""
+    monkeypatch.setattr(registry, "_methods", dict(registry._methods))
+    field = Config.model_fields["method"]
+    accepted = field.annotation
+    yield
+    field.annotation = accepted
+    Config.model_rebuild(force=True)
+
+
+def test_a_method_registered_outside_the_library_with_its_settings_is_read_from_a_config(tmp_path,
+                                                                                         registry_restored):
+    def build(config: Config, data: TrainingData) -> Method:
+        return method_spec("simclr").build(config, data)
+
+    register("toy", settings=ToyConfig)(build)
+    path = tmp_path / "toy.yaml"
+    path.write_text(yaml.safe_dump({"method": {"name": "toy", "temperature": 0.5}}))
+    assert load_config(path).method == ToyConfig(name="toy", temperature=0.5)
+    assert load_config("simclr").method.name == "simclr"  # the shipped methods still read
+    for method, expected in [({"temperature": -1}, "field 'method.temperature': Input should be greater than 0"),
+                             ({"temprature": 1}, "unknown field 'method.temprature'; did you mean 'temperature'?"),
+                             ({"name": "tooy"}, "field 'method.name' is 'tooy', which is not known; use one of "
+                                                "'xclr', 'simclr', 'supcon', 'clip', 'sop', 'dino', 'ibot', 'toy'")]:
+        path.write_text(yaml.safe_dump({"method": {"name": "toy", **method}}))
+        with pytest.raises(SpecError) as raised:
+            load_config(path)
+        assert "\n" not in str(raised.value) and f"{path}: {expected}" in str(raised.value)
+    with pytest.raises(TypeError, match="must be a model with name: Literal\\['toy2'\\]"):
+        register("toy2", settings=ToyConfig)(build)
+
+
+def test_an_outside_method_registered_in_a_test_is_forgotten_after_it(tmp_path):
+    path = tmp_path / "toy.yaml"
+    path.write_text(yaml.safe_dump({"method": {"name": "toy"}}))
+    with pytest.raises(SpecError, match="field 'method.name' is 'toy', which is not known"):
+        load_config(path)
+    assert "toy" not in registry._methods
 
 
 def test_an_unknown_method_name_is_one_line_naming_the_known_methods():

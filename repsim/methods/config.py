@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -228,7 +228,7 @@ class IBOTConfig(DinoConfig, _MaskedPatchesConfig):
 
 MethodConfig = Annotated[XCLRConfig | SimCLRConfig | SupConConfig | ClipConfig | SOPConfig | DinoConfig
                          | IBOTConfig,
-                         Field(discriminator="name")]
+                         Field(discriminator="name")]  # the shipped methods; accept_method adds others
 
 
 class Config(_Strict):
@@ -239,6 +239,26 @@ class Config(_Strict):
     model: ModelConfig = ModelConfig()
     optim: OptimConfig = OptimConfig()
     monitor: MonitorConfig = MonitorConfig()
+
+
+def accept_method(name: str, settings: type[BaseModel]) -> None:
+    """Let ``method.name: <name>`` validate into ``settings``, a model whose ``name`` is
+    ``Literal["<name>"]``: how a method outside the library (see ``registry.register``) has its
+    settings read, and their errors described, like a shipped method's. Settings accepted under the
+    same name before are replaced."""
+    if _name_of(settings) != name:
+        raise TypeError(f"the settings of method {name!r} must be a model with name: Literal[{name!r}]")
+    field = Config.model_fields["method"]
+    others = [model for model in get_args(field.annotation) if _name_of(model) != name]
+    field.annotation = Union[(*others, settings)]  # the field keeps its discriminator
+    Config.model_rebuild(force=True)
+
+
+def _name_of(settings: type[BaseModel]) -> str | None:
+    """The method a settings model is for: ``x`` of its field ``name: Literal["x"]``."""
+    field = settings.model_fields.get("name")
+    tags = get_args(field.annotation) if field is not None else ()
+    return tags[0] if len(tags) == 1 else None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,6 +5,9 @@ A method is one module that registers its ``build`` under its name, with what el
     @register("simclr")
     def build(config: Config, data: TrainingData) -> SimCLR: ...
 
+A method outside the library registers its settings model too (``name: Literal["mymethod"]``), so
+that a config naming it validates: ``@register("mymethod", settings=MyMethodConfig)``.
+
 A shipped method (a name the config accepts) lives in the module ``repsim.methods.<name>``, imported
 on the first lookup of that name, so no caller imports a method by hand and reading a config
 imports none.
@@ -18,8 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, get_args
 
+from pydantic import BaseModel
+
 from repsim.errors import SpecError
-from repsim.methods.config import MethodConfig
+from repsim.methods.config import MethodConfig, accept_method
 
 if TYPE_CHECKING:
     from repsim.methods.config import Config
@@ -55,12 +60,17 @@ _methods: dict[str, MethodSpec] = {}
 
 
 def register(name: str, *, upstream: Callable[[Config, TrainingData], Upstream | None] = no_upstream,
-             write_figures: Callable[[Method, Path], None] = no_figures) -> Callable[[Build], Build]:
-    """Decorator registering ``build`` as method ``name``, with its ``upstream`` and ``write_figures``."""
+             write_figures: Callable[[Method, Path], None] = no_figures,
+             settings: type[BaseModel] | None = None) -> Callable[[Build], Build]:
+    """Decorator registering ``build`` as method ``name``, with its ``upstream`` and ``write_figures``,
+    and, for a method outside the library, the ``settings`` model the config reads ``method`` into
+    (see :func:`~repsim.methods.config.accept_method`)."""
     def decorate(build: Build) -> Build:
         taken = _methods.get(name)
         if taken is not None and taken.build.__module__ != build.__module__:
             raise ValueError(f"method {name!r} is registered by {taken.build.__module__} already")
+        if settings is not None:
+            accept_method(name, settings)
         _methods[name] = MethodSpec(build, upstream, write_figures)
         return build
     return decorate
