@@ -348,13 +348,9 @@ def _batch_count(samples: int, batch_size: int, drop_last: bool) -> int:
 @contextlib.contextmanager
 def seeded_rng(seed: int) -> Iterator[None]:
     """Run the block with torch's default CPU generator seeded to ``seed``, then restore its state."""
-    generator = torch.default_generator
-    state = generator.get_state()
-    generator.manual_seed(seed)
-    try:
+    with torch.random.fork_rng(devices=()):  # the CPU generator's state only
+        torch.default_generator.manual_seed(seed)
         yield
-    finally:
-        generator.set_state(state)
 
 
 def make_batch(views: list[list[torch.Tensor]], labels: list[int], indices: list[int],
