@@ -28,7 +28,7 @@ from typing import Any
 
 import filelock
 
-from repsim.errors import StageError
+from repsim.errors import RepsimError, StageError
 
 STAGE_FILE = "stage.json"
 TRACKED_LIBRARIES = ("repsim", "torch", "torchvision", "numpy", "webdataset", "pyarrow")
@@ -90,6 +90,9 @@ class StageOutput:
         return self.record.get("metrics", {})
 
 
+StageLike = StageOutput | str | Path  # a stage output or its directory
+
+
 def fingerprint_files(paths: Iterable[Path], root: Path | None = None, content: bool = False) -> str:
     """An input key for source data: a digest of files' paths (relative to ``root``, itself included,
     when given), sizes and modification times, or with ``content`` their bytes' sha256 instead of times."""
@@ -110,6 +113,22 @@ def read_record(path: Path) -> dict[str, Any] | None:
     except (ValueError, NotADirectoryError) as err:  # not JSON, or not UTF-8
         raise StageError(f"{path / STAGE_FILE} is unreadable ({err})",
                          f"remove {path} and run the stage again") from err
+
+
+def output_dir(output: StageLike) -> Path:
+    """The directory of a stage output given as a StageOutput or as that directory (absolute, ``~`` expanded)."""
+    return Path(output.path if isinstance(output, StageOutput) else output).expanduser().resolve()
+
+
+def completed_output(output: StageLike, stage: str, error: type[RepsimError], what: str,
+                     fix: str) -> tuple[Path, dict[str, Any]]:
+    """The directory (see :func:`output_dir`) and the record of a completed ``stage`` output; for any
+    other directory, ``error`` saying that it is not a completed ``what`` output, and the ``fix``."""
+    path = output_dir(output)
+    record = read_record(path)
+    if record is None or record.get("stage") != stage:
+        raise error(f"{path} is not a completed {what} output", fix)
+    return path, record
 
 
 def library_versions() -> dict[str, str]:

@@ -39,7 +39,7 @@ from repsim.methods.stage import file_digest
 from repsim.similarity.captions import embed_captions
 from repsim.similarity.stages import text_model_identity
 from repsim.similarity.wordnet import lookup
-from repsim.stage import Stage, StageOutput, read_record, run_stage
+from repsim.stage import Stage, StageOutput, completed_output, run_stage
 
 STAGE_VERSION = "2"  # 2: the hypernym caption uses the first hypernym by name
 IMAGE_FILE = "image.npy"
@@ -111,10 +111,8 @@ def _image_key(shards: ShardResult, image: ImageSource, split: str, device: str 
 
 def load_tables(tables: StageOutput | str | Path) -> EmbeddingTables:
     """Read an embedding tables output (a StageOutput or its directory)."""
-    path = Path(tables.path if isinstance(tables, StageOutput) else tables)
-    record = read_record(path)
-    if record is None or record.get("stage") != "embedding_tables":
-        raise DataError(f"{path} is not a completed embedding tables output", "run the embedding tables stage first")
+    path, record = completed_output(tables, "embedding_tables", DataError, "embedding tables",
+                                    "run the embedding tables stage first")
     rows = pq.read_table(path / ROWS_FILE)
     classes = json.loads((path / CLASSES_FILE).read_text())
     return EmbeddingTables(np.load(path / IMAGE_FILE), np.load(path / TEXT_FILE), rows["index"].to_numpy(),

@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from repsim.data.sources import Entry, Reader, assign_splits, open_source, split_order
 from repsim.data.spec import DataSpec, load_spec
 from repsim.errors import DataError, StageError
-from repsim.stage import Stage, read_record, run_stage
+from repsim.stage import Stage, completed_output, run_stage
 
 SHARD_VERSION = "2"
 MANIFEST = "manifest.parquet"
@@ -66,10 +66,7 @@ class ShardResult:
     @classmethod
     def from_dir(cls, path: str | Path, cached: bool = True) -> ShardResult:
         """Describe an existing shard output directory; StageError if it is not a complete one."""
-        path = Path(path).expanduser().resolve()
-        record = read_record(path)
-        if record is None or record.get("stage") != "shard":
-            raise StageError(f"{path} is not a completed shard output", "run the shard stage for its data spec")
+        path, record = completed_output(path, "shard", StageError, "shard", "run the shard stage for its data spec")
         index = json.loads((path / INDEX).read_text())
         return cls(path=path, key=record["key"], cached=cached, num_samples=index["num_samples"],
                    splits={split: info["samples"] for split, info in index["splits"].items()},

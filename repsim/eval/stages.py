@@ -56,7 +56,8 @@ from repsim.eval.retrieval import map_at_r, paired_retrieval
 from repsim.eval.zeroshot import zero_shot_accuracy, zero_shot_classifier
 from repsim.models.backbones import ENCODER_FILE, load_encoder
 from repsim.similarity.stages import CLASSES_FILE, EMBEDDINGS_FILE
-from repsim.stage import Stage, StageOutput, fingerprint_files, read_record, run_stage
+from repsim.stage import (Stage, StageLike, StageOutput, completed_output, fingerprint_files, output_dir, read_record,
+                          run_stage)
 
 STAGE_VERSION = "1"
 PIXELS = "pixels"
@@ -76,7 +77,6 @@ HISTOGRAM_SAMPLES = 2000
 VIEW_OPTIONS = ("mean", "std")  # the training preset options that the eval view shares
 
 ShardsLike = ShardResult | str | Path
-StageLike = StageOutput | str | Path  # a stage output or its directory
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,10 +256,7 @@ class Features:
 
 def load_features(features: StageLike) -> Features:
     """Read a features stage output (a StageOutput or its directory)."""
-    path = Path(features.path if isinstance(features, StageOutput) else features).expanduser().resolve()
-    record = read_record(path)
-    if record is None or record.get("stage") != "features":
-        raise EvalError(f"{path} is not a completed features output", "run extract_features first")
+    path, record = completed_output(features, "features", EvalError, "features", "run extract_features first")
     classes = json.loads((path / CLASSES_FILE).read_text())
     return Features(np.load(path / FEATURES_FILE, mmap_mode="r"), np.load(path / LABELS_FILE),
                     np.load(path / INDICES_FILE), [entry["name"] for entry in classes], record["key"])
@@ -354,10 +351,8 @@ def _evaluate_stage(train: Features, test: Features, suites: tuple[str, ...], kn
 
 def _caption_embeddings(captions: StageLike) -> tuple[Path, str]:
     """The caption stage's ``embeddings.npy`` (row = manifest index) and the stage's key."""
-    path = Path(captions.path if isinstance(captions, StageOutput) else captions).expanduser().resolve()
-    record = read_record(path)
-    if record is None or record.get("stage") != "captions":
-        raise EvalError(f"{path} is not a completed caption embedding output", "run the captions stage first")
+    path, record = completed_output(captions, "captions", EvalError, "caption embedding",
+                                    "run the captions stage first")
     return path / EMBEDDINGS_FILE, record["key"]
 
 
@@ -442,8 +437,7 @@ def _pairwise_cosines(features: np.ndarray, samples: int = HISTOGRAM_SAMPLES, se
 
 def read_results(evaluation: StageLike) -> dict[str, Any]:
     """The ``results.json`` of an evaluate stage output (a StageOutput or its directory)."""
-    path = Path(evaluation.path if isinstance(evaluation, StageOutput) else evaluation)
-    return json.loads((path / RESULTS_FILE).read_text())
+    return json.loads((output_dir(evaluation) / RESULTS_FILE).read_text())
 
 
 def result_rows(results: Mapping[str, Any]) -> list[tuple[str, str, float]]:

@@ -37,7 +37,7 @@ from repsim.errors import SimilarityError
 from repsim.similarity.captions import default_text_model, embed_captions, load_text_model
 from repsim.similarity.neighbors import descending, drop_self, knn, recall_at_k
 from repsim.similarity.wordnet import class_similarity
-from repsim.stage import Stage, StageOutput, fingerprint_files, read_record, run_stage
+from repsim.stage import Stage, StageOutput, fingerprint_files, output_dir, read_record, run_stage
 
 STAGE_VERSION = "1"
 NEIGHBORS_VERSION = "2"  # 2: knn(), scores named for what they are, cosine by default
@@ -188,7 +188,7 @@ def neighbors_stage_of(embeddings: EmbeddingsLike, k: int = 10, index: str = "fl
 def _embeddings_input(embeddings: EmbeddingsLike) -> tuple[Path, str]:
     """The (N, D) ``.npy`` to search and its key: the caption stage key when it is that stage's
     ``embeddings.npy``, else a digest of the file's path, size and time."""
-    path = Path(embeddings.path if isinstance(embeddings, StageOutput) else embeddings).expanduser().resolve()
+    path = output_dir(embeddings)
     if path.is_dir():
         path = path / EMBEDDINGS_FILE
     if not path.is_file():
