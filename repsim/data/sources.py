@@ -270,11 +270,21 @@ class AnimalMnistReader(Reader):
 # ---------------------------------------------------------------------------------------------
 # Image folder
 
+class _ImageFileReader(Reader):
+    """A reader whose entries refer to their image files (``Entry.ref``: the file's path)."""
+
+    def read(self, entry: Entry) -> ImageData:
+        return entry.ref.read_bytes()
+
+    def locate(self, entry: Entry) -> str:
+        return str(entry.ref)
+
+
 def _visible_dirs(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
-class ImageFolderReader(Reader):
+class ImageFolderReader(_ImageFileReader):
     """``root/<class>/<image>`` or, with ``split: {type: source}``, ``root/<split>/<class>/<image>``."""
 
     @property
@@ -324,12 +334,6 @@ class ImageFolderReader(Reader):
         return [Entry(path.relative_to(self.root).as_posix(), self.label_ids[name], None, split, path)
                 for path, split, name in self._files]
 
-    def read(self, entry: Entry) -> ImageData:
-        return entry.ref.read_bytes()
-
-    def locate(self, entry: Entry) -> str:
-        return str(entry.ref)
-
 
 # ---------------------------------------------------------------------------------------------
 # CSV / Parquet manifest
@@ -372,7 +376,7 @@ def _name_rows(rows: list[int], shown: int = 5) -> str:
     return f"rows {', '.join(map(str, rows[:shown]))}{more}"
 
 
-class ManifestReader(Reader):
+class ManifestReader(_ImageFileReader):
     """A table of ``path`` plus ``label`` (class name) and/or ``caption``, optionally ``split``."""
 
     @property
@@ -429,12 +433,6 @@ class ManifestReader(Reader):
                                   f"{entry.source_id}", "keep one row per image, or set 'on_error: skip' in "
                                   "the data spec to keep the first")
         return kept
-
-    def read(self, entry: Entry) -> ImageData:
-        return entry.ref.read_bytes()
-
-    def locate(self, entry: Entry) -> str:
-        return str(entry.ref)
 
 
 # ---------------------------------------------------------------------------------------------
