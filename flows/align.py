@@ -15,6 +15,4 @@ def align_flow(config: str, overrides: list[str] | None = None) -> dict:
 
     Returns the align stage's key, path, whether it was cached, and its metrics.
     """
-    overrides = list(overrides or [])
-    resolved = load_align_config(config, overrides)
-    return shard_then_stage("align", config, overrides, resolved, resolved.data.spec, align_task, ARTIFACTS)
+    return shard_then_stage("align", config, overrides, load_align_config, align_task, ARTIFACTS)

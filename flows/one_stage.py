@@ -1,9 +1,8 @@
-"""What the train and align flows share: shard a config's data, then run its one stage task."""
+"""What the train and align flows share: read a config, shard its data, then run its one stage task."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 
 from prefect import Task
 from pydantic import BaseModel
@@ -14,18 +13,21 @@ from repsim.tasks.stage import from_prefect_cache, log_stage, reused
 from repsim.tasks.tracking import Tracker
 
 
-def shard_then_stage(flow_name: str, config: str, overrides: list[str], resolved: BaseModel, spec: Path,
-                     stage_task: Task, artifacts: Sequence[str]) -> dict:
-    """A parent MLflow run ``flow_name`` (params: the config file, its overrides and the ``resolved``
-    config), the shards of ``spec``, then ``stage_task(config, overrides, parent_run_id)``, which logs
-    its own nested run unless Prefect serves it from cache (then it is logged here).
+def shard_then_stage(flow_name: str, config: str, overrides: list[str] | None,
+                     load: Callable[[str, list[str]], BaseModel], stage_task: Task, artifacts: Sequence[str]) -> dict:
+    """``load(config, overrides)``, then a parent MLflow run ``flow_name`` (params: the config file, its
+    overrides and the config so resolved), the shards of its ``data.spec``, then ``stage_task(config,
+    overrides, parent_run_id)``, which logs its own nested run unless Prefect serves it from cache (then
+    it is logged here).
 
     Returns the stage's key, path, whether it was cached, and its metrics.
     """
+    overrides = list(overrides or [])
+    resolved = load(config, overrides)
     tracker = Tracker()
     with tracker.flow_run(flow_name, {"config": config, "overrides": overrides,
                                       "resolved": resolved.model_dump(mode="json")}) as parent:
-        shards = shard_task(str(spec), return_state=True)
+        shards = shard_task(str(resolved.data.spec), return_state=True)
         log_stage(tracker, parent, shards.result().path, shards, [shards.result().path / MANIFEST])
         state = stage_task(config, overrides, parent.run_id, return_state=True)
         output = state.result()

@@ -15,6 +15,4 @@ def train_flow(config: str, overrides: list[str] | None = None) -> dict:
 
     Returns the train stage's key, path, whether it was cached, and its metrics.
     """
-    overrides = list(overrides or [])
-    resolved = load_config(config, overrides)
-    return shard_then_stage("train", config, overrides, resolved, resolved.data.spec, train_task, ARTIFACTS)
+    return shard_then_stage("train", config, overrides, load_config, train_task, ARTIFACTS)
