@@ -65,7 +65,7 @@ from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms.v2 import functional as TF
 
 from repsim.data.augment import Views, make_views
-from repsim.data.batch_augment import BatchViews, make_batch_views
+from repsim.data.batch_augment import BatchViews, forked_rng, make_batch_views
 from repsim.data.sharding import MANIFEST, ShardResult
 from repsim.device import rank_and_world, torch_threads
 from repsim.errors import DataError, RepsimError, SpecError
@@ -345,12 +345,9 @@ def _batch_count(samples: int, batch_size: int, drop_last: bool) -> int:
     return samples // batch_size if drop_last else -(-samples // batch_size)
 
 
-@contextlib.contextmanager
-def seeded_rng(seed: int) -> Iterator[None]:
+def seeded_rng(seed: int) -> contextlib.AbstractContextManager[None]:
     """Run the block with torch's default CPU generator seeded to ``seed``, then restore its state."""
-    with torch.random.fork_rng(devices=()):  # the CPU generator's state only
-        torch.default_generator.manual_seed(seed)
-        yield
+    return forked_rng(seed, torch.device("cpu"))
 
 
 def make_batch(views: list[list[torch.Tensor]], labels: list[int], indices: list[int],
