@@ -60,6 +60,7 @@ class FinishedRun:
     """The latest finished run of an experiment: its result table, command and wall time."""
 
     name: str
+    run_id: str  # the MLflow parent run; its stage runs are nested under it
     data: Path
     rows: list[dict]  # one per grid point and encoder: "point", "encoder", each metric, "<metric>.std", "<metric>.n"
     command: str
@@ -86,7 +87,7 @@ def finished_run(name: str) -> FinishedRun:
     with tempfile.TemporaryDirectory() as folder:
         table = json.loads(Path(client.download_artifacts(run.info.run_id, RESULTS_TABLE, folder)).read_text())
     overrides = ast.literal_eval(run.data.params.get("overrides", "[]"))
-    return FinishedRun(name, Path(run.data.params["experiment.data"]),
+    return FinishedRun(name, run.info.run_id, Path(run.data.params["experiment.data"]),
                        [dict(zip(table["columns"], row)) for row in table["data"]],
                        shlex.join(["repsim", "run", name, *(arg for o in overrides for arg in ("--set", o))]),
                        (run.info.end_time - run.info.start_time) / 60000)
