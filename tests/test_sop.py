@@ -343,8 +343,9 @@ def test_sop_trains_through_the_train_stage(tiny_spec, tiny_shards, tmp_path):
     output = train(config, out_dir=tmp_path / "out", shards=tiny_shards, device="cpu", progress=False)
     records = [json.loads(line) for line in (output.path / "metrics.jsonl").read_text().splitlines()]
     epochs = [record for record in records if "epoch" in record]
-    assert len(epochs) == 2 and {"knn_top1_k3", "effective_rank", "embedding_std", "sop_entropy"} <= set(epochs[-1])
-    assert output.metrics["steps"] == 4
+    assert len(epochs) == 2 and {"knn_top1_k3", "teacher_knn_top1_k3", "effective_rank", "embedding_std",
+                                 "sop_entropy"} <= set(epochs[-1])
+    assert output.metrics["steps"] == 4 and output.metrics["teacher_knn_top1_k3"] == epochs[-1]["teacher_knn_top1_k3"]
     assert load_encoder(output.path)(torch.randn(2, 1, 16, 16)).shape == (2, 192)
 
 

@@ -4,8 +4,8 @@ global views, and a FIFO :class:`Memory` of teacher embeddings.
 
 Each epoch, :meth:`SelfDistillation.epoch_metrics` reports the effective rank and per-dimension std
 of the memory of teacher embeddings and the mean over the epoch's steps of the normalised entropy
-of the teacher's mean assignment. ``encoder`` is the student's backbone: what the kNN monitor and
-the evaluate stage score.
+of the teacher's mean assignment. ``encoder`` is the student's backbone: what the evaluate stage
+scores; the kNN monitor scores the teacher's backbone too (``teacher_knn_top1_k{k}``).
 """
 
 from __future__ import annotations
@@ -151,6 +151,10 @@ class SelfDistillation(Method):
     def record_entropy(self, entropy: torch.Tensor) -> None:
         self.entropy_sum += entropy.detach().double()
         self.entropy_steps += 1
+
+    def monitored_encoders(self) -> dict[str, nn.Module]:
+        """The student's backbone and, with ``teacher_`` metrics, the teacher's."""
+        return {"": self.encoder, "teacher_": self.teacher_encoder}
 
     def epoch_metrics(self) -> dict[str, float]:
         """``effective_rank`` and ``embedding_std`` of the teacher embeddings in memory and the mean

@@ -5,12 +5,13 @@ Output (``$REPSIM_HOME/artifacts/train/<key>/`` unless given), besides ``stage.j
 - ``encoder.pt``: the encoder's weights and recipe (:func:`load_encoder` rebuilds it);
 - ``checkpoint.pt``: the final training checkpoint (method, optimizer, progress, RNG states);
 - ``metrics.jsonl``: one JSON object per line, ``{"step", "loss", "lr", ...}`` per step and
-  ``{"step", "epoch", "knn_top1_k{k}", ...}`` per epoch.
+  ``{"step", "epoch", "knn_top1_k{k}", ...}`` per epoch (self-distillation also
+  ``teacher_knn_top1_k{k}``, its teacher's).
 - the method's figures of training, if it registers ``write_figures`` (X-CLR:
   ``target_similarity.png``, the histogram of the first batches' target similarities).
 
 ``stage.json`` metrics: ``loss`` (mean over the last epoch), ``final_loss`` (last step), ``steps``,
-``epochs`` and the last kNN accuracies. The key covers the config without the settings that do not
+``epochs`` and the last kNN accuracies (the teacher's too). The key covers the config without the settings that do not
 change what is learned (``optim.num_workers``, ``optim.threads``, ``optim.checkpoint_every``,
 ``monitor.batch_size``),
 the shard key (in place of the data spec's path) and the key of what the method consumes besides the
@@ -306,6 +307,7 @@ def summarise(metrics_path: Path, steps_per_epoch: int) -> dict[str, float]:
     last = steps[-1]["step"]
     last_epoch = [record["loss"] for record in steps if record["step"] > last - steps_per_epoch]
     epochs = [record for record in records if "epoch" in record]
-    knn = {key: value for key, value in (epochs[-1] if epochs else {}).items() if key.startswith("knn_")}
+    knn = {key: value for key, value in (epochs[-1] if epochs else {}).items()
+           if key.startswith(("knn_", "teacher_knn_"))}
     return {"loss": sum(last_epoch) / len(last_epoch), "final_loss": steps[-1]["loss"], "steps": last,
             "epochs": epochs[-1]["epoch"] if epochs else 0, **knn}

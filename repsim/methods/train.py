@@ -72,6 +72,11 @@ class Method(nn.Module, ABC):
         on rank 0, e.g. collapse diagnostics. None by default."""
         return {}
 
+    def monitored_encoders(self) -> dict[str, nn.Module]:
+        """The encoders the kNN monitor scores at each epoch's end, by the prefix of their metrics:
+        the ``encoder`` (no prefix) by default."""
+        return {"": self.encoder}
+
 
 # ---------------------------------------------------------------------------------------------
 # Optimisers and schedule
@@ -391,7 +396,8 @@ class Trainer:
         knn, extra = {}, {}
         if is_main_process():
             if self.monitor is not None:
-                knn = self.monitor(self.method.encoder, self.device, self.dtype)
+                knn = {f"{prefix}{name}": value for prefix, encoder in self.method.monitored_encoders().items()
+                       for name, value in self.monitor(encoder, self.device, self.dtype).items()}
             extra = self.method.epoch_metrics()
         if distributed():
             dist.barrier()
