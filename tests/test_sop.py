@@ -74,6 +74,22 @@ def test_support_weights_are_the_cosine_scores_of_the_nearest_other_entries():
     torch.testing.assert_close(sops.spread, (1 - sops.own) / 5)
 
 
+def test_non_shared_supports_keep_each_entry_once_for_the_anchor_it_is_nearest_to():
+    memory, ids = clustered(64, clusters=2), torch.arange(64)
+    rows = torch.arange(0, 24, 2)  # 12 anchors on 2 clusters: their 6 nearest overlap
+    shared = build_sops(memory[rows], ids[rows], memory, ids, 6)
+    alone = build_sops(memory[rows], ids[rows], memory, ids, 6, shared_supports=False)
+    supports = [(sop, (alone.elements[m] @ memory.T).argmax().item()) for m, sop in
+                enumerate(alone.sop_of.tolist()) if m >= 12]
+    entries = [entry for _, entry in supports]
+    assert len(entries) == len(set(entries)) and not set(entries) & set(rows.tolist())
+    for sop, entry in supports:  # an entry drawn by several anchors stays with its nearest one
+        drew = [a for a in range(12) if entry in (shared.elements[12 + 6 * a:18 + 6 * a] @ memory.T).argmax(1)]
+        assert sop == max(drew, key=lambda a: (memory[rows[a]] @ memory[entry]).item())
+    assert 12 < len(alone.elements) < len(shared.elements)
+    torch.testing.assert_close(alone.labels.sum(dim=1), torch.ones(len(alone.elements)))
+
+
 @pytest.mark.parametrize("backend", ["torch", "faiss"])
 def test_an_anchor_is_never_its_own_support_even_with_duplicates_elsewhere(backend):
     memory = clustered(20)

@@ -5,6 +5,9 @@ embeddings). With K anchors the M = K(k+1) elements carry a weight w (an anchor 
 embedding its cosine score with the anchor, clipped to [0, 1]) and the label matrix Y (M × K) puts w
 on the element's own SOP and (1 − w) / (K − 1) on each other SOP, so every row sums to 1 (one-hot:
 1 on its own SOP). An embedding's distribution over SOPs is ``softmax(e · elementsᵀ / τ) · Y``.
+A memory entry may support several anchors, as in the paper; with non-shared supports (the ablation
+of the paper's rebuttal) it supports only the anchor it scores highest with, and none if it is an
+anchor itself, so an SOP may hold fewer than k supports and M ≤ K(k+1).
 
 :class:`SOPLoss` is the [CLS] loss: cross-entropy between the teacher's and the student's
 distributions of different views, paired as in DINO. :class:`MaskedSOPLoss` is the MIM loss:
@@ -78,21 +81,39 @@ def nearest_supports(anchors: torch.Tensor, anchor_ids: torch.Tensor, memory: to
 
 
 def build_sops(anchors: torch.Tensor, anchor_ids: torch.Tensor, memory: torch.Tensor, memory_ids: torch.Tensor,
-               support_size: int = 8, epsilon: float = 0.1, one_hot: bool = False) -> SOPs:
+               support_size: int = 8, epsilon: float = 0.1, one_hot: bool = False,
+               shared_supports: bool = True) -> SOPs:
     """The SOPs of ``anchors`` (K, D) over ``memory`` (N, D), ids as in :func:`nearest_supports`."""
     count = len(anchors)
     if count < 2:
         raise ValueError(f"SOPs need at least two anchors, got {count}")
     scores, rows = nearest_supports(anchors, anchor_ids, memory, memory_ids, support_size)
-    elements = torch.cat([anchors, memory[rows.flatten()]])
-    sop_of = torch.cat([torch.arange(count, device=anchors.device),
-                        torch.arange(count, device=anchors.device).repeat_interleave(support_size)])
+    scores, rows = scores.flatten(), rows.flatten()
+    sop_of = torch.arange(count, device=anchors.device).repeat_interleave(support_size)
+    if not shared_supports:
+        kept = exclusive_supports(scores, rows, memory_ids[rows], anchor_ids)
+        scores, rows, sop_of = scores[kept], rows[kept], sop_of[kept]
+    elements = torch.cat([anchors, memory[rows]])
+    sop_of = torch.cat([torch.arange(count, device=anchors.device), sop_of])
     if one_hot:
         weights = torch.ones(len(elements), dtype=memory.dtype, device=memory.device)
     else:
         weights = torch.cat([torch.full((count,), 1 - epsilon, dtype=memory.dtype, device=memory.device),
-                             scores.flatten().clamp(0, 1)])
+                             scores.clamp(0, 1)])
     return SOPs(elements, sop_of, weights, (1 - weights) / (count - 1), count)
+
+
+def exclusive_supports(scores: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor,
+                       anchor_ids: torch.Tensor) -> torch.Tensor:
+    """(K·k,) bool: which of the drawn supports (flat ``scores``, memory ``rows`` and their ``ids``)
+    each memory entry keeps, at most one: the anchor it scores highest with (ties: the first such
+    anchor), none for an entry that is itself an anchor."""
+    best = torch.full((int(rows.max()) + 1,), -math.inf, dtype=scores.dtype, device=scores.device)
+    best = best.scatter_reduce(0, rows, scores, "amax")
+    position = torch.arange(len(rows), device=rows.device)
+    candidates = torch.where(scores == best[rows], position, len(rows))
+    first = torch.full_like(best, len(rows), dtype=torch.long).scatter_reduce(0, rows, candidates, "amin")
+    return (first[rows] == position) & ~torch.isin(ids, anchor_ids)
 
 
 def safe_log(probabilities: torch.Tensor) -> torch.Tensor:

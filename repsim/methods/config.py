@@ -191,7 +191,8 @@ class SOPConfig(_SelfDistillationConfig, _MaskedPatchesConfig):
 
     Each step ``num_anchors`` anchors (at most the filled entries) with ``support_size`` nearest
     neighbors each; ``one_hot`` labels instead of the soft ones; ``fixed_anchors``: draw the anchors
-    once, when the memory is full, and keep them (an ablation). ``cls_weight`` λ1 and ``mim_weight``
+    once, when the memory is full, and keep them (an ablation); ``shared_supports: false``: a memory
+    entry supports one SOP at most (the non-shared ablation). ``cls_weight`` λ1 and ``mim_weight``
     λ2 (0: no masking, no MIM) weight the [CLS] and the masked-patch losses.
     ``patches_per_view`` teacher patch tokens of each global view enter the patch memory per step.
     """
@@ -202,6 +203,7 @@ class SOPConfig(_SelfDistillationConfig, _MaskedPatchesConfig):
     epsilon: float = Field(0.1, ge=0, lt=1)
     one_hot: bool = False
     fixed_anchors: bool = False
+    shared_supports: bool = True
     cls_memory: int = Field(65536, gt=1)
     patch_memory: int = Field(8192, gt=1)
     patches_per_view: int = Field(1, gt=0)

@@ -42,15 +42,17 @@ class SOPBank(nn.Module):
 
     ``num_anchors`` anchors (at most the filled entries) with ``support_size`` supports each; no SOPs
     until the memory holds more than ``support_size`` entries. With ``fixed_anchors`` the anchors
-    are drawn once the memory is full and then kept (their embeddings, in buffers).
+    are drawn once the memory is full and then kept (their embeddings, in buffers); without
+    ``shared_supports`` an entry supports one SOP at most (:func:`~repsim.losses.sop.build_sops`).
     """
 
     def __init__(self, size: int, dim: int, num_anchors: int = 4096, support_size: int = 8, epsilon: float = 0.1,
-                 one_hot: bool = False, fixed_anchors: bool = False):
+                 one_hot: bool = False, fixed_anchors: bool = False, shared_supports: bool = True):
         super().__init__()
         self.memory = Memory(size, dim)
         self.num_anchors, self.support_size = min(num_anchors, size), support_size
         self.epsilon, self.one_hot, self.fixed_anchors = epsilon, one_hot, fixed_anchors
+        self.shared_supports = shared_supports
         self.register_buffer("anchors", torch.zeros(self.num_anchors, dim))
         self.register_buffer("anchor_ids", torch.full((self.num_anchors,), -1, dtype=torch.long))
         self.register_buffer("anchors_drawn", torch.zeros((), dtype=torch.bool))
@@ -61,7 +63,8 @@ class SOPBank(nn.Module):
             return None
         entries, ids = self.memory.contents()
         anchors, anchor_ids = self._anchors(entries, ids)
-        return build_sops(anchors, anchor_ids, entries, ids, self.support_size, self.epsilon, self.one_hot)
+        return build_sops(anchors, anchor_ids, entries, ids, self.support_size, self.epsilon, self.one_hot,
+                          self.shared_supports)
 
     def _anchors(self, entries: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Random distinct memory rows (with their ids), or the kept ones of ``fixed_anchors``."""
@@ -143,7 +146,7 @@ def build(config: Config, data: TrainingData) -> SOP:
     method, dim = config.method, config.model.projection_dim
     encoder = vit_backbone(config, data)
     banks = (SOPBank(size, dim, method.num_anchors, method.support_size, method.epsilon, method.one_hot,
-                     method.fixed_anchors) for size in (method.cls_memory, method.patch_memory))
+                     method.fixed_anchors, method.shared_supports) for size in (method.cls_memory, method.patch_memory))
     return SOP(encoder, projection_head(encoder.feature_dim, config.model), *banks,
                cls_loss=SOPLoss(method.student_temperature, method.teacher_temperature),
                mim_loss=MaskedSOPLoss(method.student_temperature, method.patch_teacher_temperature),
