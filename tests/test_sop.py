@@ -15,7 +15,7 @@ from repsim.data.loader import make_loader
 from repsim.data.masking import BlockMasking
 from repsim.data.sharding import ShardResult, shard
 from repsim.errors import SpecError
-from repsim.losses.sop import MaskedSOPLoss, SOPLoss, build_sops, cross_entropy, nearest_supports
+from repsim.losses.sop import MaskedSOPLoss, SOPLoss, SOPs, build_sops, cross_entropy, nearest_supports
 from repsim.methods.config import Config, ModelConfig, OptimConfig, load_config
 from repsim.methods.self_distillation import Memory, projection_head, teacher_momentum
 from repsim.methods.sop import SOP, SOPBank
@@ -178,6 +178,30 @@ def test_fixed_anchors_are_drawn_once_the_memory_is_full_and_then_kept():
     restored = SOPBank(size=32, dim=16, num_anchors=8, support_size=3, fixed_anchors=True)
     restored.load_state_dict(bank.state_dict())
     assert torch.equal(restored.sops().elements[:8], kept)
+
+
+def full_fixed_bank(fixed_supports: bool) -> tuple[SOPBank, SOPs]:
+    """A bank with fixed anchors (and supports) and its first draw from a full memory."""
+    torch.manual_seed(0)
+    bank = SOPBank(size=32, dim=16, num_anchors=8, support_size=3, fixed_anchors=True, fixed_supports=fixed_supports)
+    bank.memory.enqueue(clustered(32))
+    return bank, bank.sops()
+
+
+def test_fixed_supports_keep_the_sops_of_the_first_full_draw_whole():
+    bank, kept = full_fixed_bank(fixed_supports=True)
+    anchors_only, first = full_fixed_bank(fixed_supports=False)
+    assert torch.equal(first.elements, kept.elements)
+    for each in (bank, anchors_only):
+        each.memory.enqueue(clustered(40, seed=5))  # every slot overwritten
+    restored = SOPBank(size=32, dim=16, num_anchors=8, support_size=3, fixed_anchors=True, fixed_supports=True)
+    restored.load_state_dict(bank.state_dict())
+    for later in (bank.sops(), restored.sops()):
+        assert torch.equal(later.elements, kept.elements) and torch.equal(later.own, kept.own)
+    redrawn = anchors_only.sops()  # the same anchors, their supports found in the new memory
+    assert torch.equal(redrawn.elements[:8], kept.elements[:8]) and not torch.equal(redrawn.elements, kept.elements)
+    with pytest.raises(SpecError, match="set fixed_anchors=true too"):
+        load_config(REPO / "configs" / "sop.yaml", ["method.fixed_supports=true"])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -80,27 +80,48 @@ def nearest_supports(anchors: torch.Tensor, anchor_ids: torch.Tensor, memory: to
     return scores, rows
 
 
+@dataclass(frozen=True)
+class Supports:
+    """The k support embeddings drawn for each of K anchors, flat in anchor order."""
+
+    embeddings: torch.Tensor  # (K·k, D) unit rows
+    scores: torch.Tensor      # (K·k,) cosine score with their anchor
+    kept: torch.Tensor        # (K·k,) bool: part of their anchor's SOP (all, with shared supports)
+
+
+def draw_supports(anchors: torch.Tensor, anchor_ids: torch.Tensor, memory: torch.Tensor, memory_ids: torch.Tensor,
+                  support_size: int = 8, shared: bool = True) -> Supports:
+    """The supports of ``anchors`` (K, D) among ``memory`` (N, D), ids as in :func:`nearest_supports`;
+    not ``shared``: each entry kept for one anchor at most (:func:`exclusive_supports`)."""
+    scores, rows = nearest_supports(anchors, anchor_ids, memory, memory_ids, support_size)
+    scores, rows = scores.flatten(), rows.flatten()
+    kept = (torch.ones_like(rows, dtype=torch.bool) if shared
+            else exclusive_supports(scores, rows, memory_ids[rows], anchor_ids))
+    return Supports(memory[rows], scores, kept)
+
+
+def assemble_sops(anchors: torch.Tensor, supports: Supports, epsilon: float = 0.1, one_hot: bool = False) -> SOPs:
+    """The SOPs of ``anchors`` (K, D) and their kept ``supports``."""
+    count = len(anchors)
+    if count < 2:
+        raise ValueError(f"SOPs need at least two anchors, got {count}")
+    sop_of = torch.arange(count, device=anchors.device).repeat_interleave(len(supports.kept) // count)
+    elements = torch.cat([anchors, supports.embeddings[supports.kept]])
+    sop_of = torch.cat([torch.arange(count, device=anchors.device), sop_of[supports.kept]])
+    if one_hot:
+        weights = torch.ones(len(elements), dtype=elements.dtype, device=elements.device)
+    else:
+        weights = torch.cat([torch.full((count,), 1 - epsilon, dtype=elements.dtype, device=elements.device),
+                             supports.scores[supports.kept].clamp(0, 1)])
+    return SOPs(elements, sop_of, weights, (1 - weights) / (count - 1), count)
+
+
 def build_sops(anchors: torch.Tensor, anchor_ids: torch.Tensor, memory: torch.Tensor, memory_ids: torch.Tensor,
                support_size: int = 8, epsilon: float = 0.1, one_hot: bool = False,
                shared_supports: bool = True) -> SOPs:
     """The SOPs of ``anchors`` (K, D) over ``memory`` (N, D), ids as in :func:`nearest_supports`."""
-    count = len(anchors)
-    if count < 2:
-        raise ValueError(f"SOPs need at least two anchors, got {count}")
-    scores, rows = nearest_supports(anchors, anchor_ids, memory, memory_ids, support_size)
-    scores, rows = scores.flatten(), rows.flatten()
-    sop_of = torch.arange(count, device=anchors.device).repeat_interleave(support_size)
-    if not shared_supports:
-        kept = exclusive_supports(scores, rows, memory_ids[rows], anchor_ids)
-        scores, rows, sop_of = scores[kept], rows[kept], sop_of[kept]
-    elements = torch.cat([anchors, memory[rows]])
-    sop_of = torch.cat([torch.arange(count, device=anchors.device), sop_of])
-    if one_hot:
-        weights = torch.ones(len(elements), dtype=memory.dtype, device=memory.device)
-    else:
-        weights = torch.cat([torch.full((count,), 1 - epsilon, dtype=memory.dtype, device=memory.device),
-                             scores.clamp(0, 1)])
-    return SOPs(elements, sop_of, weights, (1 - weights) / (count - 1), count)
+    supports = draw_supports(anchors, anchor_ids, memory, memory_ids, support_size, shared_supports)
+    return assemble_sops(anchors, supports, epsilon, one_hot)
 
 
 def exclusive_supports(scores: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor,

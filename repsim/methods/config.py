@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from repsim.config_errors import describe, model_at
 from repsim.data.augment import PRESETS
@@ -191,8 +191,10 @@ class SOPConfig(_SelfDistillationConfig, _MaskedPatchesConfig):
 
     Each step ``num_anchors`` anchors (at most the filled entries) with ``support_size`` nearest
     neighbors each; ``one_hot`` labels instead of the soft ones; ``fixed_anchors``: draw the anchors
-    once, when the memory is full, and keep them (an ablation); ``shared_supports: false``: a memory
-    entry supports one SOP at most (the non-shared ablation). ``cls_weight`` λ1 and ``mim_weight``
+    once, when the memory is full, and keep them (an ablation), and with ``fixed_supports`` their
+    supports of that draw too (the SOPs fixed after the initial selection, as the paper words the
+    ablation); ``shared_supports: false``: a memory entry supports one SOP at most (the non-shared
+    ablation). ``cls_weight`` λ1 and ``mim_weight``
     λ2 (0: no masking, no MIM) weight the [CLS] and the masked-patch losses.
     ``patches_per_view`` teacher patch tokens of each global view enter the patch memory per step.
     """
@@ -203,12 +205,19 @@ class SOPConfig(_SelfDistillationConfig, _MaskedPatchesConfig):
     epsilon: float = Field(0.1, ge=0, lt=1)
     one_hot: bool = False
     fixed_anchors: bool = False
+    fixed_supports: bool = False
     shared_supports: bool = True
     cls_memory: int = Field(65536, gt=1)
     patch_memory: int = Field(8192, gt=1)
     patches_per_view: int = Field(1, gt=0)
     cls_weight: float = Field(1.0, ge=0)
     mim_weight: float = Field(1.0, ge=0)
+
+    @model_validator(mode="after")
+    def _supports_fixed_with_their_anchors(self) -> SOPConfig:
+        if self.fixed_supports and not self.fixed_anchors:
+            raise ValueError("fixed_supports keeps the supports of fixed anchors; set fixed_anchors=true too")
+        return self
 
 
 class DinoConfig(_SelfDistillationConfig):

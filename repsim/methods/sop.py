@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from repsim.data.masking import BlockMasking
-from repsim.losses.sop import MaskedSOPLoss, SOPLoss, SOPs, build_sops, mean_assignment_entropy
+from repsim.losses.sop import (MaskedSOPLoss, SOPLoss, SOPs, Supports, assemble_sops, draw_supports,
+                               mean_assignment_entropy)
 from repsim.methods.config import Config
 from repsim.methods.registry import register
 from repsim.methods.self_distillation import Memory, SelfDistillation, projection_head, vit_backbone
@@ -36,46 +37,67 @@ from repsim.methods.train import Batch
 from repsim.models.vit import MaskableViT
 
 
+SOP_DRAWING = ("num_anchors", "support_size", "epsilon", "one_hot", "fixed_anchors", "shared_supports",
+               "fixed_supports")  # the settings of how a bank draws its SOPs
+
+
 class SOPBank(nn.Module):
     """A :class:`~repsim.methods.self_distillation.Memory` and the SOPs drawn from it: ``sops()`` each
     step, ``memory.enqueue`` after.
 
     ``num_anchors`` anchors (at most the filled entries) with ``support_size`` supports each; no SOPs
     until the memory holds more than ``support_size`` entries. With ``fixed_anchors`` the anchors
-    are drawn once the memory is full and then kept (their embeddings, in buffers); without
-    ``shared_supports`` an entry supports one SOP at most (:func:`~repsim.losses.sop.build_sops`).
+    are drawn once the memory is full and then kept (their embeddings, in buffers), and with
+    ``fixed_supports`` their supports of that draw too; without ``shared_supports`` an entry
+    supports one SOP at most (:func:`~repsim.losses.sop.draw_supports`).
     """
 
     def __init__(self, size: int, dim: int, num_anchors: int = 4096, support_size: int = 8, epsilon: float = 0.1,
-                 one_hot: bool = False, fixed_anchors: bool = False, shared_supports: bool = True):
+                 one_hot: bool = False, fixed_anchors: bool = False, shared_supports: bool = True,
+                 fixed_supports: bool = False):
         super().__init__()
         self.memory = Memory(size, dim)
         self.num_anchors, self.support_size = min(num_anchors, size), support_size
         self.epsilon, self.one_hot, self.fixed_anchors = epsilon, one_hot, fixed_anchors
-        self.shared_supports = shared_supports
+        self.shared_supports, self.fixed_supports = shared_supports, fixed_supports
         self.register_buffer("anchors", torch.zeros(self.num_anchors, dim))
         self.register_buffer("anchor_ids", torch.full((self.num_anchors,), -1, dtype=torch.long))
         self.register_buffer("anchors_drawn", torch.zeros((), dtype=torch.bool))
+        drawn = self.num_anchors * support_size if fixed_supports else 0
+        self.register_buffer("supports", torch.zeros(drawn, dim))
+        self.register_buffer("support_scores", torch.zeros(drawn))
+        self.register_buffer("support_kept", torch.zeros(drawn, dtype=torch.bool))
 
     def sops(self) -> SOPs | None:
         filled = self.memory.filled
         if filled <= max(self.support_size, 1):
             return None
         entries, ids = self.memory.contents()
-        anchors, anchor_ids = self._anchors(entries, ids)
-        return build_sops(anchors, anchor_ids, entries, ids, self.support_size, self.epsilon, self.one_hot,
-                          self.shared_supports)
-
-    def _anchors(self, entries: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Random distinct memory rows (with their ids), or the kept ones of ``fixed_anchors``."""
         if self.fixed_anchors and bool(self.anchors_drawn):
-            return self.anchors, self.anchor_ids
-        rows = torch.randperm(len(entries))[:self.num_anchors].to(entries.device)
-        if self.fixed_anchors and len(entries) == self.memory.size:
-            self.anchors.copy_(entries[rows])
-            self.anchor_ids.copy_(ids[rows])
-            self.anchors_drawn.fill_(True)
-        return entries[rows], ids[rows]
+            anchors, anchor_ids = self.anchors, self.anchor_ids
+            supports = (Supports(self.supports, self.support_scores, self.support_kept) if self.fixed_supports
+                        else self._supports(anchors, anchor_ids, entries, ids))
+        else:
+            rows = torch.randperm(len(entries))[:self.num_anchors].to(entries.device)
+            anchors, anchor_ids = entries[rows], ids[rows]
+            supports = self._supports(anchors, anchor_ids, entries, ids)
+            if self.fixed_anchors and len(entries) == self.memory.size:
+                self._keep(anchors, anchor_ids, supports)
+        return assemble_sops(anchors, supports, self.epsilon, self.one_hot)
+
+    def _supports(self, anchors: torch.Tensor, anchor_ids: torch.Tensor, entries: torch.Tensor,
+                  ids: torch.Tensor) -> Supports:
+        return draw_supports(anchors, anchor_ids, entries, ids, self.support_size, self.shared_supports)
+
+    def _keep(self, anchors: torch.Tensor, anchor_ids: torch.Tensor, supports: Supports) -> None:
+        """Keep the anchors (and with ``fixed_supports`` their supports) of the first full-memory draw."""
+        self.anchors.copy_(anchors)
+        self.anchor_ids.copy_(anchor_ids)
+        self.anchors_drawn.fill_(True)
+        if self.fixed_supports:
+            self.supports.copy_(supports.embeddings)
+            self.support_scores.copy_(supports.scores)
+            self.support_kept.copy_(supports.kept)
 
 
 class SOP(SelfDistillation):
@@ -145,8 +167,8 @@ def project_masked(head: nn.Module, tokens: torch.Tensor, mask: torch.Tensor) ->
 def build(config: Config, data: TrainingData) -> SOP:
     method, dim = config.method, config.model.projection_dim
     encoder = vit_backbone(config, data)
-    banks = (SOPBank(size, dim, method.num_anchors, method.support_size, method.epsilon, method.one_hot,
-                     method.fixed_anchors, method.shared_supports) for size in (method.cls_memory, method.patch_memory))
+    drawing = {name: getattr(method, name) for name in SOP_DRAWING}
+    banks = (SOPBank(size, dim, **drawing) for size in (method.cls_memory, method.patch_memory))
     return SOP(encoder, projection_head(encoder.feature_dim, config.model), *banks,
                cls_loss=SOPLoss(method.student_temperature, method.teacher_temperature),
                mim_loss=MaskedSOPLoss(method.student_temperature, method.patch_teacher_temperature),
