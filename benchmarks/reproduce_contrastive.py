@@ -1,13 +1,15 @@
 """The contrastive comparison's report: SimCLR, SupCon, X-CLR (WordNet), X-CLR (captions) and CLIP
 against the raw-pixel floor, and X-CLR (WordNet)'s target temperature τ_s, from the latest finished
-run of ``experiments/reproduce-xclr.yaml`` (CPU) or ``reproduce-xclr-full.yaml`` (GPU).
+run of ``experiments/reproduce-xclr.yaml`` (CPU) or ``reproduce-xclr-full.yaml`` (GPU); with the
+kNN accuracy after every epoch of a longer budget from ``reproduce-xclr-epochs.yaml`` once it has run.
 
 The experiment file says what runs (one backbone, budget, augmentation and temperature for every
 method; three seeds; the τ_s sweep); ``repsim run`` runs it as cached, tracked stages, and this
 script reads its result table back from MLflow and writes the report and its plot:
 
     repsim run reproduce-xclr
-    python benchmarks/reproduce_contrastive.py [--experiment reproduce-xclr] [--report PATH]
+    repsim run reproduce-xclr-epochs     # optional: the accuracy-versus-epochs curves
+    python benchmarks/reproduce_contrastive.py [--experiment reproduce-xclr] [--curves reproduce-xclr-epochs]
 
 A rerun rewrites the report above its ``## Analysis`` heading and keeps the analysis below it.
 """
@@ -15,6 +17,8 @@ A rerun rewrites the report above its ``## Analysis`` heading and keeps the anal
 from __future__ import annotations
 
 import argparse
+import json
+import tempfile
 from pathlib import Path
 
 import matplotlib
@@ -33,6 +37,7 @@ NAMES = {"pixels": "raw pixels (floor)", "simclr": "SimCLR", "supcon": "SupCon",
          "xclr-identity": "X-CLR (identity targets; ablation)", "clip": "CLIP (frozen MiniLM text tower, one image view)"}
 SWEPT, DEFAULT_TAU = "xclr-wordnet", 0.1  # the encoder whose τ_s the sweep varies, and the config's τ_s
 METRICS = {"kNN top-1 (k = 20)": "knn_top1_k20", "linear top-1": "linear_top1"}
+Curve = list[tuple[int, float]]  # (epoch, kNN top-1) after each epoch
 
 
 def tau(row: dict) -> float:
@@ -60,9 +65,34 @@ def other_class_share(spec: Path, target_temperature: float) -> str:
     return f"{share.mean():.0f} ({share.min():.0f}–{share.max():.0f})"
 
 
-def plot(run: FinishedRun, table: list[dict], swept: list[dict], path: Path) -> None:
-    """Each encoder's scores (mean ± std over seeds) and the swept encoder's against τ_s, with the floor."""
-    figure, (bars, curve) = plt.subplots(1, 2, figsize=(11, 4))
+def epoch_curves(run: FinishedRun) -> dict[str, Curve]:
+    """Each encoder's online-monitor kNN top-1 on the test split after every epoch, from the
+    ``metrics.jsonl`` of the train stage runs nested under ``run``, by the stage run's label."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    experiment = client.get_run(run.run_id).info.experiment_id
+    trains = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{run.run_id}' "
+                                              "and tags.`repsim.stage` = 'train'")
+    curves = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for train in trains:
+            lines = Path(client.download_artifacts(train.info.run_id, "metrics.jsonl", folder)).read_text()
+            records = [json.loads(line) for line in lines.splitlines()]
+            curves[encoder_of(train.data.tags["repsim.label"])] = [
+                (record["epoch"], record["knn_top1_k20"]) for record in records if "knn_top1_k20" in record]
+    return dict(sorted(curves.items(), key=lambda item: list(NAMES).index(item[0]) if item[0] in NAMES else 99))
+
+
+def encoder_of(label: str) -> str:
+    """``xclr-wordnet`` of a stage run label ``xclr-wordnet [seed=0]``."""
+    return label.split(" [")[0]
+
+
+def plot(run: FinishedRun, table: list[dict], swept: list[dict], curves: dict[str, Curve], path: Path) -> None:
+    """Each encoder's scores (mean ± std over seeds), the swept encoder's against τ_s, and kNN top-1
+    after every epoch of the longer budget when there are ``curves``, each with the floor."""
+    figure, (bars, curve, *growth) = plt.subplots(1, 3 if curves else 2, figsize=(16 if curves else 11, 4))
     floor = next(row for row in table if row["encoder"] == "pixels")
     learned = [row for row in table if row["encoder"] != "pixels"]
     for offset, color, (title, metric) in zip((-0.2, 0.2), ("C0", "C1"), METRICS.items()):
@@ -79,17 +109,47 @@ def plot(run: FinishedRun, table: list[dict], swept: list[dict], path: Path) -> 
     curve.set_xscale("log")
     curve.set_xlabel(f"τ_s of {NAMES[SWEPT]}")
     bars.legend(loc="lower right")
+    if curves:
+        plot_curves(growth[0], curves, floor["knn_top1_k20"])
     figure.suptitle(f"{run.name}: mean ± std over seeds")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
 
 
-def report(run: FinishedRun, image: Path) -> str:
+def plot_curves(axes, curves: dict[str, Curve], floor: float) -> None:
+    for encoder, points in curves.items():
+        axes.plot(*zip(*points), marker=".", label=NAMES.get(encoder, encoder))
+    axes.axhline(floor, linestyle="--", linewidth=1, color="black", label=NAMES["pixels"])
+    axes.set_xlabel("epoch (longer budget, one seed)")
+    axes.set_ylabel("kNN top-1 (k = 20), online monitor")
+    axes.legend(fontsize=7, loc="lower right")
+
+
+def budget_section(longer: FinishedRun, curves: dict[str, Curve]) -> list[str]:
+    """The longer budget's final scores and its kNN top-1 after every epoch, as markdown lines."""
+    floor = next(row for row in longer.rows if row["encoder"] == "pixels")
+    epochs = sorted({epoch for points in curves.values() for epoch, _ in points})
+    return [
+        "## Longer budget", "",
+        f"Command: `{longer.command}` ({longer.minutes:.1f} min): the same settings for "
+        f"{max(epochs)} epochs, one seed, with the online kNN monitor (its kNN differs from the "
+        "evaluate stage's in feature extraction only).", "",
+        markdown(["encoder", *METRICS], [[NAMES.get(row["encoder"], row["encoder"]),
+                                          *(mean_std(row, metric) + below_floor(row, floor, metric)
+                                            for metric in METRICS.values())] for row in longer.rows]), "",
+        "kNN top-1 (%) after each epoch:", "",
+        markdown(["encoder", *map(str, epochs)],
+                 [[NAMES.get(encoder, encoder), *(f"{100 * knn:.1f}" for _, knn in points)]
+                  for encoder, points in curves.items()]), ""]
+
+
+def report(run: FinishedRun, longer: FinishedRun | None, image: Path) -> str:
     table, swept = comparison(run.rows), sorted((row for row in run.rows if row["encoder"] == SWEPT), key=tau)
     floor = next(row for row in table if row["encoder"] == "pixels")
     seeds = max(row["knn_top1_k20.n"] for row in table)
-    plot(run, table, swept, image)
+    curves = epoch_curves(longer) if longer else {}
+    plot(run, table, swept, curves, image)
     return "\n".join([
         "# Contrastive methods compared", "",
         f"Command: `{run.command}` ({run.minutes:.1f} min), then `python benchmarks/reproduce_contrastive.py "
@@ -109,16 +169,27 @@ def report(run: FinishedRun, image: Path) -> str:
                  [[f"{tau(row):g}", *(mean_std(row, metric) + below_floor(row, floor, metric)
                                       for metric in METRICS.values()),
                    other_class_share(run.data, tau(row))] for row in swept]), "",
-        f"![scores]({image.name})", ""])
+        f"![scores]({image.name})", "", *(budget_section(longer, curves) if longer else [])])
+
+
+def longer_budget(name: str) -> FinishedRun | None:
+    try:
+        return finished_run(name)
+    except SystemExit as missing:
+        print(f"{missing}; the report leaves the longer budget out")
+        return None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--experiment", default="reproduce-xclr", help="the experiment's name (its `name:`)")
+    parser.add_argument("--curves", default="reproduce-xclr-epochs",
+                        help="the longer-budget experiment with the kNN monitor on; none: leave it out")
     parser.add_argument("--report", type=Path, help="default: benchmarks/REPORT_<experiment>.md")
     args = parser.parse_args()
     path = args.report or BENCHMARKS / f"REPORT_{args.experiment}.md"
-    text = report(finished_run(args.experiment), path.with_suffix(".png"))
+    longer = None if args.curves == "none" else longer_budget(args.curves)
+    text = report(finished_run(args.experiment), longer, path.with_suffix(".png"))
     write_report(path, text)
     print(text)
 
