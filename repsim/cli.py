@@ -326,6 +326,12 @@ def _start_orchestration() -> None:
         handler.addFilter(_NoTracebackForUserErrors())
 
 
+def add_overrides(parser: argparse.ArgumentParser, what: str, example: str) -> None:
+    """The repeatable ``--set KEY=VALUE`` option, overriding a field of ``what``."""
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"override {what} field, e.g. --set {example} (repeatable)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="repsim", description="Learn visual representations from relations between samples.")
@@ -360,21 +366,18 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.set_defaults(run=cmd_eval)
     train = commands.add_parser("train", help="train an experiment config (cached; resumes if interrupted)")
     train.add_argument("config", metavar="CONFIG", help="experiment config YAML or shipped name, e.g. xclr")
-    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a config field, e.g. --set optim.lr=0.1 (repeatable)")
+    add_overrides(train, "a config", "optim.lr=0.1")
     train.add_argument("--direct", action="store_true", help=argparse.SUPPRESS)
     train.set_defaults(run=cmd_train)
     align = commands.add_parser("align", help="align frozen image and text embeddings from few pairs: GeRA, "
                                 "contrastive alone (alpha=0) and ASIF, scored zero-shot and by retrieval (cached)")
     align.add_argument("config", metavar="CONFIG", help="alignment config YAML or shipped name, e.g. gera")
-    align.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a config field, e.g. --set geometry.alpha=0 (repeatable)")
+    add_overrides(align, "a config", "geometry.alpha=0")
     align.set_defaults(run=cmd_align)
     run = commands.add_parser("run", help="run an experiment end to end: shard, precompute, train, evaluate, align "
                               "(every stage cached)")
     run.add_argument("experiment", metavar="EXPERIMENT", help="experiment YAML or shipped name, e.g. default")
-    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                     help="override an experiment field, e.g. --set train.settings.optim.lr=0.01 (repeatable)")
+    add_overrides(run, "an experiment", "train.settings.optim.lr=0.01")
     run.add_argument("--force", action="append", default=[], metavar="STAGE", choices=FORCEABLE,
                      help=f"rebuild this stage's outputs even if cached, repeatable ({', '.join(FORCEABLE)})")
     run.add_argument("--plan", action="store_true",

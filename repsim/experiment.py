@@ -69,6 +69,13 @@ class PrecomputeSection(_Section):
         return self
 
 
+def _once(values: list, what: str, fix: str, checked: Any) -> Any:
+    """``checked`` when no value repeats, else a ValueError naming ``what`` and how to ``fix`` it."""
+    if len(set(values)) != len(values):
+        raise ValueError(f"{what} {values} repeat; {fix}")
+    return checked
+
+
 class MethodRun(_Strict):
     """One method config to train, with ``settings`` (a nested mapping, like the config's YAML) over it."""
 
@@ -126,10 +133,8 @@ class TrainSection(_Section):
 
     @model_validator(mode="after")
     def _distinct_labels(self) -> TrainSection:
-        labels = [run.label for run in self.methods]
-        if len(set(labels)) != len(labels):
-            raise ValueError(f"method labels {labels} repeat; give the runs of one config distinct names")
-        return self
+        return _once([run.label for run in self.methods], "method labels", "give the runs of one config distinct names",
+                     self)
 
     def overrides(self, run: MethodRun, data: Path) -> list[str]:
         """``--set`` overrides of ``run``'s config: the experiment's data spec, then the shared
@@ -199,8 +204,7 @@ class Experiment(_Strict):
 
     @model_validator(mode="after")
     def _distinct_seeds_and_values(self) -> Experiment:
-        if len(set(self.seeds)) != len(self.seeds):
-            raise ValueError(f"seeds {self.seeds} repeat; list each seed once")
+        _once(self.seeds, "seeds", "list each seed once", self)
         for key, values in self.sweep.items():
             if key.split(".")[0] in ("seeds", "sweep"):
                 raise ValueError(f"sweep key {key!r} sweeps the sweep; list seeds under seeds:")
@@ -365,10 +369,8 @@ class Deployments(_Strict):
 
     @model_validator(mode="after")
     def _distinct_names(self) -> Deployments:
-        names = [deployment.name for deployment in self.deployments]
-        if len(set(names)) != len(names):
-            raise ValueError(f"deployment names {names} repeat; give each a distinct name")
-        return self
+        return _once([deployment.name for deployment in self.deployments], "deployment names",
+                     "give each a distinct name", self)
 
 
 def load_deployments(path: str | Path) -> tuple[list[DeploymentSpec], list[Experiment]]:
