@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -200,29 +201,40 @@ def test_triggered_runs_are_tracked_and_then_cached(served, tmp_path):
 
     deployment = api(served["PREFECT_API_URL"], f"/deployments/name/{DEPLOYMENT}")
     assert [schedule["schedule"]["cron"] for schedule in deployment["schedules"]] == ["0 3 * * *"]
-    screenshots(served, first, parent, tmp_path / "screenshots")
+    screenshots(served, first, parent, train, tmp_path / "screenshots")
 
 
-def screenshots(servers: dict[str, str], flow_run: FlowRun, parent: dict, default_folder: Path) -> None:
-    """Headless Chromium opens the Prefect UI's page of the flow run and the MLflow UI's page of its
-    parent run, waits until each shows the run (its name; the MLflow run's id), and saves a screenshot
-    of each."""
+def screenshots(servers: dict[str, str], flow_run: FlowRun, parent: dict, train: dict, default_folder: Path) -> None:
+    """Headless Chromium opens, in the Prefect UI, the flow run and its results artifact and, in the MLflow
+    UI, the parent run, its results table and the encoder the train run registered; waits until each
+    page shows what it is about (the run's name or id, the results artifact, a metric column, the
+    model's first version), and saves a screenshot of each."""
     chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
     if chromium is None or driver is None:
         pytest.skip("the browser check needs Debian's chromium and chromium-driver (scripts/setup.sh installs them)")
     webdriver = pytest.importorskip("selenium.webdriver", reason="the browser check needs selenium (dev extras)")
+    from repsim.flows.experiment import RESULTS_TABLE
+
     folder = Path(os.environ.get("REPSIM_TEST_ARTIFACTS") or default_folder)
     folder.mkdir(parents=True, exist_ok=True)
+    mlflow = servers["MLFLOW_TRACKING_URI"]
+    query = urllib.parse.quote(f"run_id = '{train['info']['run_id']}'")
+    [model] = api(f"{mlflow}/api/2.0/mlflow", f"/model-versions/search?filter={query}")["model_versions"]
+    [artifact] = api(servers["PREFECT_API_URL"], "/artifacts/filter", {
+        "artifacts": {"key": {"any_": ["results"]}, "flow_run_id": {"any_": [str(flow_run.id)]}}})
+    prefect = servers["PREFECT_API_URL"].removesuffix("/api")
+    run = parent["info"]
+    mlflow_run = f"{mlflow}/#/experiments/{run['experiment_id']}/runs/{run['run_id']}"
+    pages = {"prefect-flow-run.png": (f"{prefect}/runs/flow-run/{flow_run.id}", flow_run.name),
+             "prefect-results-artifact.png": (f"{prefect}/artifacts/artifact/{artifact['id']}", "kNN@3"),
+             "mlflow-run.png": (mlflow_run, run["run_id"]),
+             "mlflow-results-table.png": (f"{mlflow_run}/artifacts/{RESULTS_TABLE}", "knn_top1_k3"),
+             "mlflow-registered-model.png": (f"{mlflow}/#/models/{model['name']}", "Version 1")}
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
     for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):
         options.add_argument(argument)
     browser = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver))
-    prefect_ui = servers["PREFECT_API_URL"].removesuffix("/api")
-    run = parent["info"]
-    mlflow_page = f"{servers['MLFLOW_TRACKING_URI']}/#/experiments/{run['experiment_id']}/runs/{run['run_id']}"
-    pages = {"prefect-flow-run.png": (f"{prefect_ui}/runs/flow-run/{flow_run.id}", flow_run.name),
-             "mlflow-run.png": (mlflow_page, run["run_id"])}
     try:
         for name, (url, expected) in pages.items():
             browser.get(url)
@@ -233,7 +245,7 @@ def screenshots(servers: dict[str, str], flow_run: FlowRun, parent: dict, defaul
             assert expected in browser.find_element("tag name", "body").text, f"{url} does not show {expected!r}"
     finally:
         browser.quit()
-    print(f"screenshots of the Prefect and MLflow run pages: {folder}")
+    print(f"screenshots of the Prefect and MLflow pages of the run: {folder}")
 
 
 def test_sweep_members_run_on_the_deployments_workers_and_the_table_collects_them(served, tmp_path):
