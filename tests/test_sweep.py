@@ -2,11 +2,12 @@
 experiment run end to end with shared stages built once and two stages at a time."""
 
 import json
+import math
 import statistics
 
 import pytest
 import yaml
-from e2e import flow_runs, prefect_query, repsim, tiny_experiment
+from e2e import REPO, flow_runs, prefect_query, repsim, tiny_experiment
 
 from repsim.errors import SpecError
 from repsim.experiment import SEED_KEYS, check_experiment, expand, load_experiment
@@ -175,7 +176,8 @@ def test_a_sweep_over_one_methods_settings_leaves_the_others_shared():
 
 
 @pytest.mark.parametrize("name, members, seeds", [("reproduce-xclr", 9, 3), ("reproduce-xclr-full", 12, 3),
-                                                  ("reproduce-gera", 24, 3), ("tune-gera", 36, 2)])
+                                                  ("reproduce-gera", 24, 3), ("tune-gera", 36, 2),
+                                                  ("reproduce-sop", 3, 3), ("reproduce-sop-full", 3, 3)])
 def test_shipped_reproductions_are_valid_sweeps(name, members, seeds):
     experiment = load_experiment(name)
     assert len(check_experiment(experiment)) == members and experiment.seeds == list(range(seeds))
@@ -215,3 +217,37 @@ def test_plan_counts_each_shared_stage_once_with_the_members_that_need_it():
     # 4 upstream, 6 trains, features of pixels and 6 encoders x 2 splits, 7 evaluations, 6 alignments
     assert len(stages) == 4 + 6 + 14 + 7 + 6
     assert {stage["status"] for stage in stages[4:]} == {"runs after its inputs"}
+
+
+@pytest.mark.parametrize("name", sorted(path.stem for path in (REPO / "experiments").glob("reproduce-*.yaml")))
+def test_every_reproduction_plans_each_method_once_per_member(name):
+    from repsim.flows.experiment import plan_experiment
+
+    experiment = load_experiment(name)
+    stages = plan_experiment(experiment)["stages"]
+    trains = [stage for stage in stages if stage["stage"] == "train"]
+    methods, members = len(experiment.section("train").methods), len(check_experiment(experiment))
+    assert [stage["stage"] for stage in stages].count("shard") == 1  # shared by every member
+    assert len(experiment.seeds) * methods <= len(trains) <= members * methods
+    assert sum(stage["members"] for stage in trains) == members * methods
+
+
+def test_the_sop_reproduction_fills_its_memories_early_and_its_teacher_moves():
+    from repsim.data.spec import load_spec
+    from repsim.methods.config import load_config
+    from repsim.methods.self_distillation import teacher_momentum
+
+    experiment = load_experiment("reproduce-sop")
+    train = experiment.section("train")
+    images = round(10_000 * load_spec(experiment.data).split.fractions["train"])  # Animal-MNIST's 10000
+    for run in train.methods:
+        config = load_config(run.config, train.overrides(run, experiment.data))
+        steps = images // config.optim.batch_size * config.optim.epochs
+        kept = math.prod(teacher_momentum(step, steps, config.method.teacher_momentum) for step in range(steps))
+        assert kept < 0.7, f"{run.label}: the teacher keeps {kept:.0%} of its initialisation"
+        if config.method.name == "sop":
+            cls_per_step = 2 * config.optim.batch_size  # the teacher's [CLS] of both global views
+            assert config.method.cls_memory / cls_per_step <= 0.1 * steps, run.label
+    full = load_experiment("reproduce-sop-full")
+    assert {run.label: load_config(run.config, full.section("train").overrides(run, full.data)).method.num_prototypes
+            for run in full.section("train").methods if run.label in ("dino", "ibot")} == {"dino": 8192, "ibot": 8192}
