@@ -93,6 +93,28 @@ def finished_run(name: str) -> FinishedRun:
                        (run.info.end_time - run.info.start_time) / 60000)
 
 
+def train_records(run: FinishedRun) -> dict[str, list[dict]]:
+    """The ``metrics.jsonl`` records of every train stage run nested under ``run``, by the stage run's
+    label (``xclr-wordnet [seed=0]``)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    experiment = client.get_run(run.run_id).info.experiment_id
+    trains = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{run.run_id}' "
+                                              "and tags.`repsim.stage` = 'train'")
+    records = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for train in trains:
+            lines = Path(client.download_artifacts(train.info.run_id, "metrics.jsonl", folder)).read_text()
+            records[train.data.tags["repsim.label"]] = [json.loads(line) for line in lines.splitlines()]
+    return records
+
+
+def encoder_of(label: str) -> str:
+    """``xclr-wordnet`` of a stage run label ``xclr-wordnet [seed=0]``."""
+    return label.split(" [")[0]
+
+
 def mean_std(row: dict, metric: str) -> str:
     """``81.23 ± 0.41`` (percent) over the row's outputs, ``81.23`` for one, ``-`` without the metric."""
     if row.get(metric) is None:

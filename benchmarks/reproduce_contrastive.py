@@ -17,8 +17,6 @@ A rerun rewrites the report above its ``## Analysis`` heading and keeps the anal
 from __future__ import annotations
 
 import argparse
-import json
-import tempfile
 from pathlib import Path
 
 import matplotlib
@@ -26,7 +24,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
-from _report import FinishedRun, finished_run, markdown, mean_std, write_report  # noqa: E402
+from _report import (FinishedRun, encoder_of, finished_run, markdown, mean_std, train_records,  # noqa: E402
+                     write_report)
 
 from repsim.data.spec import load_spec  # noqa: E402
 from repsim.similarity.wordnet import class_similarity  # noqa: E402
@@ -67,26 +66,11 @@ def other_class_share(spec: Path, target_temperature: float) -> str:
 
 def epoch_curves(run: FinishedRun) -> dict[str, Curve]:
     """Each encoder's online-monitor kNN top-1 on the test split after every epoch, from the
-    ``metrics.jsonl`` of the train stage runs nested under ``run``, by the stage run's label."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient()
-    experiment = client.get_run(run.run_id).info.experiment_id
-    trains = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{run.run_id}' "
-                                              "and tags.`repsim.stage` = 'train'")
-    curves = {}
-    with tempfile.TemporaryDirectory() as folder:
-        for train in trains:
-            lines = Path(client.download_artifacts(train.info.run_id, "metrics.jsonl", folder)).read_text()
-            records = [json.loads(line) for line in lines.splitlines()]
-            curves[encoder_of(train.data.tags["repsim.label"])] = [
-                (record["epoch"], record["knn_top1_k20"]) for record in records if "knn_top1_k20" in record]
+    ``metrics.jsonl`` of the train stage runs nested under ``run``."""
+    curves = {encoder_of(label): [(record["epoch"], record["knn_top1_k20"]) for record in records
+                                  if "knn_top1_k20" in record]
+              for label, records in train_records(run).items()}
     return dict(sorted(curves.items(), key=lambda item: list(NAMES).index(item[0]) if item[0] in NAMES else 99))
-
-
-def encoder_of(label: str) -> str:
-    """``xclr-wordnet`` of a stage run label ``xclr-wordnet [seed=0]``."""
-    return label.split(" [")[0]
 
 
 def plot(run: FinishedRun, table: list[dict], swept: list[dict], curves: dict[str, Curve], path: Path) -> None:
