@@ -93,18 +93,26 @@ def finished_run(name: str) -> FinishedRun:
                        (run.info.end_time - run.info.start_time) / 60000)
 
 
+def stage_runs(run: FinishedRun, stage: str) -> list:
+    """The MLflow runs of ``run``'s ``stage`` stages (nested under it), each tagged with its label
+    (``repsim.label``) and stage key (``repsim.stage_key``)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    experiment = client.get_run(run.run_id).info.experiment_id
+    return client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{run.run_id}' "
+                                            f"and tags.`repsim.stage` = '{stage}'")
+
+
 def train_records(run: FinishedRun) -> dict[str, list[dict]]:
     """The ``metrics.jsonl`` records of every train stage run nested under ``run``, by the stage run's
     label (``xclr-wordnet [seed=0]``)."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient()
-    experiment = client.get_run(run.run_id).info.experiment_id
-    trains = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{run.run_id}' "
-                                              "and tags.`repsim.stage` = 'train'")
     records = {}
     with tempfile.TemporaryDirectory() as folder:
-        for train in trains:
+        for train in stage_runs(run, "train"):
             lines = Path(client.download_artifacts(train.info.run_id, "metrics.jsonl", folder)).read_text()
             records[train.data.tags["repsim.label"]] = [json.loads(line) for line in lines.splitlines()]
     return records

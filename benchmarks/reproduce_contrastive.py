@@ -131,7 +131,7 @@ def budget_section(longer: FinishedRun, curves: dict[str, Curve]) -> list[str]:
 def report(run: FinishedRun, longer: FinishedRun | None, image: Path) -> str:
     table, swept = comparison(run.rows), sorted((row for row in run.rows if row["encoder"] == SWEPT), key=tau)
     floor = next(row for row in table if row["encoder"] == "pixels")
-    seeds = max(row["knn_top1_k20.n"] for row in table)
+    seeds = max(int(row["knn_top1_k20.n"]) for row in table)
     curves = epoch_curves(longer) if longer else {}
     plot(run, table, swept, curves, image)
     return "\n".join([

@@ -115,7 +115,7 @@ def plot(run: FinishedRun, epochs: dict[str, list[list[dict]]], path: Path) -> N
 
 def report(run: FinishedRun, image: Path) -> str:
     epochs = epochs_by_encoder(run)
-    seeds = max(row["knn_top1_k20.n"] for row in run.rows)
+    seeds = max(int(row["knn_top1_k20.n"]) for row in run.rows)
     plot(run, epochs, image)
     return "\n".join([
         "# SOP compared", "",

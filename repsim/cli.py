@@ -155,7 +155,9 @@ def cmd_run(args: argparse.Namespace) -> None:
     _start_orchestration()
     flow = experiment_flow if args.concurrency is None else experiment_flow.with_options(
         task_runner=ThreadPoolTaskRunner(max_workers=args.concurrency))
-    _print_outcome(flow(experiment=experiment, force=args.force, spread=args.spread))
+    # the file as written and the overrides apart, so that the run records the command that made it
+    _print_outcome(flow(experiment=load_experiment(args.experiment), overrides=args.overrides, force=args.force,
+                        spread=args.spread))
     print(f"\n{_where_to_look()}")
 
 

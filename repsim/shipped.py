@@ -32,7 +32,7 @@ def folder(kind: str) -> Path:
 
 def shipped(kind: str) -> dict[str, Path]:
     """The shipped files of ``kind`` by name, sorted."""
-    return {path.stem: path for path in sorted(folder(kind).glob(f"*{SUFFIX}"))}
+    return {path.stem: path for path in sorted(folder(kind).glob(f"*{SUFFIX}"), key=lambda path: path.stem)}
 
 
 def packaged(kind: str, name: str) -> Path:

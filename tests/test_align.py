@@ -150,6 +150,7 @@ def test_align_stage_runs_scores_and_is_cached(animals):
     assert results["samples"] == {"paired": 32, "unpaired_image": 96, "unpaired_text": 96, "test": 32}
     assert output.metrics["steps"] == 3 * 2 and sorted(set(logged)) == list(range(1, 7))
     assert {"zeroshot_top1", "i2t_r1", "asif_zeroshot_top1", "asif_t2i_r10", "loss"} <= set(output.metrics)
+    assert {name: output.metrics[f"{name}_samples"] for name in results["samples"]} == results["samples"]
     pairing = Pairing.load(output.path)
     np.testing.assert_array_equal(pairing.paired, draw_pairing(128, 32, seed=1).paired)
     assert np.load(output.path / NEIGHBOUR_FILES["image"]).shape == (32, 20)

@@ -146,7 +146,8 @@ class _AlignRun:
                                "unpaired_text": len(pairing.unpaired_text), "test": len(self.test.indices)}}
         (out / RESULTS_FILE).write_text(json.dumps(results, indent=2))
         return {**summarise(out / METRICS_FILE, steps_per_epoch), **_flat(results["suites"]),
-                **_flat(results["baselines"]["asif"]["suites"], "asif_")}
+                **_flat(results["baselines"]["asif"]["suites"], "asif_"),
+                **{f"{name}_samples": count for name, count in results["samples"].items()}}
 
     def _train(self, paired: np.ndarray, neighbors: dict[str, np.ndarray]) -> tuple[AlignmentMethod, int]:
         config, train = self.config, self.train
