@@ -93,6 +93,15 @@ def finished_run(name: str) -> FinishedRun:
                        (run.info.end_time - run.info.start_time) / 60000)
 
 
+def optional_run(name: str) -> FinishedRun | None:
+    """The latest finished run of experiment ``name``, or None (saying so) when there is none."""
+    try:
+        return finished_run(name)
+    except SystemExit as missing:
+        print(f"{missing}; the report leaves it out")
+        return None
+
+
 def stage_runs(run: FinishedRun, stage: str) -> list:
     """The MLflow runs of ``run``'s ``stage`` stages (nested under it), each tagged with its label
     (``repsim.label``) and stage key (``repsim.stage_key``)."""

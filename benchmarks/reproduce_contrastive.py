@@ -24,8 +24,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
-from _report import (FinishedRun, encoder_of, finished_run, markdown, mean_std, train_records,  # noqa: E402
-                     write_report)
+from _report import (FinishedRun, encoder_of, finished_run, markdown, mean_std, optional_run,  # noqa: E402
+                     train_records, write_report)
 
 from repsim.data.spec import load_spec  # noqa: E402
 from repsim.similarity.wordnet import class_similarity  # noqa: E402
@@ -156,14 +156,6 @@ def report(run: FinishedRun, longer: FinishedRun | None, image: Path) -> str:
         f"![scores]({image.name})", "", *(budget_section(longer, curves) if longer else [])])
 
 
-def longer_budget(name: str) -> FinishedRun | None:
-    try:
-        return finished_run(name)
-    except SystemExit as missing:
-        print(f"{missing}; the report leaves the longer budget out")
-        return None
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--experiment", default="reproduce-xclr", help="the experiment's name (its `name:`)")
@@ -172,7 +164,7 @@ def main() -> None:
     parser.add_argument("--report", type=Path, help="default: benchmarks/REPORT_<experiment>.md")
     args = parser.parse_args()
     path = args.report or BENCHMARKS / f"REPORT_{args.experiment}.md"
-    longer = None if args.curves == "none" else longer_budget(args.curves)
+    longer = None if args.curves == "none" else optional_run(args.curves)
     text = report(finished_run(args.experiment), longer, path.with_suffix(".png"))
     write_report(path, text)
     print(text)

@@ -24,7 +24,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from _report import FinishedRun, finished_run, markdown, mean_std, stage_runs, write_report  # noqa: E402
+from _report import (FinishedRun, finished_run, markdown, mean_std, optional_run, stage_runs,  # noqa: E402
+                     write_report)
 
 from repsim.align.config import load_align_config  # noqa: E402
 
@@ -125,14 +126,6 @@ def report(run: FinishedRun, tuning: FinishedRun | None, image: Path) -> str:
         comparison_table(table), "",
         f"![zero-shot accuracy against M]({image.name})", "",
         *(tuning_section(tuning) if tuning else [])])
-
-
-def optional_run(name: str) -> FinishedRun | None:
-    try:
-        return finished_run(name)
-    except SystemExit as missing:
-        print(f"{missing}; the report leaves it out")
-        return None
 
 
 def main() -> None:
