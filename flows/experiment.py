@@ -74,7 +74,7 @@ class Stages:
     summaries: list[dict] = field(default_factory=list)
     _futures: dict[str, PrefectFuture] = field(default_factory=dict)
     _uses: Counter[str] = field(default_factory=Counter)
-    _tracking: dict[Any, tuple[str, tuple[str, ...], str | None]] = field(default_factory=dict)
+    _tracking: dict[Any, tuple[str, tuple[str, ...], str | None, str | None]] = field(default_factory=dict)
     _outputs: dict[Any, StageOutput] = field(default_factory=dict)
 
     @property
@@ -82,15 +82,16 @@ class Stages:
         return self.parent.run_id
 
     def submit(self, task: Task, *args: Any, artifacts: Sequence[str] = (), label: str | None = None,
-               **kwargs: Any) -> PrefectFuture:
+               encoder_label: str | None = None, **kwargs: Any) -> PrefectFuture:
         """``task.submit(*args, **kwargs)``, or the future of the same call made before. ``artifacts``:
-        glob patterns of output files to log; ``label``: what the stage is for, in the summary."""
+        glob patterns of output files to log; ``label``: what the stage is for, in the summary;
+        ``encoder_label``: the encoder it trains, reads or scores, tagged on its MLflow run."""
         call = _call(task, args, kwargs)
         self._uses[call] += 1
         if call not in self._futures:
             named = task.with_options(task_run_name=f"{task.name} {label}" if label else task.name)
             future = self._futures[call] = named.submit(*args, **kwargs)
-            self._tracking[future.task_run_id] = (call, tuple(artifacts), label)
+            self._tracking[future.task_run_id] = (call, tuple(artifacts), label, encoder_label)
         return self._futures[call]
 
     def result(self, future: PrefectFuture) -> StageOutput:
@@ -101,9 +102,10 @@ class Stages:
             self._outputs[run_id] = self._track(future.state, *self._tracking[run_id])
         return self._outputs[run_id]
 
-    def _track(self, state: Any, call: str, artifacts: tuple[str, ...], label: str | None) -> Any:
+    def _track(self, state: Any, call: str, artifacts: tuple[str, ...], label: str | None,
+               encoder_label: str | None) -> Any:
         output = track(self.tracker, self.parent, self.summaries, state, artifacts, label,
-                       self_logging=call.partition("(")[0] in SELF_LOGGING)
+                       self_logging=call.partition("(")[0] in SELF_LOGGING, encoder=encoder_label)
         self.summaries[-1]["members"] = self._uses[call]
         return output
 
@@ -119,7 +121,7 @@ class Planner:
     _outputs: dict[str, tuple[Any, dict]] = field(default_factory=dict)
 
     def submit(self, task: Task, *args: Any, artifacts: Sequence[str] = (), label: str | None = None,
-               **kwargs: Any) -> str:
+               encoder_label: str | None = None, **kwargs: Any) -> str:
         call = _call(task, args, kwargs)
         if call not in self._outputs:
             self._outputs[call] = self._plan(task, call, label, args, kwargs)
@@ -204,7 +206,8 @@ def train_step(stages: Stages, members: Members) -> None:
                                                  section.overrides(method, run.experiment.data),
                                                  stages.parent_run_id, section.launch, run_name=method.label,
                                                  model=model_name(run.experiment.name, method.label),
-                                                 artifacts=TRAIN_ARTIFACTS, label=run.tag(method.label)))
+                                                 artifacts=TRAIN_ARTIFACTS, label=run.tag(method.label),
+                                                 encoder_label=method.label))
                for run, section in members for method in section.methods]
     for run, label, future in futures:
         run.encoders[label] = stages.result(future)
@@ -214,14 +217,15 @@ def evaluate_step(stages: Stages, members: Members) -> None:
     sections = dict(members)
     encoders = [(run, label, tag, encoder) for run, section in members
                 for label, tag, encoder in _encoders(run, section.pixels)]
-    features = {(run, label): [stages.submit(features_task, str(run.shards.path), encoder, split, label=f"{tag} {split}")
+    features = {(run, label): [stages.submit(features_task, str(run.shards.path), encoder, split, label=f"{tag} {split}",
+                                             encoder_label=label)
                                for split in (sections[run].train_split, sections[run].test_split)]
                 for run, label, tag, encoder in encoders}
     evaluations = {(run, label): stages.submit(
         evaluate_task, *(str(stages.result(future).path) for future in features[run, label]),
         list(sections[run].suites), list(sections[run].knn_k),
         linear_options=sections[run].linear.model_dump(exclude_defaults=True), artifacts=("*.png", RESULTS_FILE),
-        label=tag) for run, label, tag, encoder in encoders}
+        label=tag, encoder_label=label) for run, label, tag, encoder in encoders}
     for (run, label), future in evaluations.items():
         run.score(label, stages.result(future))
 
@@ -236,7 +240,7 @@ def align_step(stages: Stages, members: Members) -> None:
     futures = [(run, label, stages.submit(align_task, str(section.config),
                                           section.overrides(encoder.path, run.experiment.data),
                                           stages.parent_run_id, run_name=label, artifacts=ALIGN_ARTIFACTS,
-                                          label=run.tag(label)))
+                                          label=run.tag(label), encoder_label=label))
                for run, section in members for label, encoder in run.encoders.items()]
     for run, label, future in futures:
         run.score(label, stages.result(future))

@@ -24,7 +24,7 @@ from prefect.states import State
 
 from repsim.errors import RepsimError
 from repsim.stage import Stage, StageOutput, is_current, read_record
-from repsim.tasks.tracking import StageRun, Tracker, stage_span
+from repsim.tasks.tracking import StageRun, Tracker, stage_span, stage_tags
 
 Plan = Callable[..., tuple[Stage, Path]]
 RETRY_DELAYS_S = [5, 30]  # waits before the retries of a transient failure
@@ -134,17 +134,20 @@ def reused(state: State) -> bool:
 
 
 def log_stage(tracker: Tracker, parent: StageRun, path: Path, state: State,
-              artifacts: Iterable[Path] = (), label: str | None = None) -> None:
-    """Log a finished stage (its ``stage.json`` at ``path``) as a nested run under ``parent``."""
+              artifacts: Iterable[Path] = (), label: str | None = None, encoder: str | None = None) -> None:
+    """Log a finished stage (its ``stage.json`` at ``path``) as a nested run under ``parent``, about
+    ``encoder`` (:func:`stage_tags`)."""
     record = read_record(path)
     cached = reused(state)
     with tracker.stage_run(parent.run_id, record["stage"], record["key"], path, label,
-                           None if cached else stage_span(record)) as run:
+                           None if cached else stage_span(record),
+                           stage_tags(record["stage"], record["config"], encoder)) as run:
         run.log_stage_output(path, cached, artifacts)
 
 
 def track(tracker: Tracker, parent: StageRun, summaries: list[dict], state: State,
-          artifacts: Sequence[str] = (), label: str | None = None, self_logging: bool = False) -> Any:
+          artifacts: Sequence[str] = (), label: str | None = None, self_logging: bool = False,
+          encoder: str | None = None) -> Any:
     """Log a finished stage task as a nested run (named with ``label``, with the files of its output
     matching the glob patterns ``artifacts``), append its summary to ``summaries``, and return its
     result. A ``self_logging`` task (train, align) logged its run while it ran, unless Prefect served
@@ -152,7 +155,7 @@ def track(tracker: Tracker, parent: StageRun, summaries: list[dict], state: Stat
     result = state.result()
     if not self_logging or from_prefect_cache(state):
         log_stage(tracker, parent, result.path, state,
-                  sorted(path for pattern in artifacts for path in result.path.glob(pattern)), label)
+                  sorted(path for pattern in artifacts for path in result.path.glob(pattern)), label, encoder)
     record = read_record(result.path)
     summaries.append({"stage": record["stage"], "detail": ": ".join(filter(None, [label, describe(record)])),
                       "key": result.key, "path": str(result.path),
@@ -189,7 +192,8 @@ def run_streamed(parent_run_id: str, stage: Stage, produce: Callable[[Callable[[
     the curves it passes to ``log(metrics, step)`` stream to MLflow; then the output is logged with the
     files ``artifacts`` of its directory (those that exist), and ``then(run, output)`` is called."""
     streamed: set[str] = set()
-    with Tracker().stage_run(parent_run_id, stage.name, stage.key, stage.default_dir(), label) as run:
+    with Tracker().stage_run(parent_run_id, stage.name, stage.key, stage.default_dir(), label,
+                             tags=stage_tags(stage.name, stage.config, label)) as run:
 
         def log(metrics: dict[str, float], step: int) -> None:
             streamed.update(metrics)

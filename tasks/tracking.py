@@ -164,13 +164,22 @@ class Tracker:
             yield run
 
     def stage_run(self, parent_run_id: str, stage: str, key: str, path: Path, label: str | None = None,
-                  span: tuple[float, float] | None = None) -> contextlib.AbstractContextManager[StageRun]:
+                  span: tuple[float, float] | None = None, tags: Mapping[str, str] | None = None,
+                  ) -> contextlib.AbstractContextManager[StageRun]:
         """A nested run for one stage under the parent run ``parent_run_id``, named ``<stage> <label>``
         (``train simclr``, ``features pixels test``) when the stage is for something in particular;
-        ``span``: the stage's start and end when it ran before its run is opened."""
+        ``span``: the stage's start and end when it ran before its run is opened; ``tags``: more tags
+        (:func:`stage_tags`)."""
         tags = {MLFLOW_PARENT_RUN_ID: parent_run_id, "repsim.stage": stage, "repsim.stage_key": key,
-                "repsim.output": str(path)} | ({"repsim.label": label} if label else {})
+                "repsim.output": str(path)} | ({"repsim.label": label} if label else {}) | dict(tags or {})
         return self._run(f"{stage} {label}" if label else stage, tags, span)
+
+
+def stage_tags(stage: str, config: Mapping[str, Any], encoder: str | None) -> dict[str, str]:
+    """What a stage run is about: ``repsim.encoder``, the encoder it trains, reads or scores (its
+    label in the experiment: ``simclr``, ``pixels``), and for a train stage ``repsim.method``."""
+    return ({"repsim.encoder": encoder} if encoder else {}) | (
+        {"repsim.method": config["method"]["name"]} if stage == "train" else {})
 
 
 def stage_span(record: Mapping[str, Any]) -> tuple[float, float]:

@@ -285,6 +285,10 @@ def test_experiment_reruns_only_what_a_change_reaches(make_image_folder, write_s
     parent, stages = runs[0]
     assert sorted(run.data.tags["repsim.stage"] for run in stages) == sorted(
         ["shard", "wordnet", "train", "features", "features", "evaluate", "features", "features", "evaluate", "align"])
+    assert {(run.data.tags["repsim.stage"], run.data.tags.get("repsim.encoder"), run.data.tags.get("repsim.method"))
+            for run in stages} == {("shard", None, None), ("wordnet", None, None), ("train", "supcon", "supcon"),
+                                   ("features", "pixels", None), ("features", "supcon", None),
+                                   ("evaluate", "pixels", None), ("evaluate", "supcon", None), ("align", "supcon", None)}
     assert {"supcon.knn_top1_k3", "pixels.knn_top1_k3", "supcon.zeroshot_top1"} <= set(parent.data.metrics)
     assert json.loads(parent.data.params["overrides"].replace("'", '"')) == []
     assert json.loads(runs[-1][0].data.params["overrides"].replace("'", '"')) == ["train.settings.optim.lr=0.002"]
