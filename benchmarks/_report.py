@@ -3,6 +3,7 @@ steps, and the result table of a finished experiment run."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import json
 import shlex
@@ -100,6 +101,26 @@ def optional_run(name: str) -> FinishedRun | None:
     except SystemExit as missing:
         print(f"{missing}; the report leaves it out")
         return None
+
+
+def render_finished(doc: str, experiment: str, render: Callable[..., str],
+                    companion: tuple[str, str, str] | None = None) -> None:
+    """A renderer's command line: ``render(run, [companion run,] image)`` of the finished run of
+    ``experiment`` into ``benchmarks/REPORT_<experiment>.md`` and its plot. ``companion`` (flag, default
+    experiment, help) names a second experiment the report reads when it has run ("none": leave it out)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--experiment", default=experiment, help="the experiment's name (its `name:`)")
+    if companion:
+        parser.add_argument(companion[0], default=companion[1], help=companion[2] + "; none: leave it out")
+    parser.add_argument("--report", type=Path, help="default: benchmarks/REPORT_<experiment>.md")
+    args = parser.parse_args()
+    path = args.report or Path(__file__).resolve().parent / f"REPORT_{args.experiment}.md"
+    run = finished_run(args.experiment)
+    other = getattr(args, companion[0].lstrip("-")) if companion else None
+    extra = [None if other == "none" else optional_run(other)] if companion else []
+    text = render(run, *extra, path.with_suffix(".png"))
+    write_report(path, text)
+    print(text)
 
 
 def stage_runs(run: FinishedRun, stage: str) -> list:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _report import markdown
+from _report import markdown, write_report
 
 from repsim.align.config import AlignConfig
 from repsim.align.train import AlignmentMethod, PairedBatches
@@ -83,8 +83,7 @@ def main() -> None:
         (f"CPU, {args.threads} torch thread(s). Training: M = {args.pairs} paired points, batches of 256, "
          f"L = {max(args.samples)}, heat kernel, {args.epochs} epochs each (the first includes warm-up)."), "",
         training, "", f"ASIF: {args.queries} queries (384-d), top k = {args.k} anchors, p = 8.", "", queries, ""])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
+    write_report(args.out, text)
     print(text)
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from _report import median_seconds, synchronise
+from _report import median_seconds, synchronise, write_report
 from repsim.losses import NTXentLoss, XCLRLoss
 from repsim.models.backbones import resnet
 
@@ -134,8 +134,7 @@ def main() -> None:
         print(f"{stem}: {train_rows[-1][1]:.0f} images/s", flush=True)
     command = shlex.join(["python", "benchmarks/loss_overhead.py", *sys.argv[1:]])
     text = report(command, device, args.dim, loss_rows, train_rows, args.train_batch_size)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
+    write_report(args.out, text)
     print(text)
 
 

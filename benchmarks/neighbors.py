@@ -38,7 +38,7 @@ from repsim.similarity.captions import embed_captions, load_text_model
 import faiss
 
 from repsim.similarity.neighbors import IVFPQ_RERANK, build_index, default_nlist, recall_at_k, rerank_exactly
-from _report import markdown
+from _report import markdown, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 CAPTION_SPEC = ROOT / "data_specs" / "animal-mnist.yaml"
@@ -144,8 +144,7 @@ def main() -> None:
               f"{args.chunk}-query similarity blocks, no index to build.\n\n{search}\n\n"
               f"Captions: all-MiniLM-L6-v2 on {args.device} through `embed_captions`; templated = Animal-MNIST's "
               f"spec captions, numbered = the same with \", number i\" appended.\n\n{captions}\n")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report)
+    write_report(args.out, report)
     print(report)
 
 

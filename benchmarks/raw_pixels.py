@@ -23,7 +23,7 @@ import torch
 
 from repsim.data import shard
 from repsim.eval.stages import KNN_K, evaluate, read_results
-from _report import markdown
+from _report import markdown, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = {"fashion-mnist": ROOT / "data_specs" / "fashion-mnist.yaml",
@@ -62,8 +62,7 @@ def main() -> None:
               "k row). Linear probe: standardised pixels, L-BFGS, weight decay chosen on a stratified 10% "
               "held-out slice of train, refit on all of train; its time includes the search.\n"
               f"Produced by `python benchmarks/raw_pixels.py`.\n\n{table}\n")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report)
+    write_report(args.out, report)
     print(table)
 
 

@@ -16,7 +16,6 @@ A rerun rewrites the report above its ``## Analysis`` heading and keeps the anal
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import matplotlib
@@ -24,13 +23,11 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
-from _report import (FinishedRun, encoder_of, finished_run, markdown, mean_std, optional_run,  # noqa: E402
-                     train_records, write_report)
+from _report import FinishedRun, encoder_of, markdown, mean_std, render_finished, train_records  # noqa: E402
 
 from repsim.data.spec import load_spec  # noqa: E402
 from repsim.similarity.wordnet import class_similarity  # noqa: E402
 
-BENCHMARKS = Path(__file__).resolve().parent
 NAMES = {"pixels": "raw pixels (floor)", "simclr": "SimCLR", "supcon": "SupCon", "xclr-wordnet": "X-CLR (WordNet)",
          "xclr-captions": "X-CLR (captions)",
          "xclr-identity": "X-CLR (identity targets; ablation)", "clip": "CLIP (frozen MiniLM text tower, one image view)"}
@@ -157,17 +154,8 @@ def report(run: FinishedRun, longer: FinishedRun | None, image: Path) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--experiment", default="reproduce-xclr", help="the experiment's name (its `name:`)")
-    parser.add_argument("--curves", default="reproduce-xclr-epochs",
-                        help="the longer-budget experiment with the kNN monitor on; none: leave it out")
-    parser.add_argument("--report", type=Path, help="default: benchmarks/REPORT_<experiment>.md")
-    args = parser.parse_args()
-    path = args.report or BENCHMARKS / f"REPORT_{args.experiment}.md"
-    longer = None if args.curves == "none" else optional_run(args.curves)
-    text = report(finished_run(args.experiment), longer, path.with_suffix(".png"))
-    write_report(path, text)
-    print(text)
+    render_finished(__doc__, "reproduce-xclr", report,
+                    ("--curves", "reproduce-xclr-epochs", "the longer-budget experiment with the kNN monitor on"))
 
 
 if __name__ == "__main__":

@@ -17,19 +17,16 @@ A rerun rewrites the report above its ``## Analysis`` heading and keeps the anal
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from _report import (FinishedRun, finished_run, markdown, mean_std, optional_run, stage_runs,  # noqa: E402
-                     write_report)
+from _report import FinishedRun, markdown, mean_std, render_finished, stage_runs  # noqa: E402
 
 from repsim.align.config import load_align_config  # noqa: E402
 
-BENCHMARKS = Path(__file__).resolve().parent
 METHODS = {"GeRA": "zeroshot_top1", "contrastive alone (α = 0)": "zeroshot_top1", "ASIF": "asif_zeroshot_top1"}
 ZERO_SHOT = "zeroshot_top1"
 FLOOR = {"pixels": "raw pixels (floor)"}
@@ -129,16 +126,8 @@ def report(run: FinishedRun, tuning: FinishedRun | None, image: Path) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--experiment", default="reproduce-gera", help="the experiment's name (its `name:`)")
-    parser.add_argument("--tuning", default="tune-gera", help="the validation grid's experiment; none: leave it out")
-    parser.add_argument("--report", type=Path, help="default: benchmarks/REPORT_<experiment>.md")
-    args = parser.parse_args()
-    path = args.report or BENCHMARKS / f"REPORT_{args.experiment}.md"
-    tuning = None if args.tuning == "none" else optional_run(args.tuning)
-    text = report(finished_run(args.experiment), tuning, path.with_suffix(".png"))
-    write_report(path, text)
-    print(text)
+    render_finished(__doc__, "reproduce-gera", report,
+                    ("--tuning", "tune-gera", "the validation grid's experiment"))
 
 
 if __name__ == "__main__":

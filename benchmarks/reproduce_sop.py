@@ -15,7 +15,6 @@ A rerun rewrites the report above its ``## Analysis`` heading and keeps the anal
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from pathlib import Path
 
@@ -23,9 +22,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from _report import FinishedRun, encoder_of, finished_run, markdown, mean_std, train_records, write_report  # noqa: E402
+from _report import FinishedRun, encoder_of, markdown, mean_std, render_finished, train_records  # noqa: E402
 
-BENCHMARKS = Path(__file__).resolve().parent
 NAMES = {"pixels": "raw pixels (floor)", "sop": "SOP", "sop-no-mim": "SOP without MIM (λ2 = 0)",
          "sop-fixed": "SOP, SOPs fixed after the initial selection",
          "sop-unshared": "SOP, non-shared supports", "dino": "DINO-style (learned prototypes)",
@@ -137,14 +135,7 @@ def report(run: FinishedRun, image: Path) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--experiment", default="reproduce-sop", help="the experiment's name (its `name:`)")
-    parser.add_argument("--report", type=Path, help="default: benchmarks/REPORT_<experiment>.md")
-    args = parser.parse_args()
-    path = args.report or BENCHMARKS / f"REPORT_{args.experiment}.md"
-    text = report(finished_run(args.experiment), path.with_suffix(".png"))
-    write_report(path, text)
-    print(text)
+    render_finished(__doc__, "reproduce-sop", report)
 
 
 if __name__ == "__main__":

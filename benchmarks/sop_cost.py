@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from _report import markdown, median_seconds
+from _report import markdown, median_seconds, write_report
 from repsim.data.masking import BlockMasking
 from repsim.losses import DINOLoss, IBOTPatchLoss, MaskedSOPLoss, SOPLoss
 from repsim.losses.sop import nearest_supports
@@ -144,8 +144,7 @@ def main() -> None:
     print(f"kNN: {knn}", flush=True)
     command = shlex.join(["python", "benchmarks/sop_cost.py", *sys.argv[1:]])
     text = report(command, args, device, steps, draw, knn)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
+    write_report(args.out, text)
     print(text)
 
 

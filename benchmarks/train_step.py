@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from _report import markdown, median_seconds, synchronise
+from _report import markdown, median_seconds, synchronise, write_report
 from repsim.device import cpu_plan, resolve_device, torch_threads
 from repsim.experiment import load_experiment
 from repsim.losses import NTXentLoss, XCLRLoss
@@ -239,8 +239,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="train_step-") as scratch:  # the Trainer's metrics.jsonl files
         results, context = measure(config, args.rounds, args.held, args.steps, Path(scratch))
     text = report(shlex.join(["python", "benchmarks/train_step.py", *sys.argv[1:]]), config, results, context)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
+    write_report(args.out, text)
     print(text)
 
 
