@@ -164,9 +164,11 @@ class MemberRun:
     def experiment(self) -> Experiment:
         return self.member.experiment
 
-    def tag(self, label: str) -> str:
-        """``label`` with the member it belongs to, for a stage that differs between members."""
-        return f"{label} [{self.member.label}]" if self.member.label else label
+    def tag(self, label: str, kind: str) -> str:
+        """``label`` of a ``kind`` stage with what of the member can change it (its seed and grid
+        values, :meth:`Member.label_through`), for a stage that differs between members."""
+        shown = self.member.label_through(kind, label)
+        return f"{label} [{shown}]" if shown else label
 
     def score(self, encoder: str, output: StageOutput) -> None:
         """Keep the metrics of an evaluate or align output of ``encoder`` (none from a stage only planned)."""
@@ -206,7 +208,7 @@ def train_step(stages: Stages, members: Members) -> None:
                                                  section.overrides(method, run.experiment.data),
                                                  stages.parent_run_id, section.launch, run_name=method.label,
                                                  model=model_name(run.experiment.name, method.label),
-                                                 artifacts=TRAIN_ARTIFACTS, label=run.tag(method.label),
+                                                 artifacts=TRAIN_ARTIFACTS, label=run.tag(method.label, "train"),
                                                  encoder_label=method.label))
                for run, section in members for method in section.methods]
     for run, label, future in futures:
@@ -232,7 +234,7 @@ def evaluate_step(stages: Stages, members: Members) -> None:
 
 def _encoders(run: MemberRun, pixels: bool) -> list[tuple[str, str, str]]:
     """(label, label shown with the member when it differs between members, encoder) of each encoder to evaluate."""
-    trained = [(label, run.tag(label), str(output.path)) for label, output in run.encoders.items()]
+    trained = [(label, run.tag(label, "evaluate"), str(output.path)) for label, output in run.encoders.items()]
     return [("pixels", "pixels", PIXELS)] * pixels + trained
 
 
@@ -240,7 +242,7 @@ def align_step(stages: Stages, members: Members) -> None:
     futures = [(run, label, stages.submit(align_task, str(section.config),
                                           section.overrides(encoder.path, run.experiment.data),
                                           stages.parent_run_id, run_name=label, artifacts=ALIGN_ARTIFACTS,
-                                          label=run.tag(label), encoder_label=label))
+                                          label=run.tag(label, "align"), encoder_label=label))
                for run, section in members for label, encoder in run.encoders.items()]
     for run, label, future in futures:
         run.score(label, stages.result(future))

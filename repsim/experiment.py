@@ -241,11 +241,34 @@ class Member:
     @property
     def point_label(self) -> str:
         """The grid point as ``key=value`` pairs with each key's last part (``target_temperature=0.05``)."""
-        return " ".join(f"{key.rsplit('.', 1)[-1]}={inline(value)}" for key, value in self.point)
+        return _point_label(self.point)
 
     @property
     def label(self) -> str:
-        return " ".join(filter(None, [self.point_label, "" if self.seed is None else f"seed={self.seed}"]))
+        return _with_seed(self.point_label, self.seed)
+
+    def label_through(self, kind: str, method: str) -> str:
+        """The label of a ``kind`` stage of the encoder trained by ``method`` (its label): the seed and the
+        grid values that can change it, those of later sections and of other methods' settings left
+        out, so that a stage members share is named by what they share."""
+        kinds = [section.kind for section in self.experiment.stages]
+        later = set(kinds[kinds.index(kind) + 1:])
+        return _with_seed(_point_label([(key, value) for key, value in self.point
+                                        if _can_change(key, later, method)]), self.seed)
+
+
+def _can_change(key: str, later: set[str], method: str) -> bool:
+    """Whether sweep ``key`` can change a stage of ``method``'s encoder before the ``later`` sections."""
+    parts = key.split(".")
+    return parts[0] not in later and not (parts[:2] == ["train", "methods"] and parts[2] != method)
+
+
+def _point_label(point: Sequence[tuple[str, Any]]) -> str:
+    return " ".join(f"{key.rsplit('.', 1)[-1]}={inline(value)}" for key, value in point)
+
+
+def _with_seed(point_label: str, seed: int | None) -> str:
+    return " ".join(filter(None, [point_label, "" if seed is None else f"seed={seed}"]))
 
 
 def expand(experiment: Experiment) -> list[Member]:

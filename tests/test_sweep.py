@@ -32,6 +32,16 @@ def test_seeds_times_grid_points_are_members_with_their_overrides():
     assert set(SEED_KEYS) == {"train", "align"}
 
 
+def test_a_stage_is_labelled_by_the_grid_values_that_can_change_it():
+    experiment = load_experiment("default", ["seeds=[3]", "sweep={align.settings.pairing.pairs: [20], "
+                                             "train.methods.xclr.settings.optim.lr: [0.1], train.settings.optim.epochs: [2]}"])
+    [member] = expand(experiment)
+    assert member.label == "pairs=20 lr=0.1 epochs=2 seed=3"
+    assert member.label_through("train", "simclr") == "epochs=2 seed=3"  # neither align's M nor xclr's lr
+    assert member.label_through("train", "xclr") == "lr=0.1 epochs=2 seed=3"
+    assert member.label_through("align", "simclr") == "pairs=20 epochs=2 seed=3"
+
+
 def test_an_experiment_without_seeds_or_sweep_is_its_only_member():
     experiment = load_experiment("default")
     [member] = expand(experiment)
@@ -209,8 +219,8 @@ def test_plan_counts_each_shared_stage_once_with_the_members_that_need_it():
                                              "sweep={train.methods.xclr.settings.method.target_temperature: [0.05, 0.2]}"])
     stages = plan_experiment(experiment)["stages"]
     trains = {stage["detail"]: stage["members"] for stage in stages if stage["stage"] == "train"}
-    assert trains == {"simclr [target_temperature=0.05 seed=0]": 2, "xclr [target_temperature=0.05 seed=0]": 1,
-                      "simclr [target_temperature=0.05 seed=1]": 2, "xclr [target_temperature=0.05 seed=1]": 1,
+    assert trains == {"simclr [seed=0]": 2, "xclr [target_temperature=0.05 seed=0]": 1,  # named by what they share
+                      "simclr [seed=1]": 2, "xclr [target_temperature=0.05 seed=1]": 1,
                       "xclr [target_temperature=0.2 seed=0]": 1, "xclr [target_temperature=0.2 seed=1]": 1}
     assert [(stage["stage"], stage["members"]) for stage in stages[:4]] == [
         ("shard", 4), ("captions", 4), ("wordnet", 4), ("neighbors", 4)]
