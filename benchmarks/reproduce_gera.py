@@ -37,18 +37,20 @@ def grid_point(row: dict) -> dict[str, str]:
     return dict(part.split("=", 1) for part in row["point"].split())
 
 
-def by_pairs(rows: list[dict]) -> dict[int, dict[str, dict]]:
-    """For each M, the aligned encoder's row of each method (ASIF's scores lie on GeRA's row)."""
-    table: dict[int, dict[str, dict]] = {}
+def by_pairs(rows: list[dict]) -> dict[tuple[int, str], dict[str, dict]]:
+    """For each M and image side (the encoder, or the raw pixels: the floor), its row of each method
+    (ASIF's scores lie on GeRA's row)."""
+    table: dict[tuple[int, str], dict[str, dict]] = {}
     for row in rows:
-        if row["encoder"] == "pixels" or row.get(ZERO_SHOT) is None:
+        if row.get(ZERO_SHOT) is None:
             continue
         point = grid_point(row)
         method = "contrastive alone (α = 0)" if float(point["alpha"]) == 0 else "GeRA"
-        table.setdefault(int(point["pairs"]), {})[method] = row
+        cell = table.setdefault((int(point["pairs"]), row["encoder"]), {})
+        cell[method] = row
         if method == "GeRA":
-            table[int(point["pairs"])]["ASIF"] = row
-    return dict(sorted(table.items()))
+            cell["ASIF"] = row
+    return dict(sorted(table.items(), key=lambda item: (item[0][0], item[0][1] == "pixels")))
 
 
 def samples(row: dict) -> str:
@@ -57,11 +59,16 @@ def samples(row: dict) -> str:
     return "-" if None in sizes else " / ".join(f"{size:.0f}" for size in sizes)
 
 
-def comparison_table(table: dict[int, dict[str, dict]]) -> str:
-    return markdown(["M", "unpaired N (image / text)", *METHODS],
-                    [[str(m), samples(methods["GeRA"]), *(mean_std(methods[method], metric) if method in methods
-                                                          else "-" for method, metric in METHODS.items())]
-                     for m, methods in table.items()])
+def side(encoder: str) -> str:
+    return FLOOR.get(encoder, {"simclr": "SimCLR"}.get(encoder, encoder))
+
+
+def comparison_table(table: dict[tuple[int, str], dict[str, dict]]) -> str:
+    return markdown(["M", "image side", "unpaired N (image / text)", *METHODS],
+                    [[str(m), side(encoder), samples(next(iter(methods.values()))),
+                      *(mean_std(methods[method], metric) if method in methods else "-"
+                        for method, metric in METHODS.items())]
+                     for (m, encoder), methods in table.items()])
 
 
 def encoder_lines(run: FinishedRun) -> list[str]:
@@ -76,18 +83,21 @@ def encoder_lines(run: FinishedRun) -> list[str]:
         + ". Text side: all-MiniLM-L6-v2 over varied captions.", ""]
 
 
-def plot(run: FinishedRun, table: dict[int, dict[str, dict]], path: Path) -> None:
-    figure, axes = plt.subplots(figsize=(6, 4))
-    for method, metric in METHODS.items():
-        points = [(m, methods[method]) for m, methods in table.items() if method in methods]
-        axes.errorbar([m for m, _ in points], [100 * row[metric] for _, row in points],
-                      yerr=[100 * (row[f"{metric}.std"] or 0) for _, row in points], marker="o", capsize=3,
-                      label=method)
+def plot(run: FinishedRun, table: dict[tuple[int, str], dict[str, dict]], path: Path) -> None:
+    figure, axes = plt.subplots(figsize=(6.5, 4.5))
+    for encoder in dict.fromkeys(encoder for _, encoder in table):
+        for (method, metric), colour in zip(METHODS.items(), ("C0", "C1", "C2")):
+            points = [(m, methods[method]) for (m, side_), methods in table.items()
+                      if side_ == encoder and method in methods]
+            axes.errorbar([m for m, _ in points], [100 * row[metric] for _, row in points],
+                          yerr=[100 * (row[f"{metric}.std"] or 0) for _, row in points], marker="o", capsize=3,
+                          color=colour, linestyle=":" if encoder in FLOOR else "-",
+                          label=f"{method}, {side(encoder)}")
     axes.set_xscale("log")
     axes.set_xlabel("paired points M (each carries its label)")
     axes.set_ylabel("zero-shot top-1 (%), class-prompt captions")
     axes.set_title(f"{run.name}: mean ± std over seeds")
-    axes.legend()
+    axes.legend(fontsize=7)
     figure.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(figure)
 
@@ -119,7 +129,8 @@ def report(run: FinishedRun, tuning: FinishedRun | None, image: Path) -> str:
          f"carry M labels; mean ± sample standard deviation over {seeds} seeds; chance is 10 %. GeRA runs "
          f"`configs/gera.yaml`: the {gera.geometry.kernel} kernel, σ = {gera.geometry.sigma:g}, n = "
          f"{gera.geometry.samples} neighbors sampled per paired point from its L = {gera.neighbors.count} nearest "
-         "unpaired points; the unpaired pools N are the rest of the train split, drawn per modality."), "",
+         "unpaired points; the unpaired pools N are the rest of the train split, drawn per modality. The "
+         "raw-pixel rows align the flattened pixels instead of the encoder's features: the floor."), "",
         comparison_table(table), "",
         f"![zero-shot accuracy against M]({image.name})", "",
         *(tuning_section(tuning) if tuning else [])])

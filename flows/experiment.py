@@ -240,12 +240,17 @@ def _encoders(run: MemberRun, pixels: bool) -> list[tuple[str, str, str]]:
 
 def align_step(stages: Stages, members: Members) -> None:
     futures = [(run, label, stages.submit(align_task, str(section.config),
-                                          section.overrides(encoder.path, run.experiment.data),
+                                          section.overrides(encoder, run.experiment.data),
                                           stages.parent_run_id, run_name=label, artifacts=ALIGN_ARTIFACTS,
                                           label=run.tag(label, "align"), encoder_label=label))
-               for run, section in members for label, encoder in run.encoders.items()]
+               for run, section in members for label, encoder in _image_sides(run, section.pixels)]
     for run, label, future in futures:
         run.score(label, stages.result(future))
+
+
+def _image_sides(run: MemberRun, pixels: bool) -> list[tuple[str, Path | None]]:
+    """(label, train stage directory; None: the raw pixels) of each image side to align."""
+    return [("pixels", None)] * pixels + [(label, output.path) for label, output in run.encoders.items()]
 
 
 STEPS: dict[str, Callable[[Stages, Members], None]] = {

@@ -171,14 +171,16 @@ class AlignSection(_Section):
     kind: Literal["align"] = "align"
     config: Path = Field(description="alignment config YAML, e.g. configs/gera.yaml")
     settings: Settings = {}
+    pixels: bool = Field(False, description="also align the raw pixels, the floor a learned image side must beat")
 
-    def overrides(self, encoder: Path, data: Path) -> list[str]:
+    def overrides(self, encoder: Path | None, data: Path) -> list[str]:
         """``--set`` overrides of the alignment config: the experiment's data spec, ``encoder``'s
-        image embeddings (a train stage directory), then the section's settings."""
-        return [f"data.spec={data}", "image.type=encoder", f"image.path={encoder}", *as_overrides(self.settings)]
+        image embeddings (a train stage directory; None: the raw pixels), then the section's settings."""
+        image = ["image.type=pixels"] if encoder is None else ["image.type=encoder", f"image.path={encoder}"]
+        return [f"data.spec={data}", *image, *as_overrides(self.settings)]
 
     def needs(self) -> tuple[str, ...]:
-        return ("train",)
+        return () if self.pixels else ("train",)
 
 
 Section = Annotated[PrecomputeSection | TrainSection | EvaluateSection | AlignSection, Field(discriminator="kind")]

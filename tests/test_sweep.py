@@ -4,6 +4,7 @@ experiment run end to end with shared stages built once and two stages at a time
 import json
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 import yaml
@@ -203,6 +204,21 @@ def test_every_contrastive_method_of_a_reproduction_trains_at_one_temperature(na
     assert {"simclr", "supcon", "xclr-wordnet"} <= set(configs)
     assert {label: config.method.temperature for label, config in configs.items()
             if config.method.name != "clip"} == dict.fromkeys(set(configs) - {"clip"}, 0.1)
+
+
+@pytest.mark.parametrize("name", ["reproduce-gera", "reproduce-gera-full"])
+def test_gera_reproductions_align_raw_pixels_as_the_floor_under_the_same_settings(name):
+    from repsim.flows.experiment import plan_experiment
+
+    experiment = load_experiment(name)
+    members = len(check_experiment(experiment))
+    aligns = [stage for stage in plan_experiment(experiment)["stages"] if stage["stage"] == "align"]
+    assert sum(stage["detail"].startswith("pixels [") for stage in aligns) == members  # one per M, α and seed
+    assert len(aligns) == 2 * members  # and the SimCLR encoder's
+    section = experiment.section("align")
+    encoder, pixels = section.overrides(Path("/stages/train/key"), experiment.data), section.overrides(None, experiment.data)
+    assert [o for o in encoder if not o.startswith("image.")] == [o for o in pixels if not o.startswith("image.")]
+    assert "image.type=pixels" in pixels and "image.path=/stages/train/key" in encoder
 
 
 def test_gera_reproduction_runs_the_alpha_chosen_on_validation():
