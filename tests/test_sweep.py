@@ -187,7 +187,7 @@ def test_a_sweep_over_one_methods_settings_leaves_the_others_shared():
 
 
 @pytest.mark.parametrize("name, members, seeds", [("reproduce-xclr", 9, 3), ("reproduce-xclr-full", 12, 3),
-                                                  ("reproduce-gera", 40, 5), ("reproduce-gera-full", 50, 5), ("tune-gera", 36, 2),
+                                                  ("reproduce-gera", 40, 5), ("reproduce-gera-full", 50, 5), ("tune-gera", 64, 2),
                                                   ("reproduce-sop", 3, 3), ("reproduce-sop-full", 3, 3)])
 def test_shipped_reproductions_are_valid_sweeps(name, members, seeds):
     experiment = load_experiment(name)

@@ -102,12 +102,12 @@ class GeometryConfig(_Strict):
     paper's ε = σ · mean pairwise distance, or ``heat_squared``, ε from squared distances) or ``knn_k``
     (binary kNN, which passes no gradient and so needs alpha 0)."""
 
-    alpha: float = Field(10000.0, ge=0)
+    alpha: float = Field(1000.0, ge=0)
     samples: int = Field(16, ge=1)
     strategy: Literal[STRATEGIES] = "rank"
     rank_exponent: float = Field(1.0, gt=0)
     kernel: Literal[KERNELS] = "heat"
-    sigma: float = Field(4.0, gt=0)
+    sigma: float = Field(0.25, gt=0)
     knn_k: int = Field(5, ge=1)
 
     @model_validator(mode="after")
