@@ -113,6 +113,9 @@ def plot(run: FinishedRun, table: dict[tuple[int, str], dict[str, dict]], path: 
                           color=colour, linestyle=":" if encoder in FLOOR else "-",
                           label=f"{method}, {side(encoder)}")
     axes.set_xscale("log")
+    pairs = sorted({m for m, _ in table})
+    axes.set_xticks(pairs, [str(m) for m in pairs], minor=False)
+    axes.set_xticks([], minor=True)
     axes.set_xlabel("paired points M (each carries its label)")
     axes.set_ylabel("zero-shot top-1 (%), class-prompt captions")
     axes.set_title(f"{run.name}: mean ± std over seeds")
