@@ -260,8 +260,11 @@ class Member:
 
 
 def _can_change(key: str, later: set[str], method: str) -> bool:
-    """Whether sweep ``key`` can change a stage of ``method``'s encoder before the ``later`` sections."""
+    """Whether sweep ``key`` can change a stage of ``method``'s encoder (``pixels``: none trained)
+    before the ``later`` sections."""
     parts = key.split(".")
+    if parts[0] == "train" and method == "pixels":
+        return False
     return parts[0] not in later and not (parts[:2] == ["train", "methods"] and parts[2] != method)
 
 

@@ -41,6 +41,7 @@ def test_a_stage_is_labelled_by_the_grid_values_that_can_change_it():
     assert member.label_through("train", "simclr") == "epochs=2 seed=3"  # neither align's M nor xclr's lr
     assert member.label_through("train", "xclr") == "lr=0.1 epochs=2 seed=3"
     assert member.label_through("align", "simclr") == "pairs=20 epochs=2 seed=3"
+    assert member.label_through("align", "pixels") == "pairs=20 seed=3"  # no trained encoder
 
 
 def test_an_experiment_without_seeds_or_sweep_is_its_only_member():
