@@ -43,9 +43,10 @@ CLASSES = 1000
 METHODS = ("simclr", "xclr")
 
 
-def build_method(name: str, backbone: str) -> TwoViewMethod:
+def build_method(name: str, backbone: str, image_size: int) -> TwoViewMethod:
     """``name`` on a standard-stem ``backbone`` for 3-channel images (projection 2048-2048-128)."""
-    parts = backbone_and_projection(ModelConfig(backbone=backbone, small_images=False, projection_hidden_dim=2048), 3)
+    config = ModelConfig(backbone=backbone, small_images=False, projection_hidden_dim=2048)
+    parts = backbone_and_projection(config, 3, image_size)
     return XCLR(*parts, LabelSource()) if name == "xclr" else SimCLR(*parts)
 
 
@@ -85,7 +86,7 @@ def train_throughput(name: str, args: argparse.Namespace, device: torch.device, 
                      compiled: bool) -> dict[str, float | str | bool]:
     """Images/s, FLOPs per image and MFU of method ``name``."""
     torch.manual_seed(0)
-    method = build_method(name, args.backbone).to(device).to(memory_format=torch.channels_last)
+    method = build_method(name, args.backbone, args.image_size).to(device).to(memory_format=torch.channels_last)
     flops = flops_per_image(method, synthetic_batch(args.flop_batch_size, args.image_size, device), device, dtype)
     if compiled:
         method.encoder.compile()

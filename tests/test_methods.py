@@ -33,7 +33,7 @@ from repsim.methods.stage import (TrainingData, Upstream, file_digest, prepare, 
                                   training_data)
 from repsim.methods.train import Method, init_distributed
 from repsim.methods.xclr import similarity_source, upstream
-from repsim.models import load_encoder
+from repsim.models import MaskableViT, load_encoder
 from repsim.stage import repsim_home
 from repsim.similarity.stages import EMBEDDINGS_FILE
 
@@ -234,6 +234,17 @@ def test_every_method_the_config_accepts_is_registered_and_takes_a_training_step
     outputs["loss"].backward()
     assert isinstance(model, Method) and torch.isfinite(outputs["loss"])
     assert all(p.grad is not None for p in model.encoder.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("name", ["simclr", "supcon", "xclr", "clip"])
+def test_the_two_view_methods_train_a_vit_as_well(animals, name):
+    spec, shards = animals
+    config = tiny_config(spec, {"name": name, **SETTINGS.get(name, {})}, model=TINY_VIT)
+    data, _ = prepare(config, shards, progress=False)
+    model = method_spec(name).build(config, data)
+    model.training_step(first_batch(shards, 8))["loss"].backward()
+    assert isinstance(model.encoder, MaskableViT) and model.encoder(torch.zeros(2, 1, 28, 28)).shape == (2, 192)
+    assert model.encoder.conv_proj.weight.grad.abs().sum() > 0
 
 
 def test_a_method_registered_outside_the_library_is_found_by_the_train_stage(animals, monkeypatch):

@@ -15,7 +15,8 @@ from repsim.data.loader import make_loader
 from repsim.data.masking import BlockMasking
 from repsim.data.sharding import ShardResult, shard
 from repsim.errors import SpecError
-from repsim.losses.sop import MaskedSOPLoss, SOPLoss, SOPs, build_sops, cross_entropy, nearest_supports
+from repsim.losses.sop import (MaskedSOPLoss, SOPLoss, SOPs, build_sops, cross_entropy, mean_assignment_entropy,
+                               mean_sample_entropy, nearest_supports)
 from repsim.methods.config import Config, ModelConfig, OptimConfig, load_config
 from repsim.methods.self_distillation import Memory, projection_head, teacher_momentum
 from repsim.methods.sop import SOP, SOPBank
@@ -310,9 +311,18 @@ def test_epoch_metrics_report_collapse_diagnostics_and_reset_the_entropy():
     for seed in range(3):
         method.training_step(views(seed=seed))
     metrics = method.epoch_metrics()
-    assert set(metrics) == {"effective_rank", "embedding_std", "sop_entropy"}
+    assert set(metrics) == {"effective_rank", "embedding_std", "sop_entropy", "target_entropy"}
     assert 1 <= metrics["effective_rank"] <= 16 and 0 < metrics["sop_entropy"] <= 1
+    assert 0 < metrics["target_entropy"] <= metrics["sop_entropy"]  # a mean is flatter than its parts
     assert "sop_entropy" not in method.epoch_metrics()
+
+
+def test_the_target_entropy_is_one_for_uniform_targets_zero_for_one_hot_and_the_mean_per_row():
+    uniform, one_hot = torch.full((1, 4), 0.25), torch.eye(4)[:1]
+    half = torch.tensor([[0.5, 0.5, 0.0, 0.0]])  # entropy log 2 of log 4
+    batch = torch.cat([uniform, one_hot, half])
+    torch.testing.assert_close(mean_sample_entropy(batch), torch.tensor((1 + 0 + 0.5) / 3))
+    torch.testing.assert_close(mean_assignment_entropy(one_hot.expand(4, 4)), torch.tensor(0.0))
 
 
 # ---------------------------------------------------------------------------------------------

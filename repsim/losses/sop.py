@@ -201,3 +201,11 @@ def mean_assignment_entropy(distributions: torch.Tensor) -> torch.Tensor:
     mean = at_least_float32(distributions).mean(dim=0)
     entropy = -(mean * safe_log(mean)).sum()
     return entropy / math.log(distributions.shape[1])
+
+
+def mean_sample_entropy(distributions: torch.Tensor) -> torch.Tensor:
+    """Mean over the batch of each distribution's (B, K) entropy divided by log K: 1 when every target
+    is uniform (no signal to learn from), 0 when each is one-hot."""
+    distributions = at_least_float32(distributions)
+    entropy = -(distributions * safe_log(distributions)).sum(dim=1)
+    return entropy.mean() / math.log(distributions.shape[1])

@@ -60,7 +60,7 @@ def upstream(config: Config, data: TrainingData) -> Upstream:
 def build(config: Config, data: TrainingData) -> CLIP:
     method = config.method
     text_embeddings = np.load(data.upstream.path / EMBEDDINGS_FILE, mmap_mode="r")
-    encoder, projector = backbone_and_projection(config.model, data.channels)
+    encoder, projector = backbone_and_projection(config.model, data.channels, data.image_size)
     text_dim, hidden = text_embeddings.shape[1], method.text_hidden_dim
     text_projection = (nn.Linear(text_dim, projector.out_dim) if hidden is None
                        else ProjectionMLP(text_dim, hidden, projector.out_dim))

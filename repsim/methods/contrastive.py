@@ -8,7 +8,7 @@ from torch import nn
 from repsim.errors import SpecError
 from repsim.methods.config import ModelConfig
 from repsim.methods.train import Batch, Method
-from repsim.models import ProjectionMLP, resnet
+from repsim.models import ProjectionMLP, backbone
 
 
 class TwoViewMethod(Method):
@@ -26,9 +26,10 @@ class TwoViewMethod(Method):
         return z1, z2
 
 
-def backbone_and_projection(model: ModelConfig, in_channels: int) -> tuple[nn.Module, ProjectionMLP]:
-    """The configured backbone for ``in_channels``-channel images and its projection head."""
-    encoder = resnet(model.backbone, model.small_images, in_channels)
+def backbone_and_projection(model: ModelConfig, in_channels: int, image_size: int) -> tuple[nn.Module, ProjectionMLP]:
+    """The configured backbone (a ResNet or a ViT) for ``in_channels``-channel images of ``image_size``
+    pixels and its projection head."""
+    encoder = backbone(model.backbone, in_channels, image_size, model.small_images, model.patch_size, model.depth)
     projector = ProjectionMLP(encoder.feature_dim, model.projection_hidden_dim, model.projection_dim,
                               model.projection_layers)
     return encoder, projector

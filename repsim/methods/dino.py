@@ -17,7 +17,6 @@ from torch import nn
 from repsim.data.masking import BlockMasking
 from repsim.losses.dino import DINOLoss
 from repsim.losses.ibot import IBOTPatchLoss
-from repsim.losses.sop import mean_assignment_entropy
 from repsim.methods.config import Config
 from repsim.methods.registry import register
 from repsim.methods.self_distillation import Memory, SelfDistillation, projection_head, vit_backbone
@@ -75,9 +74,8 @@ class Dino(SelfDistillation):
         teacher = projection(teacher_cls)
         teacher_logits = prototypes(teacher)
         student_cls, student_patches = self.student_tokens(batch, globals_, mask)
-        entropy = mean_assignment_entropy(self.loss.teacher_probabilities(teacher_logits))
+        entropy = self.record_targets(self.loss.teacher_probabilities(teacher_logits))
         cls_loss = self.loss([self.head(view) for view in student_cls], list(teacher_logits.chunk(2)))
-        self.record_entropy(entropy)
         self.memory.enqueue(teacher)
         if self.patch_loss is None:
             return {"loss": cls_loss, "prototype_entropy": entropy}

@@ -3,9 +3,11 @@ ViT with a projection head and its EMA teacher on multi-crop views, block maskin
 global views, and a FIFO :class:`Memory` of teacher embeddings.
 
 Each epoch, :meth:`SelfDistillation.epoch_metrics` reports the effective rank and per-dimension std
-of the memory of teacher embeddings and the mean over the epoch's steps of the normalised entropy
-of the teacher's mean assignment. ``encoder`` is the student's backbone: what the evaluate stage
-scores; the kNN monitor scores the teacher's backbone too (``teacher_knn_top1_k{k}``).
+of the memory of teacher embeddings and, averaged over the epoch's steps, the normalised entropy of
+the teacher's mean assignment (collapse onto few prototypes: → 0) and the mean normalised entropy
+of its per-sample targets (``target_entropy``; targets too flat to learn from: → 1). ``encoder`` is
+the student's backbone: what the evaluate stage scores; the kNN monitor scores the teacher's backbone
+too (``teacher_knn_top1_k{k}``).
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from repsim.data.masking import BlockMasking
 from repsim.errors import SpecError
 from repsim.eval.diagnostics import effective_rank, embedding_std
 from repsim.losses._pairs import gather_no_grad
+from repsim.losses.sop import mean_assignment_entropy, mean_sample_entropy
 from repsim.methods.config import Config, ModelConfig
 from repsim.methods.stage import TrainingData
 from repsim.methods.train import Batch, Method
-from repsim.models.vit import VITS, MaskableViT, vit
+from repsim.models import VITS, MaskableViT, backbone
 
 
 class Memory(nn.Module):
@@ -93,8 +96,9 @@ class SelfDistillation(Method):
     without gradients) and block masking of the student's global views (None: no masking).
 
     ``embeddings`` is a memory of teacher embeddings whose effective rank and per-dimension std
-    :meth:`epoch_metrics` reports, with the epoch's mean of the entropies passed to
-    :meth:`record_entropy` under the name ``entropy_metric``.
+    :meth:`epoch_metrics` reports, with the epoch's means of the entropies of the teacher's targets
+    passed to :meth:`record_targets`: of their mean (named ``entropy_metric``) and per sample
+    (``target_entropy``).
     """
 
     entropy_metric = "assignment_entropy"
@@ -106,7 +110,7 @@ class SelfDistillation(Method):
         self.teacher_head = copy.deepcopy(head).requires_grad_(False)
         if masking is None:
             encoder.mask_token.requires_grad_(False)
-        self.register_buffer("entropy_sum", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("entropy_sums", torch.zeros(2, dtype=torch.float64))  # of the mean, per sample
         self.register_buffer("entropy_steps", torch.zeros((), dtype=torch.long))
 
     @property
@@ -148,25 +152,31 @@ class SelfDistillation(Method):
         for student, teacher in ((self.encoder, self.teacher_encoder), (self.head, self.teacher_head)):
             torch._foreach_lerp_(list(teacher.parameters()), list(student.parameters()), 1 - momentum)
 
-    def record_entropy(self, entropy: torch.Tensor) -> None:
-        self.entropy_sum += entropy.detach().double()
+    @torch.no_grad()
+    def record_targets(self, targets: torch.Tensor) -> torch.Tensor:
+        """Add the teacher's targets (B, K) of a step to the epoch's entropies; their mean's normalised
+        entropy (the step's ``entropy_metric``)."""
+        entropies = torch.stack([mean_assignment_entropy(targets), mean_sample_entropy(targets)])
+        self.entropy_sums += entropies.double()
         self.entropy_steps += 1
+        return entropies[0]
 
     def monitored_encoders(self) -> dict[str, nn.Module]:
         """The student's backbone and, with ``teacher_`` metrics, the teacher's."""
         return {"": self.encoder, "teacher_": self.teacher_encoder}
 
     def epoch_metrics(self) -> dict[str, float]:
-        """``effective_rank`` and ``embedding_std`` of the teacher embeddings in memory and the mean
-        ``entropy_metric`` of the epoch's steps (then reset)."""
+        """``effective_rank`` and ``embedding_std`` of the teacher embeddings in memory and the means of
+        the epoch's steps of ``entropy_metric`` and ``target_entropy`` (then reset)."""
         metrics = {}
         entries, _ = self.embeddings.contents()
         if len(entries) >= 2:
             metrics |= {"effective_rank": effective_rank(entries, device=entries.device),
                         "embedding_std": embedding_std(entries, device=entries.device)}
         if int(self.entropy_steps):
-            metrics[self.entropy_metric] = float(self.entropy_sum / self.entropy_steps)
-        self.entropy_sum.zero_()
+            assignment, target = (self.entropy_sums / self.entropy_steps).tolist()
+            metrics |= {self.entropy_metric: assignment, "target_entropy": target}
+        self.entropy_sums.zero_()
         self.entropy_steps.zero_()
         return metrics
 
@@ -177,4 +187,4 @@ def vit_backbone(config: Config, data: TrainingData) -> MaskableViT:
     if model.backbone not in VITS:
         raise SpecError(f"method {config.method.name!r} needs a ViT, but model.backbone is {model.backbone!r}",
                         f"set model.backbone to one of {', '.join(VITS)}")
-    return vit(model.backbone.removeprefix("vit_"), data.image_size, model.patch_size, model.depth, data.channels)
+    return backbone(model.backbone, data.channels, data.image_size, patch_size=model.patch_size, depth=model.depth)

@@ -26,4 +26,4 @@ class SimCLR(TwoViewMethod):
 
 @register("simclr")
 def build(config: Config, data: TrainingData) -> SimCLR:
-    return SimCLR(*backbone_and_projection(config.model, data.channels), config.method.temperature)
+    return SimCLR(*backbone_and_projection(config.model, data.channels, data.image_size), config.method.temperature)

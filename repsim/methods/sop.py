@@ -27,8 +27,7 @@ import torch
 from torch import nn
 
 from repsim.data.masking import BlockMasking
-from repsim.losses.sop import (MaskedSOPLoss, SOPLoss, SOPs, Supports, assemble_sops, draw_supports,
-                               mean_assignment_entropy)
+from repsim.losses.sop import MaskedSOPLoss, SOPLoss, SOPs, Supports, assemble_sops, draw_supports
 from repsim.methods.config import Config
 from repsim.methods.registry import register
 from repsim.methods.self_distillation import Memory, SelfDistillation, projection_head, vit_backbone
@@ -130,8 +129,7 @@ class SOP(SelfDistillation):
         cls_loss, entropy = zero, zero.detach()
         if cls_sops is not None:
             cls_loss = self.cls_loss(student, list(teacher_cls.chunk(2)), cls_sops)
-            entropy = mean_assignment_entropy(cls_sops.distribution(teacher_cls, self.cls_loss.teacher_temperature))
-            self.record_entropy(entropy)
+            entropy = self.record_targets(cls_sops.distribution(teacher_cls, self.cls_loss.teacher_temperature))
         mim_loss = self._mim_loss(student_patches, teacher_patches, mask, zero)
         self.cls_bank.memory.enqueue(teacher_cls)
         self.patch_bank.memory.enqueue(self._sample_patches(teacher_patches))

@@ -27,4 +27,4 @@ class SupCon(TwoViewMethod):
 @register("supcon")
 def build(config: Config, data: TrainingData) -> SupCon:
     require_labels(data.labelled, "SupCon")
-    return SupCon(*backbone_and_projection(config.model, data.channels), config.method.temperature)
+    return SupCon(*backbone_and_projection(config.model, data.channels, data.image_size), config.method.temperature)

@@ -113,5 +113,6 @@ def similarity_source(similarity: Similarity, data: TrainingData) -> SimilarityS
 @register("xclr", upstream=upstream, write_figures=write_figures)
 def build(config: Config, data: TrainingData) -> XCLR:
     method = config.method
-    return XCLR(*backbone_and_projection(config.model, data.channels), similarity_source(method.similarity, data),
-                method.temperature, method.target_temperature)
+    encoder, projector = backbone_and_projection(config.model, data.channels, data.image_size)
+    return XCLR(encoder, projector, similarity_source(method.similarity, data), method.temperature,
+                method.target_temperature)

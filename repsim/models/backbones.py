@@ -15,10 +15,19 @@ import torchvision
 from torch import nn
 
 from repsim.errors import SpecError, StageError
-from repsim.models.vit import vit
+from repsim.models.vit import VITS, vit
 
 RESNETS = ("resnet18", "resnet34", "resnet50")
 ENCODER_FILE = "encoder.pt"
+
+
+def backbone(name: str, in_channels: int, image_size: int, small_images: bool = True, patch_size: int = 4,
+             depth: int = 12) -> nn.Module:
+    """The backbone ``name``: a :func:`resnet` (``small_images``) or a ViT (``vit_tiny``, ``vit_small``:
+    :func:`repsim.models.vit.vit` for ``image_size`` inputs, ``patch_size``, ``depth``)."""
+    if name in VITS:
+        return vit(name.removeprefix("vit_"), image_size, patch_size, depth, in_channels)
+    return resnet(name, small_images, in_channels)
 
 
 def resnet(name: str = "resnet18", small_images: bool = False, in_channels: int = 3) -> nn.Module:
@@ -30,7 +39,7 @@ def resnet(name: str = "resnet18", small_images: bool = False, in_channels: int 
     resnet50).
     """
     if name not in RESNETS:
-        raise SpecError(f"unknown backbone {name!r}", f"use one of {', '.join(RESNETS)}")
+        raise SpecError(f"unknown backbone {name!r}", f"use one of {', '.join(RESNETS + VITS)}")
     network = getattr(torchvision.models, name)(weights=None)
     stem_width = network.conv1.out_channels
     if small_images:
