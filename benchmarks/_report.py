@@ -134,22 +134,22 @@ def stage_runs(run: FinishedRun, stage: str) -> list:
                                             f"and tags.`repsim.stage` = '{stage}'")
 
 
-def train_records(run: FinishedRun) -> dict[str, list[dict]]:
-    """The ``metrics.jsonl`` records of every train stage run nested under ``run``, by the stage run's
-    label (``xclr-wordnet [seed=0]``)."""
+def train_records(run: FinishedRun) -> list[tuple[str, list[dict]]]:
+    """(label, ``metrics.jsonl`` records) of every train stage run nested under ``run``, one per run
+    (the seeds of one encoder share its label: ``xclr-wordnet``), in label order."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient()
-    records = {}
+    records = []
     with tempfile.TemporaryDirectory() as folder:
         for train in stage_runs(run, "train"):
             lines = Path(client.download_artifacts(train.info.run_id, "metrics.jsonl", folder)).read_text()
-            records[train.data.tags["repsim.label"]] = [json.loads(line) for line in lines.splitlines()]
-    return records
+            records.append((train.data.tags["repsim.label"], [json.loads(line) for line in lines.splitlines()]))
+    return sorted(records, key=lambda item: item[0])
 
 
 def encoder_of(label: str) -> str:
-    """``xclr-wordnet`` of a stage run label ``xclr-wordnet [seed=0]``."""
+    """``xclr-wordnet`` of a stage run label ``xclr-wordnet`` or ``xclr-wordnet [seed=0]``."""
     return label.split(" [")[0]
 
 

@@ -66,7 +66,7 @@ def epoch_curves(run: FinishedRun) -> dict[str, Curve]:
     ``metrics.jsonl`` of the train stage runs nested under ``run``."""
     curves = {encoder_of(label): [(record["epoch"], record["knn_top1_k20"]) for record in records
                                   if "knn_top1_k20" in record]
-              for label, records in train_records(run).items()}
+              for label, records in train_records(run)}
     return dict(sorted(curves.items(), key=lambda item: list(NAMES).index(item[0]) if item[0] in NAMES else 99))
 
 

@@ -15,6 +15,7 @@ A rerun rewrites the report above its ``## Analysis`` heading and keeps the anal
 
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 
@@ -27,10 +28,12 @@ from _report import FinishedRun, encoder_of, markdown, mean_std, render_finished
 NAMES = {"pixels": "raw pixels (floor)", "sop": "SOP", "sop-no-mim": "SOP without MIM (λ2 = 0)",
          "sop-fixed": "SOP, SOPs fixed after the initial selection",
          "sop-unshared": "SOP, non-shared supports", "dino": "DINO-style (learned prototypes)",
-         "ibot": "iBOT-style (learned prototypes, masked patches)"}
+         "ibot": "iBOT-style (learned prototypes, masked patches)",
+         "supcon": "SupCon on the same ViT (labels: the reference)"}
 METRICS = {"kNN top-1 (k = 20)": "knn_top1_k20", "linear top-1": "linear_top1"}
 DIAGNOSTICS = {"effective rank": ("effective_rank", 1), "per-dim std": ("embedding_std", 4),
-               "assignment entropy": ("sop_entropy", 3)}  # title: (metrics.jsonl name, digits)
+               "assignment entropy": ("sop_entropy", 3),
+               "target entropy": ("target_entropy", 3)}  # title: (metrics.jsonl name, digits)
 ENTROPIES = ("sop_entropy", "prototype_entropy")  # SOP's and the learned prototypes' assignment entropy
 MONITORS = {"student": "knn_top1_k20", "teacher": "teacher_knn_top1_k20"}
 
@@ -43,7 +46,7 @@ def epochs_by_encoder(run: FinishedRun) -> dict[str, list[list[dict]]]:
     """Each encoder's per-epoch records (the monitor's kNN, the diagnostics), one list per seed; the
     assignment entropy of either kind under ``sop_entropy``."""
     found: dict[str, list[list[dict]]] = {}
-    for label, records in sorted(train_records(run).items()):
+    for label, records in train_records(run):
         epochs = [record | {"sop_entropy": next((record[e] for e in ENTROPIES if e in record), float("nan"))}
                   for record in records if "epoch" in record]
         found.setdefault(encoder_of(label), []).append(epochs)
@@ -54,6 +57,11 @@ def mean_over_seeds(seeds: list[list[dict]], metric: str) -> list[float]:
     """``metric`` after each epoch, averaged over the seeds (the epochs every seed reached)."""
     epochs = min(len(epochs) for epochs in seeds)
     return [statistics.mean(epochs[epoch].get(metric, float("nan")) for epochs in seeds) for epoch in range(epochs)]
+
+
+def number(value: float, digits: int) -> str:
+    """``value`` to ``digits`` places; ``-`` for NaN (a metric the encoder does not log)."""
+    return "-" if math.isnan(value) else f"{value:.{digits}f}"
 
 
 def below_floor(row: dict, floor: dict, metric: str) -> str:
@@ -67,7 +75,7 @@ def scores_table(rows: list[dict], epochs: dict[str, list[list[dict]]]) -> str:
     lines = []
     for row in rows:
         seeds = epochs.get(row["encoder"])
-        diagnostics = [f"{mean_over_seeds(seeds, metric)[-1]:.{digits}f}" if seeds else "-"
+        diagnostics = [number(mean_over_seeds(seeds, metric)[-1], digits) if seeds else "-"
                        for metric, digits in DIAGNOSTICS.values()]
         lines.append([name(row["encoder"]), *(mean_std(row, metric) + below_floor(row, floor, metric)
                                               for metric in METRICS.values()), *diagnostics])
@@ -78,7 +86,7 @@ def monitor_table(epochs: dict[str, list[list[dict]]]) -> str:
     """The student's and the teacher's kNN top-1 (%) after every epoch, mean over seeds."""
     count = min(len(mean_over_seeds(seeds, MONITORS["student"])) for seeds in epochs.values())
     return markdown(["encoder", "network", *map(str, range(1, count + 1))],
-                    [[name(encoder), network, *(f"{100 * knn:.1f}" for knn in mean_over_seeds(seeds, metric))]
+                    [[name(encoder), network, *(number(100 * knn, 1) for knn in mean_over_seeds(seeds, metric))]
                      for encoder, seeds in epochs.items() for network, metric in MONITORS.items()])
 
 
@@ -124,8 +132,9 @@ def report(run: FinishedRun, image: Path) -> str:
          "kNN and of a linear probe on frozen features of the train split (the student's [CLS] feature); "
          f"mean ± sample standard deviation over {seeds} seeds. Diagnostics of the last epoch, mean over the "
          "seeds: effective rank and per-dimension std of the teacher's unit embeddings in memory (collapse: "
-         "rank → 1, std → 0) and the entropy of the teacher's mean SOP (or prototype) assignment over log K "
-         "(collapse: → 0)."), "",
+         "rank → 1, std → 0), the entropy of the teacher's mean SOP (or prototype) assignment over log K "
+         "(collapse: → 0) and the mean entropy of its per-sample targets over log K (targets too flat to "
+         "learn from: → 1)."), "",
         scores_table(run.rows, epochs), "",
         "†: below the raw-pixel floor, so not a result yet at this budget.", "",
         "The online monitor's kNN top-1 (%) on the test split after every epoch, of the student and of the "
