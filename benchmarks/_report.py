@@ -135,8 +135,8 @@ def stage_runs(run: FinishedRun, stage: str) -> list:
 
 
 def train_records(run: FinishedRun) -> list[tuple[str, list[dict]]]:
-    """(label, ``metrics.jsonl`` records) of every train stage run nested under ``run``, one per run
-    (the seeds of one encoder share its label: ``xclr-wordnet``), in label order."""
+    """(label, ``metrics.jsonl`` records) of every train stage run nested under ``run``, one per run, in
+    label order (``xclr-wordnet [seed=0]``; runs logged before labels carried the seed share one label)."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient()
