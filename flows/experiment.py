@@ -207,7 +207,7 @@ def train_step(stages: Stages, members: Members) -> None:
     futures = [(run, method.label, stages.submit(train_task, str(method.config),
                                                  section.overrides(method, run.experiment.data),
                                                  stages.parent_run_id, section.launch,
-                                                 run_name=run.tag(method.label, "train"),
+                                                 run_name=run.tag(method.label, "train"), encoder=method.label,
                                                  model=model_name(run.experiment.name, method.label),
                                                  artifacts=TRAIN_ARTIFACTS, label=run.tag(method.label, "train"),
                                                  encoder_label=method.label))
@@ -243,7 +243,7 @@ def align_step(stages: Stages, members: Members) -> None:
     futures = [(run, label, stages.submit(align_task, str(section.config),
                                           section.overrides(encoder, run.experiment.data),
                                           stages.parent_run_id, run_name=run.tag(label, "align"),
-                                          artifacts=ALIGN_ARTIFACTS,
+                                          encoder=label, artifacts=ALIGN_ARTIFACTS,
                                           label=run.tag(label, "align"), encoder_label=label))
                for run, section in members for label, encoder in _image_sides(run, section.pixels)]
     for run, label, future in futures:

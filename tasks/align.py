@@ -21,9 +21,10 @@ def plan_align(config: str, overrides: list[str]) -> tuple[Stage, Path]:
 
 
 @stage_task("align", plan_align)
-def align_task(config: str, overrides: list[str], parent_run_id: str, run_name: str | None = None) -> StageOutput:
+def align_task(config: str, overrides: list[str], parent_run_id: str, run_name: str | None = None,
+               encoder: str | None = None) -> StageOutput:
     """Align (or find cached) the config, logging to a nested MLflow run under ``parent_run_id``
-    (``align <run_name>``)."""
+    (``align <run_name>``, tagged with the ``encoder`` it aligns, default ``run_name``)."""
     resolved = load_align_config(config, overrides)
     return run_streamed(parent_run_id, align_stage_of(resolved), lambda log: align(resolved, log=log), ARTIFACTS,
-                        run_name)
+                        run_name, encoder=encoder)

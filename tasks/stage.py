@@ -187,13 +187,14 @@ def describe(record: dict) -> str:
 def run_streamed(parent_run_id: str, stage: Stage, produce: Callable[[Callable[[dict[str, float], int], None]],
                                                                       StageOutput],
                  artifacts: Sequence[str], label: str | None = None,
-                 then: Callable[[StageRun, StageOutput], Any] | None = None) -> StageOutput:
-    """``produce(log)`` inside a nested run for ``stage`` (named with ``label``) under ``parent_run_id``:
-    the curves it passes to ``log(metrics, step)`` stream to MLflow; then the output is logged with the
-    files ``artifacts`` of its directory (those that exist), and ``then(run, output)`` is called."""
+                 then: Callable[[StageRun, StageOutput], Any] | None = None, encoder: str | None = None) -> StageOutput:
+    """``produce(log)`` inside a nested run for ``stage`` (named with ``label``, about ``encoder``, default
+    ``label``) under ``parent_run_id``: the curves it passes to ``log(metrics, step)`` stream to MLflow;
+    then the output is logged with the files ``artifacts`` of its directory (those that exist), and
+    ``then(run, output)`` is called."""
     streamed: set[str] = set()
     with Tracker().stage_run(parent_run_id, stage.name, stage.key, stage.default_dir(), label,
-                             tags=stage_tags(stage.name, stage.config, label)) as run:
+                             tags=stage_tags(stage.name, stage.config, encoder or label)) as run:
 
         def log(metrics: dict[str, float], step: int) -> None:
             streamed.update(metrics)

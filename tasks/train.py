@@ -36,10 +36,11 @@ def plan_train(config: str, overrides: list[str]) -> tuple[Stage, Path]:
 @stage_task("train", plan_train)
 def train_task(config: str, overrides: list[str], parent_run_id: str,
                launch: TorchrunLaunch | None = None, run_name: str | None = None,
-               model: str | None = None) -> StageOutput:
+               model: str | None = None, encoder: str | None = None) -> StageOutput:
     """Train (or find cached) the config, logging to a nested MLflow run under ``parent_run_id``
-    (``train <run_name>``); with a distributed ``launch``, through torchrun. With ``model``, the
-    encoder is logged as an MLflow model and registered under that name (one version per stage key)."""
+    (``train <run_name>``, tagged with the ``encoder`` it trains, default ``run_name``); with a distributed
+    ``launch``, through torchrun. With ``model``, the encoder is logged as an MLflow model and registered
+    under that name (one version per stage key)."""
     resolved = load_config(config, overrides)
 
     def produce(log: LogFn) -> StageOutput:
@@ -52,7 +53,7 @@ def train_task(config: str, overrides: list[str], parent_run_id: str,
         run.log_encoder(output.path, model)
 
     return run_streamed(parent_run_id, train_stage_of(resolved), produce, ARTIFACTS, run_name,
-                        register if model else None)
+                        register if model else None, encoder=encoder)
 
 
 def _train_with_torchrun(resolved: Config, command: list[str], log: LogFn) -> StageOutput:

@@ -146,6 +146,7 @@ def test_sweep_shares_upstream_stages_runs_two_at_a_time_and_reruns_from_cache(s
     assert {name for name in names if name.startswith("train")} == {
         f"train supcon [lr={lr} seed={seed}]" for lr in (0.001, 0.002) for seed in (0, 1)}
     assert {"features pixels test", "evaluate pixels", "evaluate supcon [lr=0.002 seed=1]"} <= set(names)
+    assert {run.data.tags.get("repsim.encoder") for run in stages} == {None, "pixels", "supcon"}  # not the run names
     logged = _mlflow_table(home, parent.info.run_id)
     supcon = [index for index, encoder in enumerate(logged["encoder"]) if encoder == "supcon"]
     knn = {row.split()[0]: float(row.split()[2]) for row in table[2:] if "supcon" in row}
