@@ -71,7 +71,8 @@ def paired_gains(run: FinishedRun) -> dict[tuple[int, str], str]:
     scores: dict[tuple[int, str, str], dict[bool, float]] = {}
     for align in stage_runs(run, "align"):
         params = align.data.params
-        cell = scores.setdefault((int(params["config.pairing.pairs"]), align.data.tags["repsim.encoder"],
+        encoder = align.data.tags["repsim.encoder"].split(" [")[0]  # runs logged before the fix carry the label
+        cell = scores.setdefault((int(params["config.pairing.pairs"]), encoder,
                                   params["config.pairing.seed"]), {})
         cell[float(params["config.geometry.alpha"]) > 0] = align.data.metrics[ZERO_SHOT]
     differences: dict[tuple[int, str], list[float]] = {}
