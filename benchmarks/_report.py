@@ -148,9 +148,32 @@ def train_records(run: FinishedRun) -> list[tuple[str, list[dict]]]:
     return sorted(records, key=lambda item: item[0])
 
 
-def encoder_of(label: str) -> str:
-    """``xclr-wordnet`` of a stage run label ``xclr-wordnet`` or ``xclr-wordnet [seed=0]``."""
-    return label.split(" [")[0]
+def without_seed(label: str) -> str:
+    """A stage run label without its seed: ``sop`` of ``sop [seed=0]``, ``xclr-wordnet
+    [target_temperature=0.1]`` of ``xclr-wordnet [target_temperature=0.1 seed=0]``."""
+    name, _, point = label.partition(" [")
+    kept = [part for part in point.rstrip("]").split() if not part.startswith("seed=")]
+    return f"{name} [{' '.join(kept)}]" if kept else name
+
+
+def epochs_by_encoder(run: FinishedRun) -> dict[str, list[list[dict]]]:
+    """The records after each epoch (the online monitor's kNN, diagnostics) of every train stage run
+    nested under ``run``, grouped by label without the seed: one list of epochs per seed."""
+    found: dict[str, list[list[dict]]] = {}
+    for label, records in train_records(run):
+        found.setdefault(without_seed(label), []).append([record for record in records if "epoch" in record])
+    return found
+
+
+def mean_over_seeds(seeds: list[list[dict]], metric: str) -> list[float]:
+    """``metric`` after each epoch, averaged over the seeds (the epochs every seed reached)."""
+    epochs = min(len(epochs) for epochs in seeds)
+    return [statistics.mean(epochs[epoch].get(metric, float("nan")) for epochs in seeds) for epoch in range(epochs)]
+
+
+def below_floor(row: dict, floor: dict, metric: str) -> str:
+    """`` †`` when a learned encoder's mean is below the raw pixels' on ``metric``."""
+    return " †" if row["encoder"] != "pixels" and row[metric] < floor[metric] else ""
 
 
 def mean_std(row: dict, metric: str) -> str:

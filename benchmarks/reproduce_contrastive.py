@@ -1,15 +1,14 @@
 """The contrastive comparison's report: SimCLR, SupCon, X-CLR (WordNet), X-CLR (captions) and CLIP
 against the raw-pixel floor, and X-CLR (WordNet)'s target temperature τ_s, from the latest finished
-run of ``experiments/reproduce-xclr.yaml`` (CPU) or ``reproduce-xclr-full.yaml`` (GPU); with the
-kNN accuracy after every epoch of a longer budget from ``reproduce-xclr-epochs.yaml`` once it has run.
+run of ``experiments/reproduce-xclr.yaml`` (CPU) or ``reproduce-xclr-full.yaml`` (GPU), with each
+encoder's kNN accuracy after every epoch when the run had the online monitor on.
 
 The experiment file says what runs (one backbone, budget, augmentation and temperature for every
 method; three seeds; the τ_s sweep); ``repsim run`` runs it as cached, tracked stages, and this
 script reads its result table back from MLflow and writes the report and its plot:
 
     repsim run reproduce-xclr
-    repsim run reproduce-xclr-epochs     # optional: the accuracy-versus-epochs curves
-    python benchmarks/reproduce_contrastive.py [--experiment reproduce-xclr] [--curves reproduce-xclr-epochs]
+    python benchmarks/reproduce_contrastive.py [--experiment reproduce-xclr]
 
 A rerun rewrites the report above its ``## Analysis`` heading and keeps the analysis below it.
 """
@@ -23,7 +22,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
-from _report import FinishedRun, encoder_of, markdown, mean_std, render_finished, train_records  # noqa: E402
+from _report import (FinishedRun, below_floor, epochs_by_encoder, markdown, mean_over_seeds,  # noqa: E402
+                     mean_std, render_finished)
 
 from repsim.data.spec import load_spec  # noqa: E402
 from repsim.similarity.wordnet import class_similarity  # noqa: E402
@@ -33,7 +33,7 @@ NAMES = {"pixels": "raw pixels (floor)", "simclr": "SimCLR", "supcon": "SupCon",
          "xclr-identity": "X-CLR (identity targets; ablation)", "clip": "CLIP (frozen MiniLM text tower, one image view)"}
 SWEPT, DEFAULT_TAU = "xclr-wordnet", 0.1  # the encoder whose τ_s the sweep varies, and the config's τ_s
 METRICS = {"kNN top-1 (k = 20)": "knn_top1_k20", "linear top-1": "linear_top1"}
-Curve = list[tuple[int, float]]  # (epoch, kNN top-1) after each epoch
+Curve = list[float]  # kNN top-1 after each epoch, mean over seeds
 
 
 def tau(row: dict) -> float:
@@ -47,11 +47,6 @@ def comparison(rows: list[dict]) -> list[dict]:
             for encoder in encoders]
 
 
-def below_floor(row: dict, floor: dict, metric: str) -> str:
-    """`` †`` when a learned encoder's mean is below the raw pixels' on ``metric``."""
-    return " †" if row["encoder"] != "pixels" and row[metric] < floor[metric] else ""
-
-
 def other_class_share(spec: Path, target_temperature: float) -> str:
     """The share (%) of a sample's X-CLR (WordNet, wup) target on other classes when every class has as
     many samples in the batch, ``1 - softmax(s / τ_s)[c, c]``: its mean and range over the classes."""
@@ -61,18 +56,27 @@ def other_class_share(spec: Path, target_temperature: float) -> str:
     return f"{share.mean():.0f} ({share.min():.0f}–{share.max():.0f})"
 
 
+def name(encoder: str) -> str:
+    """An encoder's name in the report; a swept one's with its grid point (``X-CLR (WordNet), τ_s = 0.1``)."""
+    method, _, point = encoder.partition(" [")
+    return NAMES.get(method, method) + (", " + point.rstrip("]").replace("target_temperature=", "τ_s = ")
+                                        if point else "")
+
+
 def epoch_curves(run: FinishedRun) -> dict[str, Curve]:
-    """Each encoder's online-monitor kNN top-1 on the test split after every epoch, from the
-    ``metrics.jsonl`` of the train stage runs nested under ``run``."""
-    curves = {encoder_of(label): [(record["epoch"], record["knn_top1_k20"]) for record in records
-                                  if "knn_top1_k20" in record]
-              for label, records in train_records(run)}
-    return dict(sorted(curves.items(), key=lambda item: list(NAMES).index(item[0]) if item[0] in NAMES else 99))
+    """Each encoder's online-monitor kNN top-1 on the test split after every epoch, mean over seeds,
+    from the ``metrics.jsonl`` of the train stage runs nested under ``run`` (none without the monitor)."""
+    curves = {encoder: mean_over_seeds(seeds, "knn_top1_k20") for encoder, seeds in epochs_by_encoder(run).items()
+              if all("knn_top1_k20" in epoch for epochs in seeds for epoch in epochs)}
+    order = list(NAMES)
+    return dict(sorted((item for item in curves.items() if item[1]),
+                       key=lambda item: (order.index(item[0].split(" [")[0]) if item[0].split(" [")[0] in order
+                                         else 99, item[0])))
 
 
 def plot(run: FinishedRun, table: list[dict], swept: list[dict], curves: dict[str, Curve], path: Path) -> None:
     """Each encoder's scores (mean ± std over seeds), the swept encoder's against τ_s, and kNN top-1
-    after every epoch of the longer budget when there are ``curves``, each with the floor."""
+    after every epoch when there are ``curves``, each with the floor."""
     figure, (bars, curve, *growth) = plt.subplots(1, 3 if curves else 2, figsize=(16 if curves else 11, 4))
     floor = next(row for row in table if row["encoder"] == "pixels")
     learned = [row for row in table if row["encoder"] != "pixels"]
@@ -83,7 +87,7 @@ def plot(run: FinishedRun, table: list[dict], swept: list[dict], curves: dict[st
                        yerr=[row[f"{metric}.std"] for row in swept], marker="o", capsize=3, color=color, label=title)
         for axes in (bars, curve):
             axes.axhline(floor[metric], linestyle="--", linewidth=1, color=color)
-    bars.set_xticks(range(len(learned)), [NAMES.get(row["encoder"], row["encoder"]) for row in learned],
+    bars.set_xticks(range(len(learned)), [name(row["encoder"]) for row in learned],
                     rotation=20, ha="right")
     bars.set_ylabel("top-1 accuracy (dashed: raw pixels)")
     bars.set_ylim(min(row[m] for row in table for m in METRICS.values()) - 0.05, 1.0)
@@ -99,37 +103,31 @@ def plot(run: FinishedRun, table: list[dict], swept: list[dict], curves: dict[st
 
 
 def plot_curves(axes, curves: dict[str, Curve], floor: float) -> None:
-    for encoder, points in curves.items():
-        axes.plot(*zip(*points), marker=".", label=NAMES.get(encoder, encoder))
+    for encoder, knn in curves.items():
+        axes.plot(range(1, len(knn) + 1), knn, marker=".", label=name(encoder))
     axes.axhline(floor, linestyle="--", linewidth=1, color="black", label=NAMES["pixels"])
-    axes.set_xlabel("epoch (longer budget, one seed)")
+    axes.set_xlabel("epoch (mean over seeds)")
     axes.set_ylabel("kNN top-1 (k = 20), online monitor")
     axes.legend(fontsize=7, loc="lower right")
 
 
-def budget_section(longer: FinishedRun, curves: dict[str, Curve]) -> list[str]:
-    """The longer budget's final scores and its kNN top-1 after every epoch, as markdown lines."""
-    floor = next(row for row in longer.rows if row["encoder"] == "pixels")
-    epochs = sorted({epoch for points in curves.values() for epoch, _ in points})
-    return [
-        "## Longer budget", "",
-        f"Command: `{longer.command}` ({longer.minutes:.1f} min): the same settings for "
-        f"{max(epochs)} epochs, one seed, with the online kNN monitor (its kNN differs from the "
-        "evaluate stage's in feature extraction only).", "",
-        markdown(["encoder", *METRICS], [[NAMES.get(row["encoder"], row["encoder"]),
-                                          *(mean_std(row, metric) + below_floor(row, floor, metric)
-                                            for metric in METRICS.values())] for row in longer.rows]), "",
-        "kNN top-1 (%) after each epoch:", "",
-        markdown(["encoder", *map(str, epochs)],
-                 [[NAMES.get(encoder, encoder), *(f"{100 * knn:.1f}" for _, knn in points)]
-                  for encoder, points in curves.items()]), ""]
+def curves_section(curves: dict[str, Curve]) -> list[str]:
+    """Each encoder's kNN top-1 after every epoch, as markdown lines (none without curves)."""
+    if not curves:
+        return []
+    epochs = min(len(knn) for knn in curves.values())
+    return ["kNN top-1 (%) on the test split after each epoch (the online monitor: its kNN differs from the "
+            "evaluate stage's in feature extraction only), mean over the seeds:", "",
+            markdown(["encoder", *map(str, range(1, epochs + 1))],
+                     [[name(encoder), *(f"{100 * value:.1f}" for value in knn[:epochs])]
+                      for encoder, knn in curves.items()]), ""]
 
 
-def report(run: FinishedRun, longer: FinishedRun | None, image: Path) -> str:
+def report(run: FinishedRun, image: Path) -> str:
     table, swept = comparison(run.rows), sorted((row for row in run.rows if row["encoder"] == SWEPT), key=tau)
     floor = next(row for row in table if row["encoder"] == "pixels")
     seeds = max(int(row["knn_top1_k20.n"]) for row in table)
-    curves = epoch_curves(longer) if longer else {}
+    curves = epoch_curves(run)
     plot(run, table, swept, curves, image)
     return "\n".join([
         "# Contrastive methods compared", "",
@@ -139,7 +137,7 @@ def report(run: FinishedRun, longer: FinishedRun | None, image: Path) -> str:
          f"`experiments/{run.name}.yaml`. Scores: top-1 accuracy (%) on the test split of a weighted cosine "
          f"kNN and of a linear probe on frozen features of the train split; mean ± sample standard deviation "
          f"over {seeds} seeds."), "",
-        markdown(["encoder", *METRICS], [[NAMES.get(row["encoder"], row["encoder"]),
+        markdown(["encoder", *METRICS], [[name(row["encoder"]),
                                           *(mean_std(row, metric) + below_floor(row, floor, metric)
                                             for metric in METRICS.values())] for row in table]),
         "",
@@ -150,12 +148,11 @@ def report(run: FinishedRun, longer: FinishedRun | None, image: Path) -> str:
                  [[f"{tau(row):g}", *(mean_std(row, metric) + below_floor(row, floor, metric)
                                       for metric in METRICS.values()),
                    other_class_share(run.data, tau(row))] for row in swept]), "",
-        f"![scores]({image.name})", "", *(budget_section(longer, curves) if longer else [])])
+        *curves_section(curves), f"![scores]({image.name})", ""])
 
 
 def main() -> None:
-    render_finished(__doc__, "reproduce-xclr", report,
-                    ("--curves", "reproduce-xclr-epochs", "the longer-budget experiment with the kNN monitor on"))
+    render_finished(__doc__, "reproduce-xclr", report)
 
 
 if __name__ == "__main__":

@@ -16,14 +16,14 @@ A rerun rewrites the report above its ``## Analysis`` heading and keeps the anal
 from __future__ import annotations
 
 import math
-import statistics
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from _report import FinishedRun, encoder_of, markdown, mean_std, render_finished, train_records  # noqa: E402
+from _report import (FinishedRun, below_floor, epochs_by_encoder, markdown, mean_over_seeds,  # noqa: E402
+                     mean_std, render_finished)
 
 NAMES = {"pixels": "raw pixels (floor)", "sop": "SOP", "sop-no-mim": "SOP without MIM (λ2 = 0)",
          "sop-fixed": "SOP, SOPs fixed after the initial selection",
@@ -42,31 +42,18 @@ def name(encoder: str) -> str:
     return NAMES.get(encoder, encoder)
 
 
-def epochs_by_encoder(run: FinishedRun) -> dict[str, list[list[dict]]]:
-    """Each encoder's per-epoch records (the monitor's kNN, the diagnostics), one list per seed; the
+def sop_epochs(run: FinishedRun) -> dict[str, list[list[dict]]]:
+    """Each encoder's per-epoch records, one list per seed (:func:`_report.epochs_by_encoder`), the
     assignment entropy of either kind under ``sop_entropy``."""
-    found: dict[str, list[list[dict]]] = {}
-    for label, records in train_records(run):
-        epochs = [record | {"sop_entropy": next((record[e] for e in ENTROPIES if e in record), float("nan"))}
-                  for record in records if "epoch" in record]
-        found.setdefault(encoder_of(label), []).append(epochs)
+    found = {encoder: [[record | {"sop_entropy": next((record[e] for e in ENTROPIES if e in record), float("nan"))}
+                        for record in epochs] for epochs in seeds]
+             for encoder, seeds in epochs_by_encoder(run).items()}
     return dict(sorted(found.items(), key=lambda item: list(NAMES).index(item[0]) if item[0] in NAMES else 99))
-
-
-def mean_over_seeds(seeds: list[list[dict]], metric: str) -> list[float]:
-    """``metric`` after each epoch, averaged over the seeds (the epochs every seed reached)."""
-    epochs = min(len(epochs) for epochs in seeds)
-    return [statistics.mean(epochs[epoch].get(metric, float("nan")) for epochs in seeds) for epoch in range(epochs)]
 
 
 def number(value: float, digits: int) -> str:
     """``value`` to ``digits`` places; ``-`` for NaN (a metric the encoder does not log)."""
     return "-" if math.isnan(value) else f"{value:.{digits}f}"
-
-
-def below_floor(row: dict, floor: dict, metric: str) -> str:
-    """`` †`` when a learned encoder's mean is below the raw pixels' on ``metric``."""
-    return " †" if row["encoder"] != "pixels" and row[metric] < floor[metric] else ""
 
 
 def scores_table(rows: list[dict], epochs: dict[str, list[list[dict]]]) -> str:
@@ -120,7 +107,7 @@ def plot(run: FinishedRun, epochs: dict[str, list[list[dict]]], path: Path) -> N
 
 
 def report(run: FinishedRun, image: Path) -> str:
-    epochs = epochs_by_encoder(run)
+    epochs = sop_epochs(run)
     seeds = max(int(row["knn_top1_k20.n"]) for row in run.rows)
     plot(run, epochs, image)
     return "\n".join([
