@@ -148,6 +148,11 @@ def train_records(run: FinishedRun) -> list[tuple[str, list[dict]]]:
     return sorted(records, key=lambda item: item[0])
 
 
+def encoder_of(label: str) -> str:
+    """``xclr-wordnet`` of a stage run label ``xclr-wordnet [target_temperature=0.1 seed=0]``."""
+    return label.partition(" [")[0]
+
+
 def without_seed(label: str) -> str:
     """A stage run label without its seed: ``sop`` of ``sop [seed=0]``, ``xclr-wordnet
     [target_temperature=0.1]`` of ``xclr-wordnet [target_temperature=0.1 seed=0]``."""

@@ -22,7 +22,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
-from _report import (FinishedRun, below_floor, epochs_by_encoder, markdown, mean_over_seeds,  # noqa: E402
+from _report import (FinishedRun, below_floor, encoder_of, epochs_by_encoder, markdown, mean_over_seeds,  # noqa: E402
                      mean_std, render_finished)
 
 from repsim.data.spec import load_spec  # noqa: E402
@@ -66,12 +66,11 @@ def name(encoder: str) -> str:
 def epoch_curves(run: FinishedRun) -> dict[str, Curve]:
     """Each encoder's online-monitor kNN top-1 on the test split after every epoch, mean over seeds,
     from the ``metrics.jsonl`` of the train stage runs nested under ``run`` (none without the monitor)."""
-    curves = {encoder: mean_over_seeds(seeds, "knn_top1_k20") for encoder, seeds in epochs_by_encoder(run).items()
-              if all("knn_top1_k20" in epoch for epochs in seeds for epoch in epochs)}
-    order = list(NAMES)
-    return dict(sorted((item for item in curves.items() if item[1]),
-                       key=lambda item: (order.index(item[0].split(" [")[0]) if item[0].split(" [")[0] in order
-                                         else 99, item[0])))
+    order = {encoder: index for index, encoder in enumerate(NAMES)}
+    return {encoder: mean_over_seeds(seeds, "knn_top1_k20")
+            for encoder, seeds in sorted(epochs_by_encoder(run).items(),
+                                         key=lambda item: (order.get(encoder_of(item[0]), 99), item[0]))
+            if all(epochs and all("knn_top1_k20" in epoch for epoch in epochs) for epochs in seeds)}
 
 
 def plot(run: FinishedRun, table: list[dict], swept: list[dict], curves: dict[str, Curve], path: Path) -> None:

@@ -24,7 +24,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from _report import FinishedRun, markdown, mean_std, render_finished, stage_runs  # noqa: E402
+from _report import FinishedRun, encoder_of, markdown, mean_std, render_finished, stage_runs  # noqa: E402
 
 from repsim.align.config import load_align_config  # noqa: E402
 
@@ -71,7 +71,7 @@ def paired_gains(run: FinishedRun) -> dict[tuple[int, str], str]:
     scores: dict[tuple[int, str, str], dict[bool, float]] = {}
     for align in stage_runs(run, "align"):
         params = align.data.params
-        encoder = align.data.tags["repsim.encoder"].split(" [")[0]  # runs logged before the fix carry the label
+        encoder = encoder_of(align.data.tags["repsim.encoder"])  # runs logged before a973897 carry their label
         cell = scores.setdefault((int(params["config.pairing.pairs"]), encoder,
                                   params["config.pairing.seed"]), {})
         cell[float(params["config.geometry.alpha"]) > 0] = align.data.metrics[ZERO_SHOT]
