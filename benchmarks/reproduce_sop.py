@@ -117,11 +117,11 @@ def report(run: FinishedRun, image: Path) -> str:
         (f"What every variant shares (one ViT, multi-crop views, budget and teacher schedule) is in "
          f"`experiments/{run.name}.yaml`. Scores: top-1 accuracy (%) on the test split of a weighted cosine "
          "kNN and of a linear probe on frozen features of the train split (the student's [CLS] feature); "
-         f"mean ± sample standard deviation over {seeds} seeds. Diagnostics of the last epoch, mean over the "
-         "seeds: effective rank and per-dimension std of the teacher's unit embeddings in memory (collapse: "
-         "rank → 1, std → 0), the entropy of the teacher's mean SOP (or prototype) assignment over log K "
-         "(collapse: → 0) and the mean entropy of its per-sample targets over log K (targets too flat to "
-         "learn from: → 1)."), "",
+         + (f"mean ± sample standard deviation over {seeds} seeds" if seeds > 1 else "one seed")
+         + ". Diagnostics of the last epoch, mean over the seeds: effective rank and per-dimension std of "
+         "the teacher's unit embeddings in memory (collapse: rank → 1, std → 0), the entropy of the "
+         "teacher's mean SOP (or prototype) assignment over log K (collapse: → 0) and the mean entropy of "
+         "its per-sample targets over log K (targets too flat to learn from: → 1)."), "",
         scores_table(run.rows, epochs), "",
         "†: below the raw-pixel floor, so not a result yet at this budget.", "",
         "The online monitor's kNN top-1 (%) on the test split after every epoch, of the student and of the "

@@ -191,7 +191,8 @@ def test_a_sweep_over_one_methods_settings_leaves_the_others_shared():
 
 @pytest.mark.parametrize("name, members, seeds", [("reproduce-xclr", 6, 3), ("reproduce-xclr-full", 12, 3),
                                                   ("reproduce-gera", 40, 5), ("reproduce-gera-full", 50, 5), ("tune-gera", 64, 2),
-                                                  ("reproduce-sop", 3, 3), ("reproduce-sop-full", 3, 3)])
+                                                  ("reproduce-sop", 3, 3), ("reproduce-sop-full", 3, 3),
+                                                  ("reproduce-sop-long", 1, 1)])
 def test_shipped_reproductions_are_valid_sweeps(name, members, seeds):
     experiment = load_experiment(name)
     assert len(check_experiment(experiment)) == members and experiment.seeds == list(range(seeds))
@@ -294,3 +295,19 @@ def test_the_sop_reproduction_fills_its_memories_early_and_its_teacher_moves():
     full = load_experiment("reproduce-sop-full")
     assert {run.label: load_config(run.config, full.section("train").overrides(run, full.data)).method.num_prototypes
             for run in full.section("train").methods if run.label in ("dino", "ibot")} == {"dino": 8192, "ibot": 8192}
+
+
+def test_the_long_sop_run_is_the_sop_reproduction_at_five_times_its_epochs():
+    from repsim.methods.config import load_config
+
+    def configs(name: str) -> dict[str, dict]:
+        experiment = load_experiment(name)
+        train = experiment.section("train")
+        return {run.label: load_config(run.config, train.overrides(run, experiment.data)).model_dump()
+                for run in train.methods}
+
+    long, short = configs("reproduce-sop-long"), configs("reproduce-sop")
+    assert set(long) == {"sop", "supcon"}
+    for label, config in long.items():
+        assert config["optim"].pop("epochs") == 5 * short[label]["optim"].pop("epochs"), label
+        assert config == short[label], label
