@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from repsim.align.config import load_align_config
 from repsim.align.stage import LOSS_PLOT_FILE, RESULTS_FILE, align, align_stage_of
 from repsim.align.train import ALIGNMENT_FILE
@@ -14,10 +12,9 @@ from repsim.tasks.stage import run_streamed, stage_task
 ARTIFACTS = (RESULTS_FILE, LOSS_PLOT_FILE, METRICS_FILE, ALIGNMENT_FILE)
 
 
-def plan_align(config: str, overrides: list[str]) -> tuple[Stage, Path]:
+def plan_align(config: str, overrides: list[str]) -> Stage:
     """The align stage of a config file with ``--set`` overrides (its shards must exist)."""
-    stage = align_stage_of(load_align_config(config, overrides))
-    return stage, stage.default_dir()
+    return align_stage_of(load_align_config(config, overrides))
 
 
 @stage_task("align", plan_align)

@@ -5,7 +5,6 @@ each task's cache key is its planner's stage key."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from repsim.eval.stages import (DEFAULT_SUITES, KNN_K, PIXELS, TextEncoder, evaluate_features, evaluate_stage_of,
@@ -14,21 +13,16 @@ from repsim.stage import Stage, StageOutput
 from repsim.tasks.stage import stage_task
 
 
-def plan_features(shards_path: str, encoder: str = PIXELS, split: str = "test", device: str | None = None,
-                  out_dir: str | None = None) -> tuple[Stage, Path]:
-    """The features stage of one split and the directory it writes to."""
-    stage = features_stage_of(shards_path, encoder, split, device)
-    return stage, stage.output_dir(out_dir)
+def plan_features(shards_path: str, encoder: str = PIXELS, split: str = "test", device: str | None = None) -> Stage:
+    """The features stage of one split."""
+    return features_stage_of(shards_path, encoder, split, device)
 
 
 def plan_evaluate(train_path: str, test_path: str, suites: Sequence[str] = DEFAULT_SUITES,
                   knn_k: Sequence[int] = KNN_K, text_encoder: TextEncoder | None = None,
-                  captions_path: str | None = None, linear_options: dict[str, Any] | None = None,
-                  out_dir: str | None = None) -> tuple[Stage, Path]:
-    """The evaluate stage of two features outputs and the directory it writes to."""
-    stage = evaluate_stage_of(train_path, test_path, suites, knn_k, linear_options, text_encoder=text_encoder,
-                              captions=captions_path)
-    return stage, stage.output_dir(out_dir)
+                  captions_path: str | None = None, linear_options: dict[str, Any] | None = None) -> Stage:
+    """The evaluate stage of two features outputs."""
+    return evaluate_stage_of(train_path, test_path, suites, knn_k, linear_options, text_encoder, captions_path)
 
 
 @stage_task("features", plan_features)

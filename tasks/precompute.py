@@ -4,31 +4,25 @@ is its planner's stage key."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from repsim.similarity.stages import (embed_captions_stage, embed_captions_stage_of, neighbors_stage,
                                       neighbors_stage_of, wordnet_similarity_stage, wordnet_similarity_stage_of)
 from repsim.stage import Stage, StageOutput
 from repsim.tasks.stage import stage_task
 
 
-def plan_captions(shards_path: str, model: str | None = None, out_dir: str | None = None) -> tuple[Stage, Path]:
-    """The caption stage of a shard directory and the directory it writes to."""
-    stage = embed_captions_stage_of(shards_path, model)
-    return stage, stage.output_dir(out_dir)
+def plan_captions(shards_path: str, model: str | None = None) -> Stage:
+    """The caption stage of a shard directory."""
+    return embed_captions_stage_of(shards_path, model)
 
 
-def plan_wordnet(spec_path: str, measure: str = "wup", out_dir: str | None = None) -> tuple[Stage, Path]:
-    """The WordNet stage of a spec's classes and the directory it writes to."""
-    stage = wordnet_similarity_stage_of(spec_path, measure)
-    return stage, stage.output_dir(out_dir)
+def plan_wordnet(spec_path: str, measure: str = "wup") -> Stage:
+    """The WordNet stage of a spec's classes."""
+    return wordnet_similarity_stage_of(spec_path, measure)
 
 
-def plan_neighbors(embeddings_path: str, k: int = 10, index: str = "flat", metric: str = "cosine",
-                   out_dir: str | None = None) -> tuple[Stage, Path]:
-    """The neighbor stage of an embedding file or caption stage directory and where it writes."""
-    stage = neighbors_stage_of(embeddings_path, k, index, metric)
-    return stage, stage.output_dir(out_dir)
+def plan_neighbors(embeddings_path: str, k: int = 10, index: str = "flat", metric: str = "cosine") -> Stage:
+    """The neighbor stage of an embedding file or caption stage directory."""
+    return neighbors_stage_of(embeddings_path, k, index, metric)
 
 
 @stage_task("captions", plan_captions)

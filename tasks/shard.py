@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from repsim.data import ShardResult, load_spec, shard, shard_stage
 from repsim.stage import Stage
 from repsim.tasks.stage import stage_task
 
 
-def plan_shard(spec_path: str, out_dir: str | None = None) -> tuple[Stage, Path]:
-    """The shard stage of a spec and the directory it writes to."""
-    stage = shard_stage(load_spec(spec_path))
-    return stage, stage.output_dir(out_dir)
+def plan_shard(spec_path: str) -> Stage:
+    """The shard stage of a spec."""
+    return shard_stage(load_spec(spec_path))
 
 
 @stage_task("shard", plan_shard)

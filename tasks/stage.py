@@ -26,15 +26,15 @@ from repsim.errors import RepsimError
 from repsim.stage import Stage, StageOutput, is_current, read_record
 from repsim.tasks.tracking import StageRun, Tracker, stage_span, stage_tags
 
-Plan = Callable[..., tuple[Stage, Path]]
+Plan = Callable[..., Stage]
 RETRY_DELAYS_S = [5, 30]  # waits before the retries of a transient failure
 TRANSIENT = (ConnectionError, TimeoutError, httpx.TransportError, requests.ConnectionError,  # a server that did
              requests.Timeout)  # not answer, or dropped the connection (Prefect's client, MLflow's)
 
 
 def stage_cache_key(plan: Plan) -> Callable[[TaskRunContext, dict[str, Any]], str | None]:
-    """A Prefect ``cache_key_fn`` for a task whose parameters ``plan`` turns into (stage, out_dir);
-    ``plan`` takes only the task parameters that decide the output, by name.
+    """A Prefect ``cache_key_fn`` for a task whose parameters ``plan`` turns into its stage (see
+    :func:`_planned`).
 
     The key is the stage key and the output directory once that directory is complete and intact, and
     None (no cache) before, while it is being rebuilt (:func:`repsim.stage.rebuilding`) or once it is
@@ -52,7 +52,7 @@ def stage_cache_key(plan: Plan) -> Callable[[TaskRunContext, dict[str, Any]], st
 
 
 def stage_task(name: str, plan: Plan) -> Callable[[Callable[..., StageOutput]], Task]:
-    """``@task`` for a stage whose parameters ``plan`` turns into (stage, out_dir): cached by
+    """``@task`` for a stage whose parameters ``plan`` turns into its stage: cached by
     :func:`stage_cache_key`; once the output is built (or found complete by repsim) its result is
     stored under that key too, so the next run is *Cached* in Prefect, not only the one after; one
     summary line per run goes to the task's log; retried with backoff on :func:`transient` failures only."""
@@ -87,9 +87,11 @@ def plan_call(stage_task: Task, args: tuple, kwargs: dict[str, Any]) -> tuple[St
 
 
 def _planned(plan: Plan, parameters: dict[str, Any]) -> tuple[Stage, Path]:
-    """``plan`` of a stage task's parameters: it takes, by name, the ones that decide the output."""
+    """(stage, out_dir) of a stage task's parameters: ``plan`` takes, by name, the ones that decide the
+    stage; the output goes to the task's ``out_dir`` when it has one and it is set, else the stage's default."""
     wanted = inspect.signature(plan).parameters
-    return plan(**{name: value for name, value in parameters.items() if name in wanted})
+    stage = plan(**{name: value for name, value in parameters.items() if name in wanted})
+    return stage, stage.output_dir(parameters.get("out_dir"))
 
 
 def transient(error: BaseException | None) -> bool:

@@ -11,7 +11,6 @@ import json
 import subprocess
 import time
 from dataclasses import replace
-from pathlib import Path
 
 from repsim.device import gpu_slot
 from repsim.experiment import TorchrunLaunch
@@ -27,10 +26,9 @@ from repsim.tasks.tracking import StageRun
 ARTIFACTS = (METRICS_FILE, ENCODER_FILE, CHECKPOINT_FILE, TARGET_HISTOGRAM_FILE)  # those that exist
 
 
-def plan_train(config: str, overrides: list[str]) -> tuple[Stage, Path]:
+def plan_train(config: str, overrides: list[str]) -> Stage:
     """The train stage of a config file with ``--set`` overrides (its shards must exist)."""
-    stage = train_stage_of(load_config(config, overrides))
-    return stage, stage.default_dir()
+    return train_stage_of(load_config(config, overrides))
 
 
 @stage_task("train", plan_train)
