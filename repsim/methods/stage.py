@@ -25,7 +25,6 @@ alongside and return the same output.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from collections.abc import Callable, Mapping
@@ -46,7 +45,7 @@ from repsim.methods.registry import method_spec
 from repsim.methods.train import (KnnMonitor, LogFn, Method, Trainer, init_distributed, is_main_process,
                                   seed_everything)
 from repsim.models.backbones import ENCODER_FILE, load_encoder, save_encoder
-from repsim.stage import Stage, StageOutput, read_record, repsim_home, run_stage
+from repsim.stage import Stage, StageOutput, read_record, repsim_home, run_stage, sha256_file
 
 VERSION = "1"
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -54,7 +53,6 @@ METRICS_FILE = "metrics.jsonl"
 KEY_NEUTRAL = (("optim", "threads"), ("optim", "checkpoint_every"), ("monitor", "batch_size"), ("data", "spec"),
                ("method", "similarity", "path"))  # settings that never change the result
 MACHINE_CHOSEN = ("optim", "num_workers")  # changes the batches; keyed when set, not when left to the machine
-DIGEST_CHUNK = 1 << 20
 
 __all__ = ["TrainingData", "Upstream", "file_digest", "load_encoder", "prepare", "train", "train_loader",
            "train_stage_of"]
@@ -89,11 +87,7 @@ def file_digest(path: Path, field: str) -> str:
     """sha256 of a file's bytes; SpecError naming config ``field`` when it does not exist."""
     if not Path(path).is_file():
         raise SpecError(f"{field} points at {path}, which does not exist", "correct the path")
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(DIGEST_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return sha256_file(Path(path))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,7 +182,7 @@ def prepare(config: Config, shards: ShardResult | str | Path | None = None,
 def _train_distributed(stage: Stage, build: Callable[[Path | None], Mapping[str, float]],
                        out_dir: str | Path | None, scratch: Path) -> StageOutput:
     """Rank 0 runs the stage and tells the others whether it trains; they train alongside, unwritten."""
-    out = Path(out_dir).expanduser().resolve() if out_dir is not None else stage.default_dir()
+    out = stage.output_dir(out_dir)
     if is_main_process():
         def announce_and_build(tmp: Path) -> Mapping[str, float]:
             _announce(True)
