@@ -36,30 +36,13 @@ from matplotlib.figure import Figure
 from repsim.align.config import AlignConfig
 from repsim.align.evaluate import SharedSpace, networks_space, score_space
 from repsim.align.pairing import NEIGHBOUR_FILES, draw_pairing, neighbor_lists
-from repsim.align.tables import (
-    EmbeddingTables,
-    embedding_tables,
-    embedding_tables_stage_of,
-    hold_out,
-    load_tables,
-)
-from repsim.align.train import (
-    ALIGNMENT_FILE,
-    AlignmentMethod,
-    PairedBatches,
-    save_alignment,
-)
+from repsim.align.tables import EmbeddingTables, embedding_tables, embedding_tables_stage_of, hold_out, load_tables
+from repsim.align.train import ALIGNMENT_FILE, AlignmentMethod, PairedBatches, save_alignment
 from repsim.asif import ASIF
 from repsim.data.sharding import ShardResult, sharded, sharded_already
 from repsim.data.spec import DataSpec, load_spec
 from repsim.device import resolve_device
-from repsim.methods.stage import (
-    CHECKPOINT_FILE,
-    METRICS_FILE,
-    JsonlMetrics,
-    _tee,
-    summarise,
-)
+from repsim.methods.stage import CHECKPOINT_FILE, METRICS_FILE, JsonlMetrics, _tee, summarise
 from repsim.methods.train import LogFn, Trainer, seed_everything
 from repsim.stage import Stage, StageOutput, repsim_home, run_stage
 

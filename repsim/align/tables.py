@@ -29,12 +29,7 @@ from repsim.align.config import AlignText, ImageSource, TableImages
 from repsim.data.sharding import ShardResult
 from repsim.data.spec import DataSpec
 from repsim.errors import DataError, EvalError, SpecError
-from repsim.eval.stages import (
-    CLASSES_FILE,
-    extract_features,
-    features_stage_of,
-    load_features,
-)
+from repsim.eval.stages import CLASSES_FILE, extract_features, features_stage_of, load_features
 from repsim.methods.stage import file_digest
 from repsim.similarity.captions import embed_captions
 from repsim.similarity.stages import text_model_identity

@@ -31,27 +31,13 @@ from typing import Any
 
 import kornia.augmentation as K
 import torch
-from kornia.enhance import (
-    adjust_brightness_accumulative,
-    adjust_contrast_with_mean_subtraction,
-    adjust_hue,
-    adjust_saturation_with_gray_subtraction,
-)
+from kornia.enhance import (adjust_brightness_accumulative, adjust_contrast_with_mean_subtraction, adjust_hue,
+                            adjust_saturation_with_gray_subtraction)
 from torch import nn
 from torchvision.transforms import v2
 
-from repsim.data.augment import (
-    BLUR_SIGMA,
-    GRAYSCALE_P,
-    JITTER_P,
-    SOLARIZE_THRESHOLD,
-    EvalView,
-    RandomView,
-    ViewRecipe,
-    blur_kernel_size,
-    eval_pipeline,
-    preset_recipes,
-)
+from repsim.data.augment import (BLUR_SIGMA, GRAYSCALE_P, JITTER_P, SOLARIZE_THRESHOLD, EvalView, RandomView,
+                                 ViewRecipe, blur_kernel_size, eval_pipeline, preset_recipes)
 
 TORCHVISION_LUMA = (0.2989, 0.587, 0.114)  # torchvision's RGB → grey weights
 
