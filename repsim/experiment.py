@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from repsim.config_errors import describe
 from repsim.errors import SpecError
 from repsim.eval.linear import DEFAULT_WEIGHT_DECAYS
-from repsim.layering import as_overrides, inline, parse_override, read_layer, resolve_paths, set_dotted
+from repsim.layering import Strict, as_overrides, inline, parse_override, read_layer, resolve_paths, set_dotted
 from repsim.shipped import locate
 from repsim.similarity.neighbors import INDEX_KINDS
 
@@ -43,11 +43,7 @@ DEPLOYMENT_PATH_FIELDS = ("deployments.*.experiment",)  # relative to the deploy
 Settings = dict[str, Any]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class _Section(_Strict):
+class _Section(Strict):
     def needs(self) -> tuple[str, ...]:
         """The section kinds that must come before this one."""
         return ()
@@ -76,7 +72,7 @@ def _once(values: list, what: str, fix: str, checked: Any) -> Any:
     return checked
 
 
-class MethodRun(_Strict):
+class MethodRun(Strict):
     """One method config to train, with ``settings`` (a nested mapping, like the config's YAML) over it."""
 
     config: Path
@@ -88,7 +84,7 @@ class MethodRun(_Strict):
         return self.name or self.config.stem
 
 
-class TorchrunLaunch(_Strict):
+class TorchrunLaunch(Strict):
     """How the train stage starts: in the flow's process, or with torchrun over several processes/nodes.
 
     With ``nnodes > 1`` every node runs the same torchrun command (see :meth:`command`), meeting at
@@ -142,7 +138,7 @@ class TrainSection(_Section):
         return [f"data.spec={data}", *as_overrides(self.settings), *as_overrides(run.settings)]
 
 
-class LinearProbeOptions(_Strict):
+class LinearProbeOptions(Strict):
     """The linear probe's search (:func:`repsim.eval.linear.linear_probe`): one fit per weight decay,
     the best on a held-out tenth of the train split kept, each fit at most ``max_iter`` L-BFGS steps."""
 
@@ -190,7 +186,7 @@ SEED_KEYS = {"train": ("settings.optim.seed",),  # what one of an experiment's `
              "align": ("settings.optim.seed", "settings.pairing.seed", "settings.text.seed")}
 
 
-class Experiment(_Strict):
+class Experiment(Strict):
     """A data spec and the stage sections to run on it, in order (the data is always sharded first);
     with ``seeds`` and a ``sweep`` grid, once per seed and grid point."""
 
@@ -380,7 +376,7 @@ def check_experiment(experiment: Experiment) -> list[Member]:
 # ---------------------------------------------------------------------------------------------
 # Deployments (``repsim serve``)
 
-class DeploymentSpec(_Strict):
+class DeploymentSpec(Strict):
     """A deployment of the experiment flow: an experiment file with overrides, and an optional cron schedule."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -392,7 +388,7 @@ class DeploymentSpec(_Strict):
     tags: list[str] = []
 
 
-class Deployments(_Strict):
+class Deployments(Strict):
     deployments: list[DeploymentSpec] = Field(min_length=1)
 
     @model_validator(mode="after")

@@ -6,7 +6,8 @@ Layers merge in order, the later winning key by key (:func:`merge`). Override va
 :func:`as_overrides` writes a nested mapping back as overrides that parse to it. Path fields are
 dotted names (``*`` steps into every item of a list); their relative paths resolve against the
 folder of the file that names them, or, in overrides, against the working directory.
-Pydantic validates the merged mapping; the caller names the layer an error came from (:func:`origin`).
+Pydantic validates the merged mapping into a :class:`Strict` model; the caller names the layer an error
+came from (:func:`origin`).
 """
 
 from __future__ import annotations
@@ -19,12 +20,19 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel, ConfigDict
 
 from repsim.config_errors import read_yaml_mapping
 from repsim.errors import SpecError
 
 TAG_FIELDS = ("type", "name")  # a mapping whose tag changes is replaced whole, not merged
 _KEPT = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://|pipe:)")  # URLs and webdataset pipes are no paths to resolve
+
+
+class Strict(BaseModel):
+    """The base of every config model: an unknown field is an error, and a validated config is frozen."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 @dataclass(frozen=True)

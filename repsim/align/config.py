@@ -14,13 +14,14 @@ from pydantic import Field, model_validator
 
 from repsim.asif import BACKENDS
 from repsim.losses.gera import KERNELS
-from repsim.methods.config import OptimConfig, _Strict, load_config
+from repsim.layering import Strict
+from repsim.methods.config import OptimConfig, load_config
 from repsim.similarity.neighbors import INDEX_KINDS
 
 STRATEGIES = ("nearest", "uniform", "rank")
 
 
-class AlignData(_Strict):
+class AlignData(Strict):
     """The data spec whose samples are embedded, the split pairs are drawn from, and the split scored.
 
     ``holdout`` > 0 holds out that fraction of ``train_split`` (the same seeded rows for every
@@ -33,7 +34,7 @@ class AlignData(_Strict):
     holdout: float = Field(0.0, ge=0, lt=1)
 
 
-class EncoderImages(_Strict):
+class EncoderImages(Strict):
     """Image embeddings from an encoder: a train stage directory, its ``encoder.pt``, or any file
     written by :func:`repsim.models.save_encoder` (the features stage extracts them, cached). A plain
     torchvision state dict has no recipe to rebuild the network from: save it with ``save_encoder``."""
@@ -43,14 +44,14 @@ class EncoderImages(_Strict):
     batch_size: int = Field(512, gt=0)
 
 
-class PixelImages(_Strict):
+class PixelImages(Strict):
     """The flattened, normalised pixels as image embeddings (a floor, and fast for tests)."""
 
     type: Literal["pixels"]
     batch_size: int = Field(512, gt=0)
 
 
-class TableImages(_Strict):
+class TableImages(Strict):
     """A user's image embeddings: a Parquet file with columns ``key`` (manifest keys) and ``embedding``
     (a list of floats per row), or an ``.npy`` (N, D) whose row i is manifest index i."""
 
@@ -61,7 +62,7 @@ class TableImages(_Strict):
 ImageSource = Annotated[EncoderImages | PixelImages | TableImages, Field(discriminator="type")]
 
 
-class AlignText(_Strict):
+class AlignText(Strict):
     """Caption embeddings from a frozen sentence-transformer (default all-MiniLM-L6-v2).
 
     ``source: classes`` (labelled data) draws each sample's caption, seeded by ``seed``, from its
@@ -79,7 +80,7 @@ class AlignText(_Strict):
     seed: int = 0
 
 
-class PairingConfig(_Strict):
+class PairingConfig(Strict):
     """``pairs`` paired training samples (M), and ``unpaired`` samples per modality (default: all the
     rest), drawn independently for each modality; seeded."""
 
@@ -88,14 +89,14 @@ class PairingConfig(_Strict):
     seed: int = 0
 
 
-class NeighborConfig(_Strict):
+class NeighborConfig(Strict):
     """L nearest unpaired points of each paired point in its own modality, by cosine, with FAISS."""
 
     count: int = Field(100, ge=1, description="L")
     index: Literal[INDEX_KINDS] = "flat"
 
 
-class GeometryConfig(_Strict):
+class GeometryConfig(Strict):
     """The geometric regulariser (see :mod:`repsim.losses.gera`): weight ``alpha``; ``samples`` (n)
     neighbors drawn per paired point and step by ``strategy`` (``rank``: probability ∝
     (rank + 1)^-rank_exponent, without replacement); the ``kernel`` with its ``sigma`` (``heat``, the
@@ -119,7 +120,7 @@ class GeometryConfig(_Strict):
         return self
 
 
-class AlignModel(_Strict):
+class AlignModel(Strict):
     """f and g (:class:`repsim.models.AlignmentNetwork`): ``linear`` or a residual ``mlp``, into ``dim``."""
 
     kind: Literal["linear", "mlp"] = "linear"
@@ -128,14 +129,14 @@ class AlignModel(_Strict):
     blocks: int = Field(1, ge=0)
 
 
-class AlignLoss(_Strict):
+class AlignLoss(Strict):
     """Symmetric InfoNCE on the paired points (CLIP's loss) at ``temperature``, learned if asked."""
 
     temperature: float = Field(0.07, gt=0)
     learn_temperature: bool = True
 
 
-class ASIFConfig(_Strict):
+class ASIFConfig(Strict):
     """The training-free baseline over the M paired points: top ``k`` anchors (at most M), power ``p``."""
 
     k: int = Field(100, ge=1)
@@ -143,14 +144,14 @@ class ASIFConfig(_Strict):
     backend: Literal[BACKENDS] = "exact"
 
 
-class AlignEval(_Strict):
+class AlignEval(Strict):
     """Zero-shot prompt ``templates`` (default: the data spec's) and retrieval recall@``retrieval_k``."""
 
     templates: tuple[str, ...] | None = None
     retrieval_k: tuple[int, ...] = (1, 5, 10)
 
 
-class AlignConfig(_Strict):
+class AlignConfig(Strict):
     """One alignment experiment: GeRA (alpha > 0) or contrastive alignment alone (alpha = 0)."""
 
     data: AlignData

@@ -12,11 +12,11 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from repsim.config_errors import describe, message, model_at
 from repsim.errors import SpecError
-from repsim.layering import read_layer
+from repsim.layering import Strict, read_layer
 from repsim.shipped import locate
 
 FASHION_MNIST_ROOT = Path("/usr/share/datasets/fashion-mnist")
@@ -24,25 +24,21 @@ SYNSET_PATTERN = re.compile(r"^.+\.[nvasr]\.\d{2}$")
 PATH_FIELDS = ("source.root", "source.path", "source.urls")  # relative to the spec's folder
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class FashionMnistSource(_Strict):
+class FashionMnistSource(Strict):
     """The IDX files of Fashion-MNIST (Debian package ``dataset-fashion-mnist``); splits train/test."""
 
     type: Literal["fashion_mnist"]
     root: Path = FASHION_MNIST_ROOT
 
 
-class AnimalMnistSource(_Strict):
+class AnimalMnistSource(Strict):
     """The gzip pickles of the PyPI package ``animal-mnist``; ``root`` defaults to the package's data."""
 
     type: Literal["animal_mnist"]
     root: Path | None = None
 
 
-class ImageFolderSource(_Strict):
+class ImageFolderSource(Strict):
     """``root/<class>/<image>``, or ``root/<split>/<class>/<image>`` with ``split: {type: source}``."""
 
     type: Literal["image_folder"]
@@ -50,7 +46,7 @@ class ImageFolderSource(_Strict):
     extensions: tuple[str, ...] = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 
 
-class ManifestSource(_Strict):
+class ManifestSource(Strict):
     """A CSV or Parquet table with a ``path`` column and ``label`` and/or ``caption`` (``split`` optional).
 
     ``label`` holds class names from ``classes``; relative image paths are resolved against ``root``
@@ -62,7 +58,7 @@ class ManifestSource(_Strict):
     root: Path | None = None
 
 
-class WebDatasetSource(_Strict):
+class WebDatasetSource(Strict):
     """Existing WebDataset shards as img2dataset writes them (``jpg`` + ``txt`` + ``json``).
 
     ``urls`` is a brace pattern or glob, e.g. ``cc3m/{00000..00331}.tar``; ``label_field`` names a
@@ -81,13 +77,13 @@ Source = Annotated[
 ]
 
 
-class SourceSplit(_Strict):
+class SourceSplit(Strict):
     """Keep the splits the source defines (e.g. Fashion-MNIST's official train/test)."""
 
     type: Literal["source"]
 
 
-class RandomSplit(_Strict):
+class RandomSplit(Strict):
     """A seeded random split, stratified by label when the data is labelled."""
 
     type: Literal["random"]
@@ -108,7 +104,7 @@ class RandomSplit(_Strict):
 Split = Annotated[Union[SourceSplit, RandomSplit], Field(discriminator="type")]
 
 
-class Captions(_Strict):
+class Captions(Strict):
     """Caption templates for samples without a caption; ``{name}`` is the class name."""
 
     templates: tuple[str, ...] = ("a photo of a {name}.",)
@@ -126,7 +122,7 @@ class Captions(_Strict):
         return templates
 
 
-class DataSpec(_Strict):
+class DataSpec(Strict):
     """One dataset: its source, classes (name -> WordNet synset), captions, split and shard layout."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")

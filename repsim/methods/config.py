@@ -16,12 +16,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from repsim.config_errors import describe, model_at
 from repsim.data.augment import PRESETS
 from repsim.errors import SpecError
-from repsim.layering import merge_layers, origin, override_layer, read_layer
+from repsim.layering import Strict, merge_layers, origin, override_layer, read_layer
 from repsim.models.backbones import RESNETS
 from repsim.models.vit import VITS
 from repsim.shipped import locate, packaged
@@ -30,11 +30,7 @@ DEFAULTS = "defaults"  # the shipped config under every training config
 PATH_FIELDS = ("data.spec", "method.similarity.path", "image.path")  # image: alignment configs
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class DataConfig(_Strict):
+class DataConfig(Strict):
     """What to train on: a data spec, its training split and the augmentation preset."""
 
     spec: Path
@@ -47,7 +43,7 @@ class DataConfig(_Strict):
     image_size: int | None = Field(None, gt=0, description="side of the views; default: the images' own")
 
 
-class ModelConfig(_Strict):
+class ModelConfig(Strict):
     """The backbone and the projection head on top of it."""
 
     backbone: Literal[RESNETS + VITS] = "resnet18"
@@ -59,7 +55,7 @@ class ModelConfig(_Strict):
     projection_layers: int = Field(2, ge=1)
 
 
-class OptimConfig(_Strict):
+class OptimConfig(Strict):
     """Optimisation; ``batch_size`` is global (split evenly between DDP ranks)."""
 
     optimizer: Literal["adamw", "lars"] = "adamw"
@@ -80,7 +76,7 @@ class OptimConfig(_Strict):
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0: only at the end")
 
 
-class MonitorConfig(_Strict):
+class MonitorConfig(Strict):
     """The online kNN monitor: eval-preset features of the training and ``test_split`` samples, each epoch."""
 
     knn: bool = True
@@ -89,41 +85,41 @@ class MonitorConfig(_Strict):
     batch_size: int = Field(512, gt=0)
 
 
-class CaptionsSimilarity(_Strict):
+class CaptionsSimilarity(Strict):
     """Cosine similarity of caption embeddings from a frozen sentence-transformer (default all-MiniLM-L6-v2)."""
 
     type: Literal["captions"]
     model: str | None = None
 
 
-class WordnetSimilarity(_Strict):
+class WordnetSimilarity(Strict):
     """WordNet similarity of the classes' synsets."""
 
     type: Literal["wordnet"]
     measure: Literal["wup", "path", "lch", "hops"] = "wup"
 
 
-class LabelsSimilarity(_Strict):
+class LabelsSimilarity(Strict):
     """1 for the same label, else 0."""
 
     type: Literal["labels"]
 
 
-class IdentitySimilarity(_Strict):
+class IdentitySimilarity(Strict):
     """1 for a sample with itself, else 0: X-CLR's loss towards SimCLR's targets (an ablation of the
     soft graph, NT-Xent as ``target_temperature`` -> 0)."""
 
     type: Literal["identity"]
 
 
-class MatrixSimilarity(_Strict):
+class MatrixSimilarity(Strict):
     """A user's (C, C) class similarity, CSV or Parquet (see ``load_class_matrix``)."""
 
     type: Literal["matrix"]
     path: Path
 
 
-class GraphSimilarity(_Strict):
+class GraphSimilarity(Strict):
     """A user's sparse sample graph with columns key_i, key_j, s (manifest keys), CSV or Parquet."""
 
     type: Literal["graph"]
@@ -134,7 +130,7 @@ Similarity = Annotated[CaptionsSimilarity | WordnetSimilarity | LabelsSimilarity
                        MatrixSimilarity | GraphSimilarity, Field(discriminator="type")]
 
 
-class XCLRConfig(_Strict):
+class XCLRConfig(Strict):
     """X-CLR: ``temperature`` of the prediction, ``target_temperature`` of the similarity targets."""
 
     name: Literal["xclr"]
@@ -143,21 +139,21 @@ class XCLRConfig(_Strict):
     similarity: Similarity = CaptionsSimilarity(type="captions")
 
 
-class SimCLRConfig(_Strict):
+class SimCLRConfig(Strict):
     """SimCLR's NT-Xent at ``temperature``."""
 
     name: Literal["simclr"]
     temperature: float = Field(0.1, gt=0)
 
 
-class SupConConfig(_Strict):
+class SupConConfig(Strict):
     """SupCon at ``temperature``; needs labelled data."""
 
     name: Literal["supcon"]
     temperature: float = Field(0.1, gt=0)
 
 
-class ClipConfig(_Strict):
+class ClipConfig(Strict):
     """Image tower against a frozen sentence-transformer's caption embeddings and a trainable projection."""
 
     name: Literal["clip"]
@@ -168,7 +164,7 @@ class ClipConfig(_Strict):
                                         "default: a linear projection")
 
 
-class _SelfDistillationConfig(_Strict):
+class _SelfDistillationConfig(Strict):
     """A student and its EMA teacher (momentum cosine from ``teacher_momentum`` to 1) on multi-crop views."""
 
     student_temperature: float = Field(0.1, gt=0)
@@ -176,7 +172,7 @@ class _SelfDistillationConfig(_Strict):
     teacher_momentum: float = Field(0.996, ge=0, le=1)
 
 
-class _MaskedPatchesConfig(_Strict):
+class _MaskedPatchesConfig(Strict):
     """Block masking of the student's global views for a masked-patch loss: ``mask_ratio`` is the
     range of each masked view's ratio, ``mask_share`` the share of global views masked; the teacher's
     patch distributions are sharpened with ``patch_teacher_temperature``."""
@@ -242,7 +238,7 @@ MethodConfig = Annotated[XCLRConfig | SimCLRConfig | SupConConfig | ClipConfig |
                          Field(discriminator="name")]  # the shipped methods; accept_method adds others
 
 
-class Config(_Strict):
+class Config(Strict):
     """One training experiment."""
 
     method: MethodConfig
