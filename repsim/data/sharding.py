@@ -26,6 +26,7 @@ import hashlib
 import io
 import json
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -259,7 +260,7 @@ def _write_outputs(out: Path, spec: DataSpec, columns: dict[str, list[Any]], err
 
     schema = pa.schema([(name, pa.type_for_alias(kind)) for name, kind in MANIFEST_SCHEMA.items()])
     pq.write_table(pa.table(columns, schema=schema), out / MANIFEST)
-    counts = _split_counts(columns)
+    counts = Counter(columns["split"])
     index = {"name": spec.name, "image_format": spec.image_format, "num_samples": len(columns["key"]),
              "errors": len(errors),
              "splits": {split: {"samples": counts.get(split, 0), "shards": names}
@@ -276,14 +277,9 @@ def _tar_samples(out: Path) -> dict[str, dict[str, int]]:
     return {str(entry["values"]): {"samples": int(entry["counts"])} for entry in counts.to_pylist()}
 
 
-def _split_counts(columns: dict[str, list[Any]]) -> dict[str, int]:
-    splits, counts = np.unique(np.asarray(columns["split"], dtype=object), return_counts=True)
-    return {str(split): int(count) for split, count in zip(splits, counts)}
-
-
 def _metrics(columns: dict[str, list[Any]], errors: list[dict[str, str]], out: Path,
              started: float) -> dict[str, float]:
     tar_bytes = sum(path.stat().st_size for path in out.glob("*.tar"))
-    per_split = {f"samples/{split}": count for split, count in _split_counts(columns).items()}
+    per_split = {f"samples/{split}": count for split, count in Counter(columns["split"]).items()}
     return {"samples": len(columns["key"]), "bytes": tar_bytes, "errors": len(errors), **per_split,
             "seconds": round(time.time() - started, 3)}
