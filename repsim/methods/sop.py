@@ -72,21 +72,19 @@ class SOPBank(nn.Module):
         if filled <= max(self.support_size, 1):
             return None
         entries, ids = self.memory.contents()
-        if self.fixed_anchors and bool(self.anchors_drawn):
+        kept = self.fixed_anchors and bool(self.anchors_drawn)
+        if kept:
             anchors, anchor_ids = self.anchors, self.anchor_ids
-            supports = (Supports(self.supports, self.support_scores, self.support_kept) if self.fixed_supports
-                        else self._supports(anchors, anchor_ids, entries, ids))
         else:
             rows = torch.randperm(len(entries))[:self.num_anchors].to(entries.device)
             anchors, anchor_ids = entries[rows], ids[rows]
-            supports = self._supports(anchors, anchor_ids, entries, ids)
-            if self.fixed_anchors and len(entries) == self.memory.size:
-                self._keep(anchors, anchor_ids, supports)
+        if kept and self.fixed_supports:
+            supports = Supports(self.supports, self.support_scores, self.support_kept)
+        else:
+            supports = draw_supports(anchors, anchor_ids, entries, ids, self.support_size, self.shared_supports)
+        if self.fixed_anchors and not kept and len(entries) == self.memory.size:
+            self._keep(anchors, anchor_ids, supports)
         return assemble_sops(anchors, supports, self.epsilon, self.one_hot)
-
-    def _supports(self, anchors: torch.Tensor, anchor_ids: torch.Tensor, entries: torch.Tensor,
-                  ids: torch.Tensor) -> Supports:
-        return draw_supports(anchors, anchor_ids, entries, ids, self.support_size, self.shared_supports)
 
     def _keep(self, anchors: torch.Tensor, anchor_ids: torch.Tensor, supports: Supports) -> None:
         """Keep the anchors (and with ``fixed_supports`` their supports) of the first full-memory draw."""
