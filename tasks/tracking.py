@@ -194,11 +194,6 @@ def _input_shape(record: Mapping[str, Any], recipe: Mapping[str, Any]) -> tuple[
     return int(recipe.get("in_channels") or metrics.get("channels") or 3), size, size
 
 
-def _made(folder: Path) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
-
-
 def model_name(experiment: str, method: str) -> str:
     """The registered model of one method of one experiment: ``animal-mnist-xclr`` (the default
     experiment's ``name`` is ``animal-mnist``)."""
@@ -217,14 +212,14 @@ def model_directory(uri: str) -> Path:
         return target
     import mlflow
 
+    target.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with tempfile.TemporaryDirectory(dir=_made(target.parent)) as folder:
+        with tempfile.TemporaryDirectory(dir=target.parent) as folder:
             model = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=folder))
-            files = {file: next(model.rglob(file)) for file in MODEL_FILES}
             staged = Path(folder) / "staged"
             staged.mkdir()
-            for file, path in files.items():
-                shutil.copyfile(path, staged / file)
+            for file in MODEL_FILES:
+                shutil.copyfile(next(model.rglob(file)), staged / file)
             shutil.rmtree(target, ignore_errors=True)
             staged.rename(target)  # whole or not at all
     except (MlflowException, StopIteration) as err:
