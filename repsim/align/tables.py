@@ -29,7 +29,7 @@ from repsim.align.config import AlignText, ImageSource, TableImages
 from repsim.data.sharding import ShardResult
 from repsim.data.spec import DataSpec
 from repsim.errors import DataError, EvalError, SpecError
-from repsim.eval.stages import CLASSES_FILE, extract_features, features_stage_of, load_features
+from repsim.eval.stages import CLASSES_FILE, extract_features, features_stage_of, load_features, split_rows
 from repsim.methods.stage import file_digest
 from repsim.similarity.captions import embed_captions
 from repsim.similarity.stages import text_model_identity
@@ -121,7 +121,9 @@ def load_tables(tables: StageOutput | str | Path) -> EmbeddingTables:
 def _write(shards: ShardResult, spec: DataSpec, image: ImageSource, text: AlignText, split: str,
            features: StageOutput | None, device: str | torch.device | None, progress: bool,
            out: Path) -> dict[str, float]:
-    rows = _split_rows(shards, split)
+    rows = split_rows(shards.manifest, split, ["key", "caption"])
+    if not len(rows):
+        raise SpecError(f"the shards at {shards.path} hold no {split!r} samples", "choose a split the data spec has")
     indices = rows["index"].to_numpy()
     image_embeddings = (_user_table(image, rows) if features is None
                         else np.asarray(load_features(features).features, dtype=np.float32))
@@ -137,16 +139,6 @@ def _write(shards: ShardResult, spec: DataSpec, image: ImageSource, text: AlignT
     (out / CLASSES_FILE).write_text(json.dumps(classes, indent=2))
     return {"samples": len(indices), "image_dim": image_embeddings.shape[1], "text_dim": text_embeddings.shape[1],
             "distinct_captions": len(set(captions))}
-
-
-def _split_rows(shards: ShardResult, split: str) -> pa.Table:
-    """index, key, label (-1 when none), caption of ``split``'s manifest rows in manifest order."""
-    table = pq.read_table(shards.manifest, columns=["index", "key", "split", "label", "caption"],
-                          filters=[("split", "==", split)]).sort_by("index")
-    if not len(table):
-        raise SpecError(f"the shards at {shards.path} hold no {split!r} samples", "choose a split the data spec has")
-    labels = pa.array(table["label"].fill_null(-1).to_numpy().astype(np.int64))
-    return table.set_column(table.schema.get_field_index("label"), "label", labels)
 
 
 def _user_table(image: TableImages, rows: pa.Table) -> np.ndarray:

@@ -35,12 +35,13 @@ import json
 import pickle
 import time
 import zipfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from tqdm.auto import tqdm
@@ -174,7 +175,8 @@ def _features_stage(shards: ShardResult, source: EncoderSource, split: str, devi
 def _write_features(shards: ShardResult, source: EncoderSource, config: dict[str, Any], batch_size: int,
                     device: torch.device, num_workers: int, progress: bool, out: Path) -> dict[str, float]:
     started = time.time()
-    indices, labels = _split_rows(shards.manifest, config["split"])
+    rows = split_rows(shards.manifest, config["split"])
+    indices, labels = rows["index"].to_numpy().astype(np.int64), rows["label"].to_numpy()
     model = None if source.file is None else _load_model(source, device)
     channels = getattr(model, "recipe", {}).get("in_channels")  # decode images to the channels it was built for
     loader = make_loader(shards.path, "eval", batch_size, split=config["split"], image_size=config["image_size"],
@@ -211,13 +213,13 @@ def _encode_in_manifest_order(loader: Iterable[dict[str, Any]], encode: Callable
     return features
 
 
-def _split_rows(manifest: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
-    """(manifest indices, labels with -1 for none), both (N,) int64, of ``split``'s rows in manifest order."""
-    table = pq.read_table(manifest, columns=["index", "split", "label"], filters=[("split", "==", split)])
-    indices = table["index"].to_numpy().astype(np.int64)
-    labels = table["label"].fill_null(-1).to_numpy().astype(np.int64)
-    order = np.argsort(indices, kind="stable")
-    return indices[order], labels[order]
+def split_rows(manifest: Path, split: str, columns: Sequence[str] = ()) -> pa.Table:
+    """``split``'s manifest rows in manifest order: ``index``, ``split``, ``label`` (int64, -1 for none)
+    and ``columns``."""
+    table = pq.read_table(manifest, columns=["index", "split", "label", *columns],
+                          filters=[("split", "==", split)]).sort_by("index")
+    labels = pa.array(table["label"].fill_null(-1).to_numpy().astype(np.int64))
+    return table.set_column(table.schema.get_field_index("label"), "label", labels)
 
 
 def _encode_function(model: torch.nn.Module | None, device: torch.device) -> Callable[[torch.Tensor], np.ndarray]:
