@@ -59,11 +59,8 @@ def cmd_precompute(args: argparse.Namespace) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    import json
-    from pathlib import Path
-
     from repsim.data import load_spec
-    from repsim.eval.stages import DEFAULT_SUITES, KNN_K, check_evaluation, encoder_source, result_rows
+    from repsim.eval.stages import DEFAULT_SUITES, KNN_K, check_evaluation, encoder_source, read_results, result_rows
 
     spec = load_spec(args.spec)  # validate before starting any orchestration
     suites, knn_k = check_evaluation(args.suites or DEFAULT_SUITES, args.k or KNN_K, labelled=spec.classes is not None)
@@ -78,7 +75,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     outcome = evaluate_flow(spec=args.spec, encoder=args.encoder, suites=list(suites), knn_k=list(knn_k),
                             batch_size=args.batch_size, device=args.device)
     _print_stages(outcome["stages"])
-    rows = result_rows(json.loads(Path(outcome["results"]).read_text()))
+    rows = result_rows(read_results(os.path.dirname(outcome["results"])))
     print()
     print(_table(["suite", "metric", "value"], [[suite, name, f"{value:.4g}"] for suite, name, value in rows]))
     print(f"\nresults: {outcome['results']}")
