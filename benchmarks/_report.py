@@ -90,7 +90,8 @@ def finished_run(name: str) -> FinishedRun:
     overrides = ast.literal_eval(run.data.params.get("overrides", "[]"))
     return FinishedRun(name, run.info.run_id, Path(run.data.params["experiment.data"]),
                        [dict(zip(table["columns"], row)) for row in table["data"]],
-                       shlex.join(["repsim", "run", name, *(arg for o in overrides for arg in ("--set", o))]),
+                       shlex.join(["repsim", "run", run.data.params.get("source", name),
+                                   *(arg for o in overrides for arg in ("--set", o))]),
                        (run.info.end_time - run.info.start_time) / 60000)
 
 

@@ -146,7 +146,7 @@ def report(run: FinishedRun, tuning: FinishedRun | None, image: Path) -> str:
     return "\n".join([
         "# GeRA: few-pairs alignment of frozen image and text embeddings", "",
         f"Command: `{run.command}` ({run.minutes:.1f} min), then `python benchmarks/reproduce_gera.py "
-        f"--experiment {run.name}`.", "",
+        f"--experiment {run.name}{'' if tuning else ' --tuning none'}`.", "",
         *encoder_lines(run),
         ("Evaluation: zero-shot top-1 (%) on the test split from class-prompt captions, in which the M pairs "
          f"carry M labels; mean ± sample standard deviation over {seeds} seeds; chance is 10 %. GeRA runs "

@@ -331,10 +331,11 @@ def experiment_flow(experiment: Experiment, overrides: list[str] | None = None,
     "rows": [one result row per grid point and encoder], "columns": {title: headline metric},
     "table": the rows as markdown}``; the parent MLflow run carries the table.
     """
+    source = experiment.name  # the experiment file's, before a `name=` override
     experiment = with_overrides(experiment, overrides or [])
     members = check_experiment(experiment)
     tracker = Tracker()
-    params = {"experiment": experiment.model_dump(mode="json"), "overrides": list(overrides or []),
+    params = {"experiment": experiment.model_dump(mode="json"), "source": source, "overrides": list(overrides or []),
               "force": list(force or []), "members": len(members), "spread": spread or ""}
     with rebuilding(force or []), verifying(experiment.verify), tracker.flow_run("experiment", params) as parent:
         if spread:

@@ -291,6 +291,7 @@ def test_experiment_reruns_only_what_a_change_reaches(make_image_folder, write_s
                                    ("evaluate", "pixels", None), ("evaluate", "supcon", None), ("align", "supcon", None)}
     assert {"supcon.knn_top1_k3", "pixels.knn_top1_k3", "supcon.zeroshot_top1"} <= set(parent.data.metrics)
     assert json.loads(parent.data.params["overrides"].replace("'", '"')) == []
+    assert parent.data.params["source"] == parent.data.params["experiment.name"]  # no name= override
     assert json.loads(runs[-1][0].data.params["overrides"].replace("'", '"')) == ["train.settings.optim.lr=0.002"]
 
 
