@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from repsim import losses
-from repsim.losses import ClipLoss, NTXentLoss, SupConLoss, XCLRLoss
+from repsim.losses import ClipLoss, KoLeoLoss, NTXentLoss, SupConLoss, XCLRLoss
 
 TINY = 1e-4  # a target temperature small enough to be the tau_s -> 0 limit
 
@@ -205,3 +205,30 @@ def test_every_loss_has_a_usage_example_that_runs_to_a_scalar(name):
     [example] = doctest.DocTestFinder(recurse=False).find(loss, name, module=sys.modules[loss.__module__])
     assert example.examples and example.examples[-1].want == "torch.Size([])\n"
     assert doctest.DocTestRunner().run(example).failed == 0
+
+
+def test_koleo_is_minus_the_mean_log_distance_to_each_nearest_other_embedding():
+    # three unit vectors at 0°, 90° and 180° (scaled, to show the normalisation): every point's
+    # nearest other one is √2 away, so the loss is −log √2; duplicating a point makes its distance 0
+    points = torch.tensor([[2.0, 0.0], [0.0, 3.0], [-1.0, 0.0]], dtype=torch.float64)
+    assert math.isclose(KoLeoLoss(eps=0)(points).item(), -0.5 * math.log(2), rel_tol=1e-12)
+    crowded = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    expected = -(2 * math.log(1e-8) + math.log(math.sqrt(2))) / 3
+    assert math.isclose(KoLeoLoss(eps=1e-8)(crowded).item(), expected, rel_tol=1e-9)
+
+
+def test_a_koleo_gradient_step_moves_crowded_embeddings_apart():
+    generator = torch.Generator().manual_seed(0)
+    embeddings = F.normalize(torch.randn(1, 8, generator=generator) + 0.05 * torch.randn(16, 8, generator=generator))
+    embeddings.requires_grad_(True)
+
+    def nearest_distance(x):
+        distances = torch.cdist(x, x) + torch.eye(len(x)) * 9
+        return distances.min(dim=1).values.mean()
+
+    before = nearest_distance(F.normalize(embeddings.detach()))
+    KoLeoLoss()(embeddings).backward()
+    after = nearest_distance(F.normalize(embeddings.detach() - 0.01 * embeddings.grad))
+    assert after > before
+    with pytest.raises(ValueError, match="at least two"):
+        KoLeoLoss()(torch.randn(1, 8))

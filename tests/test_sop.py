@@ -15,6 +15,7 @@ from repsim.data.loader import make_loader
 from repsim.data.masking import BlockMasking
 from repsim.data.sharding import ShardResult, shard
 from repsim.errors import SpecError
+from repsim.losses import KoLeoLoss
 from repsim.losses.sop import (MaskedSOPLoss, SOPLoss, SOPs, build_sops, cross_entropy, mean_assignment_entropy,
                                mean_sample_entropy, nearest_supports)
 from repsim.methods.config import Config, ModelConfig, OptimConfig, load_config
@@ -254,12 +255,12 @@ def test_the_teacher_momentum_runs_from_its_base_to_one():
 # ---------------------------------------------------------------------------------------------
 # The method
 
-def tiny_sop(fixed_anchors: bool = False, mim_weight: float = 1.0) -> SOP:
+def tiny_sop(fixed_anchors: bool = False, mim_weight: float = 1.0, koleo_weight: float = 0.0) -> SOP:
     encoder = vit("tiny", image_size=16, patch_size=4, depth=1, in_channels=1)
     banks = (SOPBank(size=64, dim=16, num_anchors=16, support_size=4, fixed_anchors=fixed_anchors) for _ in range(2))
     return SOP(encoder, projection_head(encoder.feature_dim, HEAD), *banks, cls_loss=SOPLoss(),
                mim_loss=MaskedSOPLoss(), mim_weight=mim_weight, masking=BlockMasking((0.2, 0.5), 1.0),
-               patches_per_view=2)
+               patches_per_view=2, koleo_weight=koleo_weight)
 
 
 def views(batch: int = 8, seed: int = 0) -> dict:
@@ -285,6 +286,29 @@ def test_gradients_reach_the_student_only_and_the_teacher_follows_by_ema():
     method.after_optimizer_step(0, 10)
     for old, new, p in zip(before, method.teacher_encoder.parameters(), method.encoder.parameters()):
         torch.testing.assert_close(new, 0.996 * old + 0.004 * p)
+
+
+def test_the_koleo_option_adds_its_weight_times_the_koleo_loss_of_the_student_global_views():
+    steps = {}
+    for weight in (0.0, 0.5):
+        torch.manual_seed(0)
+        method = tiny_sop(koleo_weight=weight)
+        method.training_step(views(seed=1))
+        steps[weight] = method.training_step(views(seed=2))
+    plain, spread = steps[0.0], steps[0.5]
+    assert plain["koleo"] == 0 and spread["koleo"] != 0
+    torch.testing.assert_close(spread["cls_loss"], plain["cls_loss"])
+    torch.testing.assert_close(spread["loss"], plain["loss"] + 0.5 * spread["koleo"])
+    torch.manual_seed(0)
+    method = tiny_sop(koleo_weight=0.5)
+    method.training_step(views(seed=1))
+    globals_ = torch.cat(views(seed=2)["views"][:2])
+    torch.manual_seed(1)
+    mask = method.draw_mask(globals_)
+    cls, _ = method.encoder.forward_tokens(globals_, mask)
+    expected = torch.stack([KoLeoLoss()(method.head(view)) for view in cls.chunk(2)]).mean()
+    torch.manual_seed(1)
+    torch.testing.assert_close(method.training_step(views(seed=2))["koleo"], expected)
 
 
 def test_without_mim_no_patch_is_masked_and_the_mask_token_is_frozen():

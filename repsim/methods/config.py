@@ -191,8 +191,9 @@ class SOPConfig(_SelfDistillationConfig, _MaskedPatchesConfig):
     supports of that draw too (the SOPs fixed after the initial selection, as the paper words the
     ablation); ``shared_supports: false``: a memory entry supports one SOP at most (the non-shared
     ablation). ``cls_weight`` λ1 and ``mim_weight``
-    λ2 (0: no masking, no MIM) weight the [CLS] and the masked-patch losses.
-    ``patches_per_view`` teacher patch tokens of each global view enter the patch memory per step.
+    λ2 (0: no masking, no MIM) weight the [CLS] and the masked-patch losses; ``koleo_weight`` > 0
+    adds that times the KoLeo loss of the student's global [CLS] embeddings (an option, not the paper's
+    SOP). ``patches_per_view`` teacher patch tokens of each global view enter the patch memory per step.
     """
 
     name: Literal["sop"]
@@ -208,6 +209,7 @@ class SOPConfig(_SelfDistillationConfig, _MaskedPatchesConfig):
     patches_per_view: int = Field(1, gt=0)
     cls_weight: float = Field(1.0, ge=0)
     mim_weight: float = Field(1.0, ge=0)
+    koleo_weight: float = Field(0.0, ge=0)
 
     @model_validator(mode="after")
     def _supports_fixed_with_their_anchors(self) -> SOPConfig:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from repsim.data.masking import BlockMasking
+from repsim.losses import KoLeoLoss
 from repsim.losses.sop import MaskedSOPLoss, SOPLoss, SOPs, Supports, assemble_sops, draw_supports
 from repsim.methods.config import Config
 from repsim.methods.registry import register
@@ -99,18 +100,21 @@ class SOPBank(nn.Module):
 
 class SOP(SelfDistillation):
     """SOP on a ViT (see the module docstring). ``training_step`` returns ``loss`` = λ1·``cls_loss``
-    + λ2·``mim_loss``, ``sop_entropy`` (of the teacher's [CLS] embeddings over [CLS] SOPs) and the
+    + λ2·``mim_loss`` (+ ``koleo_weight``·``koleo``, the KoLeo loss of the student's global [CLS]
+    embeddings, mean over the two views; 0 unless set), ``sop_entropy`` (of the teacher's [CLS] embeddings over [CLS] SOPs) and the
     number of [CLS] SOPs, ``sops``."""
 
     entropy_metric = "sop_entropy"
 
     def __init__(self, encoder: MaskableViT, head: nn.Module, cls_bank: SOPBank, patch_bank: SOPBank, *,
                  cls_loss: SOPLoss, mim_loss: MaskedSOPLoss, cls_weight: float = 1.0, mim_weight: float = 1.0,
-                 momentum: float = 0.996, masking: BlockMasking | None = None, patches_per_view: int = 1):
+                 momentum: float = 0.996, masking: BlockMasking | None = None, patches_per_view: int = 1,
+                 koleo_weight: float = 0.0):
         super().__init__(encoder, head, momentum, masking if mim_weight > 0 else None)
         self.cls_bank, self.patch_bank = cls_bank, patch_bank
         self.cls_loss, self.mim_loss = cls_loss, mim_loss
         self.cls_weight, self.mim_weight, self.patches_per_view = cls_weight, mim_weight, patches_per_view
+        self.koleo_weight, self.koleo = koleo_weight, KoLeoLoss()
 
     @property
     def embeddings(self) -> Memory:
@@ -131,9 +135,11 @@ class SOP(SelfDistillation):
         mim_loss = self._mim_loss(student_patches, teacher_patches, mask, zero)
         self.cls_bank.memory.enqueue(teacher_cls)
         self.patch_bank.memory.enqueue(self._sample_patches(teacher_patches))
+        koleo = torch.stack([self.koleo(view) for view in student[:2]]).mean() if self.koleo_weight else zero
         count = torch.tensor(float(cls_sops.count if cls_sops is not None else 0), device=zero.device)
-        return {"loss": self.cls_weight * cls_loss + self.mim_weight * mim_loss, "cls_loss": cls_loss,
-                "mim_loss": mim_loss, "sop_entropy": entropy, "sops": count}
+        loss = self.cls_weight * cls_loss + self.mim_weight * mim_loss + self.koleo_weight * koleo
+        return {"loss": loss, "cls_loss": cls_loss, "mim_loss": mim_loss, "koleo": koleo,
+                "sop_entropy": entropy, "sops": count}
 
     def _mim_loss(self, student_patches: torch.Tensor, teacher_patches: torch.Tensor, mask: torch.Tensor | None,
                   zero: torch.Tensor) -> torch.Tensor:
@@ -169,4 +175,5 @@ def build(config: Config, data: TrainingData) -> SOP:
                cls_loss=SOPLoss(method.student_temperature, method.teacher_temperature),
                mim_loss=MaskedSOPLoss(method.student_temperature, method.patch_teacher_temperature),
                cls_weight=method.cls_weight, mim_weight=method.mim_weight, momentum=method.teacher_momentum,
-               masking=BlockMasking(method.mask_ratio, method.mask_share), patches_per_view=method.patches_per_view)
+               masking=BlockMasking(method.mask_ratio, method.mask_share), patches_per_view=method.patches_per_view,
+               koleo_weight=method.koleo_weight)
