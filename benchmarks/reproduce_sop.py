@@ -27,9 +27,11 @@ from _report import (FinishedRun, below_floor, epochs_by_encoder, markdown, mean
 
 NAMES = {"pixels": "raw pixels (floor)", "sop": "SOP", "sop-no-mim": "SOP without MIM (λ2 = 0)",
          "sop-fixed": "SOP, SOPs fixed after the initial selection",
-         "sop-unshared": "SOP, non-shared supports", "dino": "DINO-style (learned prototypes)",
+         "sop-unshared": "SOP, non-shared supports", "sop-koleo": "SOP + KoLeo (λ = 0.1; an option, not the paper's)",
+         "dino": "DINO-style (learned prototypes)",
          "ibot": "iBOT-style (learned prototypes, masked patches)",
-         "supcon": "SupCon on the same ViT (labels: the reference)"}
+         "supcon": "SupCon on the same ViT (labels: the reference)",
+         "simclr": "SimCLR on the same ViT (no labels: the contrastive reference)"}
 METRICS = {"kNN top-1 (k = 20)": "knn_top1_k20", "linear top-1": "linear_top1"}
 DIAGNOSTICS = {"effective rank": ("effective_rank", 1), "per-dim std": ("embedding_std", 4),
                "assignment entropy": ("sop_entropy", 3),

@@ -297,7 +297,7 @@ def test_the_sop_reproduction_fills_its_memories_early_and_its_teacher_moves():
             for run in full.section("train").methods if run.label in ("dino", "ibot")} == {"dino": 8192, "ibot": 8192}
 
 
-def test_the_long_sop_run_is_the_sop_reproduction_at_five_times_its_epochs():
+def test_the_long_sop_run_is_the_sop_reproduction_at_five_times_its_epochs_plus_koleo_and_simclr_rows():
     from repsim.methods.config import load_config
 
     def configs(name: str) -> dict[str, dict]:
@@ -307,7 +307,12 @@ def test_the_long_sop_run_is_the_sop_reproduction_at_five_times_its_epochs():
                 for run in train.methods}
 
     long, short = configs("reproduce-sop-long"), configs("reproduce-sop")
-    assert set(long) == {"sop", "supcon"}
-    for label, config in long.items():
-        assert config["optim"].pop("epochs") == 5 * short[label]["optim"].pop("epochs"), label
-        assert config == short[label], label
+    assert set(long) == {"sop", "sop-koleo", "supcon", "simclr"}
+    short_epochs = {config["optim"].pop("epochs") for config in short.values()}
+    assert {config["optim"].pop("epochs") for config in long.values()} == {5 * epochs for epochs in short_epochs}
+    for label in ("sop", "supcon"):
+        assert long[label] == short[label], label
+    assert long["sop-koleo"]["method"].pop("koleo_weight") == 0.1 and short["sop"]["method"].pop("koleo_weight") == 0
+    assert long["sop-koleo"] == short["sop"]
+    assert long["simclr"]["method"] == {"name": "simclr", "temperature": 0.1} == long["supcon"]["method"] | {"name": "simclr"}
+    assert long["simclr"] | {"method": None} == long["supcon"] | {"method": None}
