@@ -66,6 +66,7 @@ class FinishedRun:
     rows: list[dict]  # one per grid point and encoder: "point", "encoder", each metric, "<metric>.std", "<metric>.n"
     command: str
     minutes: float
+    source: str  # the experiment file's name (experiments/<source>.yaml), which `--set name=...` may differ from
 
 
 def finished_run(name: str) -> FinishedRun:
@@ -88,11 +89,11 @@ def finished_run(name: str) -> FinishedRun:
     with tempfile.TemporaryDirectory() as folder:
         table = json.loads(Path(client.download_artifacts(run.info.run_id, RESULTS_TABLE, folder)).read_text())
     overrides = ast.literal_eval(run.data.params.get("overrides", "[]"))
+    source = run.data.params.get("source", name)
     return FinishedRun(name, run.info.run_id, Path(run.data.params["experiment.data"]),
                        [dict(zip(table["columns"], row)) for row in table["data"]],
-                       shlex.join(["repsim", "run", run.data.params.get("source", name),
-                                   *(arg for o in overrides for arg in ("--set", o))]),
-                       (run.info.end_time - run.info.start_time) / 60000)
+                       shlex.join(["repsim", "run", source, *(arg for o in overrides for arg in ("--set", o))]),
+                       (run.info.end_time - run.info.start_time) / 60000, source)
 
 
 def optional_run(name: str) -> FinishedRun | None:

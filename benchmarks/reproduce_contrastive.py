@@ -133,7 +133,7 @@ def report(run: FinishedRun, image: Path) -> str:
         f"Command: `{run.command}` ({run.minutes:.1f} min), then `python benchmarks/reproduce_contrastive.py "
         f"--experiment {run.name}`.", "",
         (f"What every method shares (one backbone, budget, augmentation and contrastive temperature) is in "
-         f"`experiments/{run.name}.yaml`. Scores: top-1 accuracy (%) on the test split of a weighted cosine "
+         f"`experiments/{run.source}.yaml`. Scores: top-1 accuracy (%) on the test split of a weighted cosine "
          f"kNN and of a linear probe on frozen features of the train split; mean ± sample standard deviation "
          f"over {seeds} seeds."), "",
         markdown(["encoder", *METRICS], [[name(row["encoder"]),

@@ -117,7 +117,7 @@ def report(run: FinishedRun, image: Path) -> str:
         f"Command: `{run.command}` ({run.minutes:.1f} min), then `python benchmarks/reproduce_sop.py "
         f"--experiment {run.name}`.", "",
         (f"What every variant shares (one ViT, multi-crop views, budget and teacher schedule) is in "
-         f"`experiments/{run.name}.yaml`. Scores: top-1 accuracy (%) on the test split of a weighted cosine "
+         f"`experiments/{run.source}.yaml`. Scores: top-1 accuracy (%) on the test split of a weighted cosine "
          "kNN and of a linear probe on frozen features of the train split (the student's [CLS] feature); "
          + (f"mean ± sample standard deviation over {seeds} seeds" if seeds > 1 else "one seed")
          + ". Diagnostics of the last epoch, mean over the seeds: effective rank and per-dimension std of "
