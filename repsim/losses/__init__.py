@@ -10,5 +10,5 @@ from repsim.losses.sop import MaskedSOPLoss, SOPLoss
 from repsim.losses.supcon import SupConLoss
 from repsim.losses.xclr import XCLRLoss
 
-__all__ = ["ClipLoss", "DINOLoss", "GeRALoss", "GeometricLoss", "IBOTPatchLoss", "KoLeoLoss", "MaskedSOPLoss", "NTXentLoss",
-           "SOPLoss", "SupConLoss", "XCLRLoss"]
+__all__ = ["ClipLoss", "DINOLoss", "GeRALoss", "GeometricLoss", "IBOTPatchLoss", "KoLeoLoss", "MaskedSOPLoss",
+           "NTXentLoss", "SOPLoss", "SupConLoss", "XCLRLoss"]

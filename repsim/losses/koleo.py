@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from repsim.losses._pairs import at_least_float32
+from repsim.similarity.neighbors import nearest
 
 
 class KoLeoLoss(nn.Module):
@@ -27,9 +28,7 @@ class KoLeoLoss(nn.Module):
         if len(embeddings) < 2:
             raise ValueError(f"KoLeo needs at least two embeddings, got {len(embeddings)}")
         embeddings = F.normalize(at_least_float32(embeddings), dim=1)
-        with torch.no_grad():
-            similarities = embeddings @ embeddings.T
-            similarities.fill_diagonal_(-2.0)
-            nearest = similarities.argmax(dim=1)
-        distances = (embeddings - embeddings[nearest]).norm(dim=1)
+        ids = torch.arange(len(embeddings), device=embeddings.device)
+        others, _ = nearest(embeddings.detach(), embeddings.detach(), 1, "ip", (ids, ids))
+        distances = (embeddings - embeddings[others[:, 0]]).norm(dim=1)
         return -(distances + self.eps).log().mean()

@@ -100,9 +100,9 @@ class SOPBank(nn.Module):
 
 class SOP(SelfDistillation):
     """SOP on a ViT (see the module docstring). ``training_step`` returns ``loss`` = λ1·``cls_loss``
-    + λ2·``mim_loss`` (+ ``koleo_weight``·``koleo``, the KoLeo loss of the student's global [CLS]
-    embeddings, mean over the two views; 0 unless set), ``sop_entropy`` (of the teacher's [CLS] embeddings over [CLS] SOPs) and the
-    number of [CLS] SOPs, ``sops``."""
+    + λ2·``mim_loss`` + ``koleo_weight``·``koleo`` (the KoLeo loss of the student's two global [CLS]
+    embeddings, their mean; 0 unless set), ``sop_entropy`` (of the teacher's [CLS] embeddings over
+    [CLS] SOPs) and the number of [CLS] SOPs, ``sops``."""
 
     entropy_metric = "sop_entropy"
 
