@@ -131,6 +131,15 @@ def test_animal_mnist_random_split_is_exact_per_class_and_seeded():
     assert assign_splits(entries, reseeded) != splits
 
 
+@pytest.mark.parametrize("name, train, test", [
+    ("animal-mnist-2000", 200, 100), ("fashion-mnist-10k", 840, 210), ("fashion-mnist-2000", 200, 100),
+])
+def test_subset_specs_cut_the_sizes_their_comments_state(name, train, test):
+    spec = load_spec(f"data_specs/{name}.yaml")
+    entries = open_source(spec).entries()
+    per_class = Counter((e.label, s) for e, s in zip(entries, assign_splits(entries, spec)) if s != "unused")
+    assert per_class == {**{(c, "train"): train for c in range(10)}, **{(c, "test"): test for c in range(10)}}
+
 def test_source_split_needs_a_source_with_splits(tmp_path):
     manifest = tmp_path / "list.csv"
     manifest.write_text("path,label\na.png,cat\n")
