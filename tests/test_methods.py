@@ -33,7 +33,7 @@ from repsim.methods.stage import (TrainingData, Upstream, file_digest, prepare, 
                                   training_data)
 from repsim.methods.train import Method, init_distributed
 from repsim.methods.xclr import similarity_source, upstream
-from repsim.models import MaskableViT, load_encoder
+from repsim.models import MaskableViT, backbone, load_encoder, save_encoder
 from repsim.stage import repsim_home
 from repsim.similarity.stages import EMBEDDINGS_FILE
 
@@ -350,6 +350,33 @@ def test_the_stage_key_ignores_settings_that_do_not_change_the_result(animals):
     wup, path = (tiny_config(spec, {"name": "xclr", "similarity": {"type": "wordnet", "measure": measure}})
                  for measure in ("wup", "path"))
     assert train_stage_of(wup, shards).inputs["upstream"] != train_stage_of(path, shards).inputs["upstream"]
+
+
+def test_the_stage_key_holds_the_contents_of_the_starting_encoder_not_its_path(animals, tmp_path):
+    spec, shards = animals
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        torch.manual_seed(seed)
+        (tmp_path / name).mkdir()
+        save_encoder(backbone("vit_tiny", 1, 28, patch_size=7, depth=1), tmp_path / name / "encoder.pt")
+    key = {name: train_stage_of(tiny_config(spec, model={**TINY_VIT, "init_encoder": str(tmp_path / name)}),
+                                shards).key for name in "abc"}
+    assert key["a"] == key["b"] != key["c"]
+    assert train_stage_of(tiny_config(spec, model=TINY_VIT), shards).key not in key.values()
+    with pytest.raises(SpecError, match=r"model.init_encoder points at .*missing, which does not exist"):
+        train_stage_of(tiny_config(spec, model={**TINY_VIT, "init_encoder": str(tmp_path / "missing")}), shards)
+
+
+def test_self_distillation_starts_student_and_teacher_from_a_contrastive_encoder(animals, tmp_path):
+    spec, shards = animals
+    supcon = tiny_config(spec, {"name": "supcon"}, model=TINY_VIT)
+    data, _ = prepare(supcon, shards, progress=False)
+    save_encoder(method_spec("supcon").build(supcon, data).encoder, tmp_path / "encoder.pt")
+    saved = torch.load(tmp_path / "encoder.pt", weights_only=True)["state_dict"]
+    sop = tiny_config(spec, {"name": "sop", **SETTINGS.get("sop", {})},
+                      model={**TINY_VIT, "init_encoder": str(tmp_path / "encoder.pt")})
+    model = method_spec("sop").build(sop, data)
+    for network in (model.encoder, model.teacher_encoder):
+        assert all(torch.equal(network.state_dict()[name], weights) for name, weights in saved.items())
 
 
 @pytest.mark.slow

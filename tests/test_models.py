@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from repsim.errors import SpecError, StageError
-from repsim.models import ProjectionMLP, load_encoder, resnet, save_encoder
+from repsim.models import ProjectionMLP, backbone, load_encoder, resnet, save_encoder, vit
+from repsim.models.backbones import start_from
 
 
 @pytest.mark.parametrize("channels", [1, 3])
@@ -62,3 +63,20 @@ def test_saved_encoder_loads_without_the_training_config(tmp_path):
     assert torch.equal(loaded(x), encoder(x))
     with pytest.raises(StageError, match="no encoder at"):
         load_encoder(tmp_path / "missing")
+
+
+def test_a_backbone_starts_from_a_saved_encoder_of_its_recipe(tmp_path):
+    trained = vit("tiny", 28, 7, 2, 1)
+    save_encoder(trained, tmp_path / "encoder.pt")
+    started = backbone("vit_tiny", 1, 28, patch_size=7, depth=2, init=tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(started.state_dict().values(), trained.state_dict().values()))
+    assert not torch.equal(backbone("vit_tiny", 1, 28, patch_size=7, depth=2).conv_proj.weight,
+                           trained.conv_proj.weight)
+
+
+def test_starting_from_an_encoder_of_another_recipe_names_both(tmp_path):
+    save_encoder(vit("tiny", 28, 7, 3, 1), tmp_path / "encoder.pt")
+    with pytest.raises(SpecError) as raised:
+        start_from(vit("tiny", 28, 7, 2, 1), tmp_path / "encoder.pt")
+    message = str(raised.value)
+    assert "'depth': 3" in message and "'depth': 2" in message and "\n" not in message

@@ -27,7 +27,7 @@ from repsim.models.vit import VITS
 from repsim.shipped import locate, packaged
 
 DEFAULTS = "defaults"  # the shipped config under every training config
-PATH_FIELDS = ("data.spec", "method.similarity.path", "image.path")  # image: alignment configs
+PATH_FIELDS = ("data.spec", "method.similarity.path", "model.init_encoder", "image.path")  # image: alignment configs
 
 
 class DataConfig(Strict):
@@ -53,6 +53,8 @@ class ModelConfig(Strict):
     projection_hidden_dim: int = Field(2048, gt=0)
     projection_dim: int = Field(128, gt=0)
     projection_layers: int = Field(2, ge=1)
+    init_encoder: Path | None = Field(None, description="a saved encoder (a train stage's encoder.pt or its "
+                                      "directory) whose weights start the backbone; None: random weights")
 
 
 class OptimConfig(Strict):

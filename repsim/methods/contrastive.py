@@ -29,7 +29,8 @@ class TwoViewMethod(Method):
 def backbone_and_projection(model: ModelConfig, in_channels: int, image_size: int) -> tuple[nn.Module, ProjectionMLP]:
     """The configured backbone (a ResNet or a ViT) for ``in_channels``-channel images of ``image_size``
     pixels and its projection head."""
-    encoder = backbone(model.backbone, in_channels, image_size, model.small_images, model.patch_size, model.depth)
+    encoder = backbone(model.backbone, in_channels, image_size, model.small_images, model.patch_size, model.depth,
+                       model.init_encoder)
     projector = ProjectionMLP(encoder.feature_dim, model.projection_hidden_dim, model.projection_dim,
                               model.projection_layers)
     return encoder, projector

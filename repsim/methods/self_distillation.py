@@ -187,4 +187,5 @@ def vit_backbone(config: Config, data: TrainingData) -> MaskableViT:
     if model.backbone not in VITS:
         raise SpecError(f"method {config.method.name!r} needs a ViT, but model.backbone is {model.backbone!r}",
                         f"set model.backbone to one of {', '.join(VITS)}")
-    return backbone(model.backbone, data.channels, data.image_size, patch_size=model.patch_size, depth=model.depth)
+    return backbone(model.backbone, data.channels, data.image_size, patch_size=model.patch_size, depth=model.depth,
+                    init=model.init_encoder)

@@ -14,8 +14,9 @@ Output (``$REPSIM_HOME/artifacts/train/<key>/`` unless given), besides ``stage.j
 ``epochs`` and the last kNN accuracies (the teacher's too). The key covers the config without the settings that do not
 change what is learned (``optim.num_workers``, ``optim.threads``, ``optim.checkpoint_every``,
 ``monitor.batch_size``),
-the shard key (in place of the data spec's path) and the key of what the method consumes besides the
-shards (the caption or WordNet stage, or a digest of a user's matrix or graph file).
+the shard key (in place of the data spec's path), the key of what the method consumes besides the
+shards (the caption or WordNet stage, or a digest of a user's matrix or graph file) and a digest of
+the encoder that ``model.init_encoder`` starts the backbone from (in place of its path).
 
 Interruption. Checkpoints and metrics are written to ``$REPSIM_HOME/scratch/train/<key>/`` while
 training runs; running the same config again resumes from there, and the folder is removed once
@@ -44,14 +45,14 @@ from repsim.methods.config import Config
 from repsim.methods.registry import method_spec
 from repsim.methods.train import (KnnMonitor, LogFn, Method, Trainer, init_distributed, is_main_process,
                                   seed_everything)
-from repsim.models.backbones import ENCODER_FILE, load_encoder, save_encoder
+from repsim.models.backbones import ENCODER_FILE, encoder_file, load_encoder, save_encoder
 from repsim.stage import Stage, StageOutput, read_record, repsim_home, run_stage, sha256_file
 
 VERSION = "1"
 CHECKPOINT_FILE = "checkpoint.pt"
 METRICS_FILE = "metrics.jsonl"
 KEY_NEUTRAL = (("optim", "threads"), ("optim", "checkpoint_every"), ("monitor", "batch_size"), ("data", "spec"),
-               ("method", "similarity", "path"))  # settings that never change the result
+               ("method", "similarity", "path"), ("model", "init_encoder"))  # paths: their contents are keyed
 MACHINE_CHOSEN = ("optim", "num_workers")  # changes the batches; keyed when set, not when left to the machine
 
 __all__ = ["TrainingData", "Upstream", "file_digest", "load_encoder", "prepare", "train", "train_loader",
@@ -104,6 +105,8 @@ def train_stage_of(config: Config, shards: ShardResult | str | Path | None = Non
 
 def _stage(config: Config, shards: ShardResult, upstream: Upstream | None) -> Stage:
     inputs = {"shards": shards.key} | ({"upstream": upstream.key} if upstream is not None else {})
+    if config.model.init_encoder is not None:
+        inputs["init_encoder"] = file_digest(encoder_file(config.model.init_encoder), "model.init_encoder")
     return Stage("train", VERSION, _recipe(config), inputs)
 
 

@@ -22,12 +22,15 @@ ENCODER_FILE = "encoder.pt"
 
 
 def backbone(name: str, in_channels: int, image_size: int, small_images: bool = True, patch_size: int = 4,
-             depth: int = 12) -> nn.Module:
+             depth: int = 12, init: str | Path | None = None) -> nn.Module:
     """The backbone ``name``: a :func:`resnet` (``small_images``) or a ViT (``vit_tiny``, ``vit_small``:
-    :func:`repsim.models.vit.vit` for ``image_size`` inputs, ``patch_size``, ``depth``)."""
+    :func:`repsim.models.vit.vit` for ``image_size`` inputs, ``patch_size``, ``depth``); random
+    weights, or those of the saved encoder ``init`` (:func:`start_from`)."""
     if name in VITS:
-        return vit(name.removeprefix("vit_"), image_size, patch_size, depth, in_channels)
-    return resnet(name, small_images, in_channels)
+        network = vit(name.removeprefix("vit_"), image_size, patch_size, depth, in_channels)
+    else:
+        network = resnet(name, small_images, in_channels)
+    return network if init is None else start_from(network, init)
 
 
 def resnet(name: str = "resnet18", small_images: bool = False, in_channels: int = 3) -> nn.Module:
@@ -62,14 +65,35 @@ def save_encoder(encoder: nn.Module, path: str | Path) -> None:
                 "state_dict": encoder.state_dict()}, path)
 
 
-def load_encoder(path: str | Path, device: str | torch.device = "cpu") -> nn.Module:
-    """Rebuild a saved encoder (a file, or a train stage directory holding ``encoder.pt``) in eval mode."""
+def encoder_file(path: str | Path) -> Path:
+    """The saved encoder ``path`` names: the file itself, or a train stage directory's ``encoder.pt``."""
     path = Path(path)
-    path = path / ENCODER_FILE if path.is_dir() else path
+    return path / ENCODER_FILE if path.is_dir() else path
+
+
+def read_encoder(path: str | Path) -> dict[str, Any]:
+    """A saved encoder's ``recipe``, ``feature_dim`` and ``state_dict`` (``path`` as in :func:`encoder_file`)."""
+    path = encoder_file(path)
     if not path.is_file():
         raise StageError(f"no encoder at {path}", "pass a train stage directory or its encoder.pt")
-    saved: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_encoder(path: str | Path, device: str | torch.device = "cpu") -> nn.Module:
+    """Rebuild a saved encoder (a file, or a train stage directory holding ``encoder.pt``) in eval mode."""
+    saved = read_encoder(path)
     recipe = dict(saved["recipe"])
     encoder = BUILDERS[recipe.pop("builder")](**recipe)
     encoder.load_state_dict(saved["state_dict"])
     return encoder.to(device).eval()
+
+
+def start_from(network: nn.Module, path: str | Path) -> nn.Module:
+    """``network`` with the weights of the encoder saved at ``path``, which must have been built by
+    the same recipe (SpecError naming both otherwise)."""
+    saved = read_encoder(path)
+    if saved["recipe"] != network.recipe:
+        raise SpecError(f"the encoder at {encoder_file(path)} was built as {saved['recipe']}, but this config "
+                        f"builds {network.recipe}", "start from an encoder of the same backbone, size and channels")
+    network.load_state_dict(saved["state_dict"])
+    return network
