@@ -80,3 +80,13 @@ def test_starting_from_an_encoder_of_another_recipe_names_both(tmp_path):
         start_from(vit("tiny", 28, 7, 2, 1), tmp_path / "encoder.pt")
     message = str(raised.value)
     assert "'depth': 3" in message and "'depth': 2" in message and "\n" not in message
+
+
+def test_an_unreadable_or_foreign_file_is_refused_in_one_line(tmp_path):
+    (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
+    torch.save({"model": {}}, tmp_path / "checkpoint.pt")
+    with pytest.raises(StageError, match=r"^cannot load encoder .*garbage.pt \(") as unreadable:
+        start_from(vit("tiny", 28, 7, 2, 1), tmp_path / "garbage.pt")
+    with pytest.raises(StageError, match="checkpoint.pt holds no encoder recipe and weights") as foreign:
+        load_encoder(tmp_path / "checkpoint.pt")
+    assert "\n" not in str(unreadable.value) + str(foreign.value)

@@ -32,7 +32,6 @@ key, without doing the work.
 from __future__ import annotations
 
 import json
-import pickle
 import time
 import zipfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -48,7 +47,7 @@ from tqdm.auto import tqdm
 
 from repsim.data.loader import make_loader
 from repsim.data.sharding import ShardResult
-from repsim.errors import EvalError
+from repsim.errors import EvalError, StageError
 from repsim._checks import ArrayLike, as_ks, resolve_device
 from repsim.eval.diagnostics import embedding_diagnostics
 from repsim.eval.knn import knn_rankings, top_k_accuracy
@@ -117,7 +116,9 @@ def encoder_source(encoder: str | Path) -> EncoderSource:
 def _load_model(source: EncoderSource, device: torch.device) -> torch.nn.Module:
     try:
         return load_encoder(source.file, device)
-    except (pickle.UnpicklingError, RuntimeError, KeyError, TypeError, ValueError, EOFError, OSError) as err:
+    except StageError as err:  # unreadable: the reader's own one-line account
+        raise EvalError(err.what, err.fix) from None
+    except (RuntimeError, KeyError, TypeError, ValueError) as err:  # weights that do not fit their recipe
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise EvalError(f"cannot load encoder {source.file} ({reason})",
                         "pass an encoder written by the train stage (repsim.models.save_encoder)") from None

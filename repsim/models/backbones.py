@@ -7,6 +7,7 @@ store it beside its weights and :func:`load_encoder` can rebuild it without the 
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,15 @@ def read_encoder(path: str | Path) -> dict[str, Any]:
     path = encoder_file(path)
     if not path.is_file():
         raise StageError(f"no encoder at {path}", "pass a train stage directory or its encoder.pt")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError, OSError) as err:
+        raise StageError(f"cannot load encoder {path} ({str(err).splitlines()[0] if str(err) else type(err).__name__})",
+                         "pass an encoder written by the train stage (repsim.models.save_encoder)") from None
+    if not isinstance(saved, dict) or not {"recipe", "state_dict"} <= saved.keys():
+        raise StageError(f"{path} holds no encoder recipe and weights",
+                         "pass an encoder written by the train stage (repsim.models.save_encoder)")
+    return saved
 
 
 def load_encoder(path: str | Path, device: str | torch.device = "cpu") -> nn.Module:
