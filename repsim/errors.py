@@ -10,6 +10,11 @@ class RepsimError(Exception):
         super().__init__(f"{what}; {fix}" if fix else what)
 
 
+def first_line(err: BaseException) -> str:
+    """The first line of ``err``'s message, or its type's name when it has none: a cause to quote."""
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
 class SpecError(RepsimError):
     """A data spec or config is malformed or points at something that does not exist."""
 

@@ -140,6 +140,7 @@ def test_subset_specs_cut_the_sizes_their_comments_state(name, train, test):
     per_class = Counter((e.label, s) for e, s in zip(entries, assign_splits(entries, spec)) if s != "unused")
     assert per_class == {**{(c, "train"): train for c in range(10)}, **{(c, "test"): test for c in range(10)}}
 
+
 def test_source_split_needs_a_source_with_splits(tmp_path):
     manifest = tmp_path / "list.csv"
     manifest.write_text("path,label\na.png,cat\n")

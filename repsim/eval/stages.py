@@ -47,14 +47,14 @@ from tqdm.auto import tqdm
 
 from repsim.data.loader import make_loader
 from repsim.data.sharding import ShardResult
-from repsim.errors import EvalError, StageError
+from repsim.errors import EvalError, StageError, first_line
 from repsim._checks import ArrayLike, as_ks, resolve_device
 from repsim.eval.diagnostics import embedding_diagnostics
 from repsim.eval.knn import knn_rankings, top_k_accuracy
 from repsim.eval.linear import linear_probe
 from repsim.eval.retrieval import map_at_r, paired_retrieval
 from repsim.eval.zeroshot import zero_shot_accuracy, zero_shot_classifier
-from repsim.models.backbones import ENCODER_FILE, load_encoder
+from repsim.models.backbones import ENCODER_FILE, UNREADABLE_FIX, encoder_file, load_encoder
 from repsim.similarity.stages import CLASSES_FILE, EMBEDDINGS_FILE
 from repsim.stage import (Stage, StageLike, StageOutput, completed_output, fingerprint_files, output_dir, read_record,
                           run_stage)
@@ -98,7 +98,7 @@ def encoder_source(encoder: str | Path) -> EncoderSource:
     if str(encoder) == PIXELS:
         return EncoderSource(None, PIXELS)
     path = Path(encoder).expanduser().resolve()
-    file = path / ENCODER_FILE if path.is_dir() else path
+    file = encoder_file(path)
     if not file.is_file():
         raise EvalError(f"encoder {encoder} does not exist" + (f" (no {ENCODER_FILE} inside)" if path.is_dir() else ""),
                         f"pass '{PIXELS}', a train stage directory or its {ENCODER_FILE}")
@@ -119,9 +119,7 @@ def _load_model(source: EncoderSource, device: torch.device) -> torch.nn.Module:
     except StageError as err:  # unreadable: the reader's own one-line account
         raise EvalError(err.what, err.fix) from None
     except (RuntimeError, KeyError, TypeError, ValueError) as err:  # weights that do not fit their recipe
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise EvalError(f"cannot load encoder {source.file} ({reason})",
-                        "pass an encoder written by the train stage (repsim.models.save_encoder)") from None
+        raise EvalError(f"cannot load encoder {source.file} ({first_line(err)})", UNREADABLE_FIX) from None
 
 
 def _precision(source: EncoderSource, device: torch.device) -> str:

@@ -15,11 +15,12 @@ import torch
 import torchvision
 from torch import nn
 
-from repsim.errors import SpecError, StageError
+from repsim.errors import SpecError, StageError, first_line
 from repsim.models.vit import VITS, vit
 
 RESNETS = ("resnet18", "resnet34", "resnet50")
 ENCODER_FILE = "encoder.pt"
+UNREADABLE_FIX = "pass an encoder written by the train stage (repsim.models.save_encoder)"
 
 
 def backbone(name: str, in_channels: int, image_size: int, small_images: bool = True, patch_size: int = 4,
@@ -80,11 +81,9 @@ def read_encoder(path: str | Path) -> dict[str, Any]:
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError, OSError) as err:
-        raise StageError(f"cannot load encoder {path} ({str(err).splitlines()[0] if str(err) else type(err).__name__})",
-                         "pass an encoder written by the train stage (repsim.models.save_encoder)") from None
+        raise StageError(f"cannot load encoder {path} ({first_line(err)})", UNREADABLE_FIX) from None
     if not isinstance(saved, dict) or not {"recipe", "state_dict"} <= saved.keys():
-        raise StageError(f"{path} holds no encoder recipe and weights",
-                         "pass an encoder written by the train stage (repsim.models.save_encoder)")
+        raise StageError(f"{path} holds no encoder recipe and weights", UNREADABLE_FIX)
     return saved
 
 

