@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import socket
@@ -18,7 +19,7 @@ from repsim.data.sharding import ShardResult, shard
 from repsim.methods.config import OptimConfig
 from repsim.methods.simclr import SimCLR
 from repsim.methods.train import (LARS, KnnMonitor, Trainer, TrainingError, autocast_dtype, extract_features,
-                                  parameter_groups, seed_everything, warmup_cosine)
+                                  parameter_groups, previous_of, seed_everything, warmup_cosine)
 from repsim.models import ProjectionMLP
 
 SETTINGS = OptimConfig(batch_size=8, epochs=3, warmup_epochs=1, lr=0.05, checkpoint_every=2)
@@ -137,6 +138,20 @@ def test_a_resumed_run_repeats_the_uninterrupted_run_exactly(tiny_shards, tmp_pa
         assert torch.equal(a, b), name
 
 
+def test_max_steps_ends_training_mid_epoch_and_resumes_exactly(tiny_shards, tmp_path):
+    settings = SETTINGS.model_copy(update={"max_steps": 6})  # 3 epochs of 4 batches, cut in the second
+    full, epochs, finished = run(tiny_shards, tmp_path / "full.pt", settings=settings)
+    assert [step for step, _ in full] == list(range(1, 7))
+    assert [record["epoch"] for record in epochs] == [1]
+    crashed, _, _ = run(tiny_shards, tmp_path / "cut.pt", crash_at=5, settings=settings)  # last checkpoint: step 4
+    resumed, _, recovered = run(tiny_shards, tmp_path / "cut.pt", settings=settings)
+    assert crashed[:4] + resumed == full
+    for (name, a), (_, b) in zip(finished.state_dict().items(), recovered.state_dict().items()):
+        assert torch.equal(a, b), name
+    trainer = Trainer(tiny_simclr(), settings, make_loader(tiny_shards.path, "simclr", 8), progress=False)
+    assert trainer.total_steps == 6 and warmup_cosine(6, trainer.warmup_steps, trainer.total_steps) == 0
+
+
 def test_the_monitor_logs_knn_accuracy_each_epoch(tiny_shards, tmp_path):
     losses, epochs, _ = run(tiny_shards, tmp_path / "run.pt")
     assert [record["epoch"] for record in epochs] == [1, 2, 3]
@@ -247,3 +262,37 @@ def test_cuda_bf16_channels_last_compiled_training_resumes(tiny_shards, tmp_path
     # some CUDA backward kernels add atomically, so a resumed run agrees closely rather than bit for bit
     torch.testing.assert_close([loss for _, loss in resumed], [loss for _, loss in full[6:]], rtol=1e-2, atol=1e-2)
     assert all(math.isfinite(loss) for _, loss in full) and len(full_epochs) == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints that do not load
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "not a torch file"])
+def test_an_unreadable_checkpoint_is_set_aside_and_training_resumes_from_the_one_before(tiny_shards, tmp_path,
+                                                                                        caplog, damage):
+    full, full_epochs, finished = run(tiny_shards, tmp_path / "full.pt")
+    checkpoint = tmp_path / "cut.pt"
+    crashed, _, _ = run(tiny_shards, checkpoint, crash_at=7)  # checkpoints at steps 4 and 6
+    assert torch.load(previous_of(checkpoint), weights_only=True)["step"] == 4
+    data = checkpoint.read_bytes()
+    checkpoint.write_bytes({"truncated": data[:len(data) // 2], "empty": b"", "not a torch file": b"text"}[damage])
+    with caplog.at_level(logging.WARNING, logger="repsim.methods.train"):
+        resumed, _, recovered = run(tiny_shards, checkpoint)
+    assert crashed[:4] + resumed == full  # from step 4, to the same losses and weights as without the cut
+    for (name, a), (_, b) in zip(finished.state_dict().items(), recovered.state_dict().items()):
+        assert torch.equal(a, b), name
+    message, = [record.getMessage() for record in caplog.records]
+    assert message.startswith(f"checkpoint {checkpoint} (") and "\n" not in message
+    assert message.endswith(") does not load and is set aside as .unreadable; training resumes from cut.pt.previous "
+                            "(step 4)")
+    assert (tmp_path / "cut.pt.unreadable").is_file()
+
+
+def test_without_a_readable_checkpoint_training_starts_over(tiny_shards, tmp_path, caplog):
+    full, _, finished = run(tiny_shards, tmp_path / "full.pt")
+    checkpoint = tmp_path / "cut.pt"
+    checkpoint.write_bytes(b"")
+    with caplog.at_level(logging.WARNING, logger="repsim.methods.train"):
+        again, _, recovered = run(tiny_shards, checkpoint)
+    assert again == full
+    assert caplog.records[0].getMessage().endswith("training resumes from the start")

@@ -19,6 +19,7 @@ the Trainer wraps the method in DistributedDataParallel and only rank 0 writes c
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import random
@@ -38,11 +39,13 @@ from tqdm.auto import tqdm
 
 from repsim.data.loader import Batch, ShardLoader
 from repsim.device import distributed, resolve_device
-from repsim.errors import RepsimError
+from repsim.errors import RepsimError, first_line
 from repsim.eval.knn import knn_accuracy
 from repsim.methods.config import OptimConfig
 
 LogFn = Callable[[dict[str, float], int], None]
+CHECKPOINT_FIELDS = frozenset({"model", "optimizer", "step", "epoch", "position", "steps_per_epoch", "rng"})
+log = logging.getLogger(__name__)
 
 
 class TrainingError(RepsimError):
@@ -278,11 +281,44 @@ def set_rng_states(states: dict[str, Any]) -> None:
 
 
 def save_atomically(payload: dict[str, Any], path: Path) -> None:
-    """``torch.save`` to a temporary file beside ``path``, then rename: a crash never leaves half a file."""
+    """``torch.save`` to a temporary file beside ``path``, flushed to disk, then renamed over it: a crash
+    never leaves half a file under ``path``. The file it replaces is kept as :func:`previous_of` ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.partial")
-    torch.save(payload, partial)
+    with open(partial, "wb") as handle:
+        torch.save(payload, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    if path.exists():
+        os.replace(path, previous_of(path))
     os.replace(partial, path)
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)  # the renames reach the disk too
+    finally:
+        os.close(folder)
+
+
+def previous_of(path: Path) -> Path:
+    """Where :func:`save_atomically` keeps the file that the last save replaced."""
+    return path.with_name(f"{path.name}.previous")
+
+
+def read_checkpoint(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(the trainer checkpoint at ``path``, None), or (None, why) when it does not load (truncated,
+    empty, not a torch file, or without a trainer's fields); such a file is moved aside to
+    ``<name>.unreadable``, so that it is neither read again nor taken for a good one."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        missing = CHECKPOINT_FIELDS - state.keys() if isinstance(state, dict) else CHECKPOINT_FIELDS
+        if missing:
+            raise ValueError(f"it has no {', '.join(sorted(missing))}")
+        return state, None
+    except PermissionError:
+        raise
+    except Exception as err:  # torch.load fails on a damaged file with errors of many types (OSError, IndexError, ...)
+        os.replace(path, path.with_name(f"{path.name}.unreadable"))
+        return None, first_line(err)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,7 +335,7 @@ class TrainResult:
 
 
 class Trainer:
-    """Train ``method`` on ``loader`` for ``settings.epochs`` epochs.
+    """Train ``method`` on ``loader`` for ``settings.epochs`` epochs, or ``settings.max_steps`` steps if fewer.
 
     ``checkpoint_path``: where checkpoints are written every ``settings.checkpoint_every`` steps and
     at the end, and resumed from when it exists. ``log(metrics, step)`` receives per-step ``loss``,
@@ -317,7 +353,7 @@ class Trainer:
         self.model = self._wrap(self.method)
         self.optimizer = make_optimizer(self.method, settings)
         self.steps_per_epoch = self._steps_per_epoch()
-        self.total_steps = settings.epochs * self.steps_per_epoch
+        self.total_steps = min(settings.epochs * self.steps_per_epoch, settings.max_steps or math.inf)
         self.warmup_steps = round(settings.warmup_epochs * self.steps_per_epoch)
 
     def _prepare(self, method: Method) -> Method:
@@ -349,7 +385,7 @@ class Trainer:
         result = TrainResult(progress)
         with tqdm(total=self.total_steps, initial=progress.step, desc="train", unit="step",
                   disable=not (self.show_progress and is_main_process())) as bar:
-            while progress.epoch < self.settings.epochs:
+            while progress.epoch < self.settings.epochs and progress.step < self.total_steps:
                 for batch in self._remaining_batches(progress):
                     result.last_step = self._step(batch, progress)
                     bar.update()
@@ -363,10 +399,12 @@ class Trainer:
         return result
 
     def _remaining_batches(self, progress: Progress) -> Iterator[Batch]:
-        """This epoch's batches after the ``position`` already consumed; the epoch ends with them."""
+        """This epoch's batches after the ``position`` already consumed, up to its end or the last step."""
         self.loader.set_epoch(progress.epoch)
-        yield from islice(self.loader, progress.position, self.steps_per_epoch)
-        progress.epoch, progress.position = progress.epoch + 1, 0
+        stop = min(self.steps_per_epoch, progress.position + self.total_steps - progress.step)
+        yield from islice(self.loader, progress.position, stop)
+        if stop == self.steps_per_epoch:
+            progress.epoch, progress.position = progress.epoch + 1, 0
 
     def _step(self, batch: Batch, progress: Progress) -> dict[str, float]:
         lr = self.settings.lr * warmup_cosine(progress.step, self.warmup_steps, self.total_steps)
@@ -431,17 +469,36 @@ class Trainer:
                          "steps_per_epoch": self.steps_per_epoch, "rng": rng_states()}, self.checkpoint_path)
 
     def _resume(self) -> Progress:
-        if self.checkpoint_path is None or not self.checkpoint_path.is_file():
+        """Progress from the checkpoint, else from the one it replaced, else from the start; a checkpoint
+        that does not load is set aside (:func:`read_checkpoint`)."""
+        if self.checkpoint_path is None:
             return Progress()
-        state = torch.load(self.checkpoint_path, map_location="cpu", weights_only=True)
+        unreadable = []
+        for path in (self.checkpoint_path, previous_of(self.checkpoint_path)):
+            state, why = read_checkpoint(path) if path.is_file() else (None, None)
+            if state is not None:
+                _warn_unreadable(unreadable, f"{path.name} (step {state['step']})")
+                return self._restore(path, state)
+            if why is not None:
+                unreadable.append(f"{path} ({why})")
+        _warn_unreadable(unreadable, "the start")
+        return Progress()
+
+    def _restore(self, path: Path, state: dict[str, Any]) -> Progress:
         if state["steps_per_epoch"] != self.steps_per_epoch:
-            raise TrainingError(f"{self.checkpoint_path} was written with {state['steps_per_epoch']} steps per "
+            raise TrainingError(f"{path} was written with {state['steps_per_epoch']} steps per "
                                 f"epoch, this run has {self.steps_per_epoch}",
                                 "resume with the same data, batch size and number of ranks, or delete it")
         self.method.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         set_rng_states(state["rng"])
         return Progress(state["step"], state["epoch"], state["position"])
+
+
+def _warn_unreadable(unreadable: list[str], resumed_from: str) -> None:
+    if unreadable:
+        log.warning("checkpoint %s does not load and is set aside as .unreadable; training resumes from %s",
+                    "; ".join(unreadable), resumed_from)
 
 
 def _mean_over_ranks(values: dict[str, torch.Tensor]) -> dict[str, float]:
