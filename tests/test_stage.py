@@ -1,5 +1,6 @@
 """The stage/cache contract: content-addressed keys, atomic completion, cache hits, no clobbering."""
 
+import errno
 import hashlib
 import json
 import os
@@ -58,6 +59,25 @@ def test_failed_build_leaves_nothing_that_looks_done(home):
     with pytest.raises(RuntimeError):
         run_stage(stage, fail_halfway)
     assert not stage.default_dir().exists()
+    assert [p.name for p in stage.default_dir().parent.iterdir()] == [f".{stage.key}.lock"]
+    assert not run_stage(stage, write_answer(1)).cached
+
+
+@pytest.mark.parametrize("full", [OSError(errno.ENOSPC, "No space left on device"),
+                                  RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0: "
+                                               "No space left on device")])  # torch.save rewraps it so
+def test_a_full_disk_is_one_line_naming_the_file_system_and_leaves_nothing(home, full):
+    stage = Stage("s", "1", {"a": 1})
+
+    def fill_the_disk(tmp):
+        (tmp / "half.bin").write_bytes(b"x" * 1000)
+        raise full
+
+    message = (r"the file system at /\S* is full: the s stage had written 1,000 bytes into .* when it ran out of "
+               r"space \([\d,]+ of [\d,]+ bytes free now")
+    with pytest.raises(StageError, match=message) as raised:
+        run_stage(stage, fill_the_disk)
+    assert "\n" not in str(raised.value) and "free more than 1,000 bytes there" in str(raised.value)
     assert [p.name for p in stage.default_dir().parent.iterdir()] == [f".{stage.key}.lock"]
     assert not run_stage(stage, write_answer(1)).cached
 
