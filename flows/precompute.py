@@ -30,7 +30,7 @@ from repsim.tasks.tracking import StageRun, Tracker
 
 @flow(name="precompute")
 def precompute_flow(spec: str, captions: bool = True, wordnet_measures: Sequence[str] = ("wup",),
-                    neighbors: bool = True, k: int = 10, index: str = "flat", metric: str = "cosine",
+                    neighbors: bool = True, k: int = 10, index: str = "auto", metric: str = "cosine",
                     model: str | None = None, target_temperature: float = 0.1) -> list[dict]:
     """Shard ``spec``, then run the precompute stages it asks for: caption embeddings (with the
     sentence-transformer ``model``, default all-MiniLM-L6-v2), one WordNet class similarity per

@@ -413,11 +413,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_precompute_options(parser: argparse.ArgumentParser, stages: str) -> None:
-    from repsim.similarity.neighbors import INDEX_KINDS, METRICS
+    from repsim.similarity.neighbors import METRICS, STAGE_INDEXES
 
     captions, wordnet, neighbors = PRECOMPUTE_STAGES[stages]
     parser.add_argument("spec", metavar="SPEC", help="data spec YAML file or shipped name, e.g. animal-mnist")
-    parser.set_defaults(run=cmd_precompute, measures=None, k=10, index="flat", metric="cosine", model=None)
+    parser.set_defaults(run=cmd_precompute, measures=None, k=10, index="auto", metric="cosine", model=None)
     if captions:
         parser.add_argument("--model", metavar="NAME|PATH",
                             help="sentence-transformers model (default: all-MiniLM-L6-v2, offline)")
@@ -426,8 +426,9 @@ def _add_precompute_options(parser: argparse.ArgumentParser, stages: str) -> Non
                             help="WordNet measure, repeatable (default: wup)")
     if neighbors:
         parser.add_argument("--k", type=int, default=10, help="neighbors per caption (default: 10)")
-        parser.add_argument("--index", choices=INDEX_KINDS, default="flat",
-                            help="FAISS index: exact flat, or approximate ivf/ivfpq/hnsw with measured recall")
+        parser.add_argument("--index", choices=STAGE_INDEXES, default="auto",
+                            help="FAISS index: exact flat, approximate ivf/ivfpq/hnsw with measured recall, or "
+                            "auto (flat up to 50,000 captions, then hnsw, or ivfpq where hnsw would not fit)")
         parser.add_argument("--metric", choices=METRICS, default="cosine", help="default: cosine")
     parser.add_argument("--target-temperature", type=float, default=0.1, metavar="TAU_S",
                         help="X-CLR target temperature of the target histograms logged to MLflow (default: 0.1)")

@@ -34,7 +34,7 @@ from repsim.errors import SpecError
 from repsim.eval.linear import DEFAULT_WEIGHT_DECAYS
 from repsim.layering import Strict, as_overrides, inline, parse_override, read_layer, resolve_paths, set_dotted
 from repsim.shipped import locate
-from repsim.similarity.neighbors import INDEX_KINDS
+from repsim.similarity.neighbors import STAGE_INDEXES
 
 MEASURES = ("wup", "path", "lch", "hops")
 SUITES = ("knn", "linear", "map", "diagnostics", "plots")  # those of repsim.eval that need only image features
@@ -56,7 +56,7 @@ class PrecomputeSection(_Section):
     captions: bool = True
     wordnet: list[Literal[MEASURES]] = Field(["wup"], description="WordNet measures, one stage each")
     neighbors: int = Field(10, ge=0, description="caption neighbors per sample; 0: none")
-    index: Literal[INDEX_KINDS] = "flat"
+    index: Literal[STAGE_INDEXES] = "auto"
 
     @model_validator(mode="after")
     def _neighbors_need_captions(self) -> PrecomputeSection:

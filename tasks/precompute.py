@@ -25,7 +25,7 @@ def wordnet_task(classes: str, measure: str = "wup", out_dir: str | None = None)
 
 
 @stage_task("neighbors", neighbors_stage_of)
-def neighbors_task(embeddings: str, k: int = 10, index: str = "flat", metric: str = "cosine",
+def neighbors_task(embeddings: str, k: int = 10, index: str = "auto", metric: str = "cosine",
                    out_dir: str | None = None) -> StageOutput:
     """The k nearest neighbors of every embedding row, with a FAISS ``index``."""
     return neighbors_stage(embeddings, k, index, metric, out_dir=out_dir)

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 
+from bounded import memory_mapped
 from repsim.data.sources import read_idx
 from repsim.errors import SimilarityError
 from repsim.similarity.neighbors import (IDS_FILE, build_index, default_nlist, default_pq_m, exact_search, knn,
-                                         load_neighbors, nearest, recall_at_k)
+                                         load_neighbors, nearest, recall_at_k, require_faiss)
 
 
 FASHION_TRAIN_IMAGES = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
@@ -52,6 +53,25 @@ def test_flat_search_equals_brute_force(metric):
     assert_same_neighbors(ids, scores, reference, 7)
     sign = 1 if metric == "l2" else -1
     np.testing.assert_allclose(sign * scores, np.sort(reference, axis=1)[:, :7], rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("metric", ["l2", "cosine"])
+def test_exact_search_holds_one_chunk_of_candidates_at_a_time(tmp_path, monkeypatch, metric):
+    base = memory_mapped(points(3000), tmp_path / "base.npy")
+    candidates, queries = np.arange(0, 3000, 3), points(40, seed=1)
+    faiss, added = require_faiss(), []
+
+    class RecordingFlat(faiss.IndexFlat):
+        def add(self, x):
+            added.append(len(x))
+            super().add(x)
+    monkeypatch.setattr(faiss, "IndexFlat", RecordingFlat)
+    ids, scores = knn(base, 5, queries=queries, metric=metric, subset=candidates, chunk_size=300, use_gpu=False)
+    assert max(added) == 300 and sum(added) == len(candidates)  # one scan, never the whole pool
+    assert set(ids.ravel()) <= set(candidates)
+    reference = brute_force(np.asarray(base), queries, metric)
+    reference[:, np.setdiff1d(np.arange(3000), candidates)] = np.inf
+    assert_same_neighbors(ids, scores, reference, 5)
 
 
 def brute_force_top_k(keys: np.ndarray, queries: np.ndarray, k: int, metric: str, query_ids=None, key_ids=None):

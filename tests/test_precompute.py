@@ -18,7 +18,7 @@ from repsim.cli import build_parser, main
 from repsim.data import DataSpec, shard
 from repsim.errors import SimilarityError
 from repsim.similarity import EmbeddingSource, class_similarity, embed_captions, load_neighbors, stages
-from repsim.similarity.neighbors import INDEX_KINDS, METRICS
+from repsim.similarity.neighbors import METRICS, STAGE_INDEXES, auto_index
 from repsim.similarity.stages import (CLASSES_FILE, EMBEDDINGS_FILE, HEAT_MAP_FILE, KEYS_FILE, SIMILARITY_FILE,
                                       embed_captions_stage, embed_captions_stage_of, neighbors_stage,
                                       neighbors_stage_of, wordnet_similarity_stage, wordnet_similarity_stage_of)
@@ -233,6 +233,29 @@ def test_approximate_neighbors_record_their_recall(tmp_path, kind):
     assert output.key != neighbors_stage_of(tmp_path / "points.npy", k=10, index=kind, seed=1).key
 
 
+def test_auto_index_is_exact_up_to_the_limit_then_hnsw_while_it_fits():
+    gigabyte = 2**30
+    assert auto_index(stages.EXACT_LIMIT, 384) == "flat"
+    assert auto_index(stages.EXACT_LIMIT + 1, 384, memory=24 * gigabyte) == "hnsw"
+    assert auto_index(7_000_000, 384, memory=24 * gigabyte) == "hnsw"  # 1,792 B a point: 12.5 GB of 24 GiB
+    assert auto_index(8_000_000, 384, memory=24 * gigabyte) == "ivfpq"
+
+
+def test_auto_resolves_to_the_index_it_runs_and_keys_like_it(tmp_path, monkeypatch):
+    np.save(tmp_path / "points.npy", unit_rows(300))
+    assert neighbors_stage_of(tmp_path / "points.npy", k=5).key == \
+        neighbors_stage_of(tmp_path / "points.npy", k=5, index="flat").key
+    monkeypatch.setattr(stages, "EXACT_LIMIT", 100)
+    monkeypatch.setattr("repsim.similarity.neighbors.EXACT_LIMIT", 100)
+    auto = neighbors_stage_of(tmp_path / "points.npy", k=5)
+    assert auto.config["index"] == "hnsw"
+    assert auto.key == neighbors_stage_of(tmp_path / "points.npy", k=5, index="hnsw").key
+    with pytest.warns(UserWarning, match="300 points costs N² products; index='auto' would use hnsw"):
+        neighbors_stage(tmp_path / "points.npy", k=5, index="flat", progress=False)
+    with pytest.raises(SimilarityError, match="unknown index 'exact'"):
+        neighbors_stage_of(tmp_path / "points.npy", index="exact")
+
+
 def test_neighbors_of_caption_embeddings_key_on_the_caption_stage(pets_shards, fake_encoder):
     captions = embed_captions_stage(pets_shards, progress=False)
     output = neighbors_stage(captions, k=2, index="hnsw", progress=False)
@@ -263,7 +286,7 @@ def test_cli_choices_are_the_library_ones():
     stages = subcommands(subcommands(build_parser())["precompute"])
     assert set(stages) == {"all", "captions", "wordnet", "neighbors"}
     choices = {action.dest: action.choices for action in stages["all"]._actions}
-    assert tuple(choices["measures"]) == MEASURES and tuple(choices["index"]) == INDEX_KINDS
+    assert tuple(choices["measures"]) == MEASURES and tuple(choices["index"]) == STAGE_INDEXES
     assert tuple(choices["metric"]) == METRICS
     options = {name: {action.dest for action in parser._actions} for name, parser in stages.items()}
     assert "measures" not in options["neighbors"] and "index" not in options["wordnet"]

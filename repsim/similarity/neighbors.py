@@ -9,7 +9,8 @@ or squared L2 distance (``"l2"``), ascending; results are nearest first.
   leaves out of each query's list the keys that carry its id (itself). :func:`nearest` gives its
   whole result, or that of an exact FAISS index (``backend="faiss"``). The kNN evaluation, mAP@R,
   SOP's supports and ASIF search with these.
-- :func:`knn`: FAISS lists, exact (flat), IVF-Flat, IVF-PQ or HNSW, on the GPU when FAISS has one,
+- :func:`knn`: FAISS lists, exact (flat: on the CPU a scan of the candidates a chunk at a time,
+  :class:`FlatScan`), IVF-Flat, IVF-PQ or HNSW, on the GPU when FAISS has one,
   for large or memory-mapped sets (the neighbor stage, GeRA's neighborhoods). ``knn(base, k)``
   gives every row of ``base`` its k nearest other rows; ``queries`` searches other points against
   ``base``; ``subset`` restricts the candidates to some rows of ``base`` (e.g. only unpaired
@@ -19,10 +20,11 @@ or squared L2 distance (``"l2"``), ascending; results are nearest first.
 Memory in :func:`knn`. ``base`` may be a memory-mapped ``.npy`` of any float dtype: it is read
 ``chunk_size`` rows at a time, IVF indexes are trained on a seeded sample, queries are searched in
 chunks, and ``out`` writes the lists straight into memory-mapped ``.npy`` files, so nothing of size
-N × D or Q × k need fit in memory besides the index itself. Sizing, with 4-byte floats and 8-byte ids:
+N × D or Q × k need fit in memory besides the index itself (none for an exact search on the CPU).
+Sizing, with 4-byte floats and 8-byte ids:
 
-- 10M × 384 on a 24 GB machine: a flat index holds the vectors (15.4 GB) and an exact search of
-  every row is 10M × 10M dot products (hours on CPU). Use ``index="ivfpq"``: with the default
+- 10M × 384 on a 24 GB machine: an exact search of every row is 10M × 10M dot products (days on a
+  CPU), and HNSW would hold 18 GB of vectors and links. Use ``index="ivfpq"``: with the default
   ``pq_m = D / 8 = 48`` one-byte codes each vector costs 48 B + 8 B id, 0.6 GB for 10M, and the
   ~√N = 3,162 coarse lists train on 256 points each (0.8M sampled rows, 1.2 GB). Store the embeddings
   as float16 ``.npy`` (7.7 GB, memory-mapped, never loaded whole) and pass ``out=`` so that the
@@ -40,6 +42,7 @@ FAISS is imported on first use, so the rest of the library works where it is abs
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +55,9 @@ from tqdm import tqdm
 from repsim.errors import SimilarityError
 
 INDEX_KINDS = ("flat", "ivf", "ivfpq", "hnsw")
+STAGE_INDEXES = ("auto", *INDEX_KINDS)  # what the neighbor stage takes: "auto" is resolved by auto_index
+EXACT_LIMIT = 50_000  # points up to which "auto" searches exactly: N² products, seconds on a CPU
+HNSW_MEMORY_SHARE = 0.5  # of the machine's memory, which "auto" lets an HNSW index fill before IVF-PQ
 METRICS = ("cosine", "ip", "l2")
 BACKENDS = ("torch", "faiss")
 QUERY_CHUNK = 1024  # queries of an exact search at a time
@@ -182,6 +188,20 @@ def build_index(points: np.ndarray, kind: str = "flat", metric: str = "cosine", 
     return index
 
 
+def auto_index(count: int, dim: int, m: int = 32, memory: int | None = None) -> str:
+    """The index for ``count`` points of ``dim`` when the neighbor stage is asked for ``"auto"``.
+
+    ``flat`` (exact) up to :data:`EXACT_LIMIT` points: searching all N points exactly costs N² products,
+    so its time per point grows linearly with N. Beyond, ``hnsw``, whose build and search cost about
+    log N per point, while its float32 vectors and ``m`` links a point fill at most half of ``memory``
+    (default: this machine's); else ``ivfpq``, whose codes take ``dim`` / 8 + 8 bytes a point.
+    """
+    if count <= EXACT_LIMIT:
+        return "flat"
+    memory = memory or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return "hnsw" if count * (4 * dim + 8 * m) <= HNSW_MEMORY_SHARE * memory else "ivfpq"
+
+
 def _pq_m(pq_m: int | None, dim: int) -> int:
     pq_m = pq_m or default_pq_m(dim)
     if dim % pq_m:
@@ -235,18 +255,20 @@ def exact_search(queries: ArrayLike, keys: ArrayLike, k: int, metric: str = "cos
 
     ``exclude``: query ids (Q,) and key ids (N,); no key is a neighbor of a query with its id (row
     numbers of one set for both: each point without itself). Runs on ``device`` (default: the keys')
-    in ``dtype`` (default: the keys', at least float32); keys are moved (and normalised for cosine)
-    once, at the call, where the input is checked; at most ``chunk_size × key_chunk_size`` scores
-    exist at a time.
+    in ``dtype`` (default: the keys', at least float32); keys on another device are moved there once,
+    at the call, where the input is checked; keys already there (e.g. memory-mapped rows on the CPU)
+    are not copied. Keys are converted and normalised ``key_chunk_size`` rows at a time, and at
+    most ``chunk_size × key_chunk_size`` scores exist at a time.
     """
     queries, keys = torch.as_tensor(queries), torch.as_tensor(keys)
     _check_metric(metric)
     _check_width(queries.shape[-1], keys.shape[-1])
     _check_k(k, len(keys) - (exclude is not None), exclude is not None, None)
     device = keys.device if device is None else torch.device(device)
+    dtype = dtype or torch.promote_types(keys.dtype, torch.float32)
     query_ids, key_ids = _exclusion(exclude, len(queries), len(keys), device)
-    keys = _prepared(keys.to(device, dtype or torch.promote_types(keys.dtype, torch.float32)), metric)
-    return _exact_chunks(queries, keys, k, metric, query_ids, key_ids, chunk_size, key_chunk_size)
+    keys = keys.to(device)
+    return _exact_chunks(queries, keys, k, metric, dtype, query_ids, key_ids, chunk_size, key_chunk_size)
 
 
 def nearest(queries: ArrayLike, keys: ArrayLike, k: int, metric: str = "cosine",
@@ -294,10 +316,11 @@ def _prepared(x: torch.Tensor, metric: str) -> torch.Tensor:
     return F.normalize(x, dim=1) if metric == "cosine" else x
 
 
-def _exact_chunks(queries: torch.Tensor, keys: torch.Tensor, k: int, metric: str, query_ids: torch.Tensor | None,
-                  key_ids: torch.Tensor | None, chunk_size: int, key_chunk_size: int) -> Iterator[NeighborChunk]:
+def _exact_chunks(queries: torch.Tensor, keys: torch.Tensor, k: int, metric: str, dtype: torch.dtype,
+                  query_ids: torch.Tensor | None, key_ids: torch.Tensor | None, chunk_size: int,
+                  key_chunk_size: int) -> Iterator[NeighborChunk]:
     for start in range(0, len(queries), chunk_size):
-        chunk = _prepared(queries[start:start + chunk_size].to(keys.device, keys.dtype), metric)
+        chunk = _prepared(queries[start:start + chunk_size].to(keys.device, dtype), metric)
         chunk_ids = None if query_ids is None else query_ids[start:start + chunk_size]
         nearness, indices = _top_k(chunk, keys, k, metric, chunk_ids, key_ids, key_chunk_size)
         yield NeighborChunk(start, nearness if descending(metric) else -nearness, indices)
@@ -305,13 +328,13 @@ def _exact_chunks(queries: torch.Tensor, keys: torch.Tensor, k: int, metric: str
 
 def _top_k(queries: torch.Tensor, keys: torch.Tensor, k: int, metric: str, query_ids: torch.Tensor | None,
            key_ids: torch.Tensor | None, key_chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(nearness, key rows) (B, k) of prepared queries (B, D) among prepared keys (N, D), nearest first,
-    with a running top-k merge over key chunks."""
+    """(nearness, key rows) (B, k) of prepared queries (B, D) among keys (N, D), each chunk of keys
+    converted to the queries' dtype and prepared in turn, nearest first, with a running top-k merge."""
     best = queries.new_empty((len(queries), 0))
     best_indices = torch.empty((len(queries), 0), dtype=torch.long, device=queries.device)
     for key_start in range(0, len(keys), key_chunk_size):
         block = slice(key_start, key_start + key_chunk_size)
-        nearness = _nearness(queries, keys[block], metric)
+        nearness = _nearness(queries, _prepared(keys[block].to(queries.dtype), metric), metric)
         if query_ids is not None:
             nearness.masked_fill_(query_ids[:, None] == key_ids[None, block], float("-inf"))
         positions = _top_k_positions(nearness, k)
@@ -370,8 +393,11 @@ def knn(base: np.ndarray, k: int, queries: np.ndarray | None = None, index: str 
     _check_width(query_points.shape[1], base.shape[1])
     query_rows = rows if queries is None else None
     _check_k(k, pool - skip_self, skip_self, index_options.get("use_gpu"))
-    faiss_index = build_index(base, index, metric, rows=rows, chunk_size=chunk_size, progress=progress,
-                              **index_options)
+    if index == "flat" and not _resolve_gpu(index_options.get("use_gpu"), index):
+        faiss_index = FlatScan(base, rows, metric, chunk_size)
+    else:
+        faiss_index = build_index(base, index, metric, rows=rows, chunk_size=chunk_size, progress=progress,
+                                  **index_options)
     count = pool if queries is None else len(query_points)
     wanted = k + skip_self
     factor = rerank or (IVFPQ_RERANK if index == "ivfpq" else 1)
@@ -390,6 +416,30 @@ def knn(base: np.ndarray, k: int, queries: np.ndarray | None = None, index: str 
     if out is not None:
         ids.flush(), scores.flush()
     return ids, scores
+
+
+class FlatScan:
+    """Exact search on the CPU that scans the candidates ``chunk_size`` rows at a time (FAISS's flat
+    search of each chunk, the results merged), so that memory holds one chunk of candidates where a
+    flat index would hold them all; ``search`` answers like a FAISS index (positions among the candidates)."""
+
+    def __init__(self, points: np.ndarray, rows: np.ndarray | None, metric: str, chunk_size: int = CHUNK_ROWS):
+        self.points, self.rows, self.metric, self.chunk_size = points, rows, metric, chunk_size
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(Q, k) scores and candidate positions of the k nearest candidates of each query, nearest first."""
+        faiss = require_faiss()
+        faiss_metric = faiss.METRIC_L2 if self.metric == "l2" else faiss.METRIC_INNER_PRODUCT
+        scores = np.empty((len(queries), 0), dtype=np.float32)
+        ids = np.empty((len(queries), 0), dtype=np.int64)
+        for start, chunk in _chunks(self.points, self.rows, self.metric, "points", self.chunk_size):
+            index = faiss.IndexFlat(chunk.shape[1], faiss_metric)
+            index.add(chunk)
+            found_scores, found_ids = index.search(queries, min(k, len(chunk)))
+            scores, ids = np.hstack([scores, found_scores]), np.hstack([ids, found_ids + start])
+            order = np.argsort(-scores if descending(self.metric) else scores, axis=1, kind="stable")[:, :k]
+            scores, ids = np.take_along_axis(scores, order, axis=1), np.take_along_axis(ids, order, axis=1)
+        return scores, ids
 
 
 def rerank_exactly(base: np.ndarray, queries: np.ndarray, candidates: np.ndarray, metric: str,

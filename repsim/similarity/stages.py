@@ -24,18 +24,21 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 
 import numpy as np
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from repsim.data.sharding import ShardResult
 from repsim.data.spec import DataSpec, load_spec
 from repsim.errors import SimilarityError
 from repsim.similarity.captions import default_text_model, embed_captions, load_text_model
-from repsim.similarity.neighbors import descending, drop_self, knn, recall_at_k
+from repsim.similarity.neighbors import (EXACT_LIMIT, STAGE_INDEXES, auto_index, descending, drop_self, knn,
+                                        recall_at_k)
 from repsim.similarity.wordnet import class_similarity
 from repsim.stage import Stage, StageOutput, fingerprint_files, output_dir, read_record, run_stage
 
@@ -91,7 +94,7 @@ def _write_embeddings(manifest: Path, model: str | Path | None, batch_size: int,
                       progress: bool, out: Path) -> dict[str, float]:
     started = time.time()
     table = pq.read_table(manifest, columns=["index", "key", "caption"])
-    captions = table["caption"].to_pylist()
+    captions = table["caption"]
     encoder = load_text_model(model, device)
     dim = encoder.get_embedding_dimension()
     embeddings = np.lib.format.open_memmap(out / EMBEDDINGS_FILE, mode="w+", dtype=np.float16,
@@ -100,7 +103,7 @@ def _write_embeddings(manifest: Path, model: str | Path | None, batch_size: int,
     embeddings.flush()
     del embeddings
     pq.write_table(table.select(["index", "key"]), out / KEYS_FILE)
-    return {"samples": len(captions), "unique_captions": len(set(captions)), "dim": dim,
+    return {"samples": len(captions), "unique_captions": pc.count_distinct(captions).as_py(), "dim": dim,
             "seconds": round(time.time() - started, 3)}
 
 
@@ -160,11 +163,13 @@ def _write_class_similarity(classes: dict[str, str], measure: str, progress: boo
 EmbeddingsLike = StageOutput | str | Path
 
 
-def neighbors_stage(embeddings: EmbeddingsLike, k: int = 10, index: str = "flat", metric: str = "cosine",
+def neighbors_stage(embeddings: EmbeddingsLike, k: int = 10, index: str = "auto", metric: str = "cosine",
                     recall_queries: int = RECALL_QUERIES, seed: int = 0, out_dir: str | Path | None = None,
                     progress: bool = True) -> StageOutput:
     """The k nearest other rows of every row of (N, D) ``embeddings`` with a FAISS ``index``
-    (:func:`~repsim.similarity.neighbors.knn`), or the cached output at once.
+    (:func:`~repsim.similarity.neighbors.knn`; ``auto``: :func:`~repsim.similarity.neighbors.auto_index`
+    at this N), or the cached output at once. Exact search (``flat``) over more than
+    :data:`~repsim.similarity.neighbors.EXACT_LIMIT` rows warns, naming the index ``auto`` would use.
 
     ``embeddings``: a caption stage output or directory, or an (N, D) ``.npy`` (memory-mapped, never
     loaded whole). For approximate indexes, recall against exact search is measured on
@@ -175,11 +180,15 @@ def neighbors_stage(embeddings: EmbeddingsLike, k: int = 10, index: str = "flat"
     return run_stage(stage, lambda tmp: _write_neighbors(path, stage.config, progress, tmp), out_dir)
 
 
-def neighbors_stage_of(embeddings: EmbeddingsLike, k: int = 10, index: str = "flat", metric: str = "cosine",
+def neighbors_stage_of(embeddings: EmbeddingsLike, k: int = 10, index: str = "auto", metric: str = "cosine",
                        recall_queries: int = RECALL_QUERIES, seed: int = 0) -> Stage:
-    """The neighbor stage: keyed by the embeddings' key, k, index and metric (and, for approximate
-    indexes, the recall sample)."""
-    _, upstream = _embeddings_input(embeddings)
+    """The neighbor stage: keyed by the embeddings' key, k, the index (``auto`` resolved) and metric
+    (and, for approximate indexes, the recall sample)."""
+    path, upstream = _embeddings_input(embeddings)
+    if index not in STAGE_INDEXES:
+        raise SimilarityError(f"unknown index {index!r}", f"index is one of {', '.join(STAGE_INDEXES)}")
+    if index == "auto":
+        index = auto_index(*_shape(path))
     sample = {"recall_queries": recall_queries, "seed": seed} if index != "flat" else {}
     return Stage("neighbors", NEIGHBORS_VERSION, config={"k": k, "index": index, "metric": metric, **sample},
                  inputs={"embeddings": upstream})
@@ -200,10 +209,21 @@ def _embeddings_input(embeddings: EmbeddingsLike) -> tuple[Path, str]:
     return path, fingerprint_files([path])
 
 
+def _shape(path: Path) -> tuple[int, int]:
+    """(N, D) of the ``.npy`` at ``path``, from its header; SimilarityError unless it is 2-D."""
+    shape = np.load(path, mmap_mode="r").shape
+    if len(shape) != 2:
+        raise SimilarityError(f"embeddings {path} have shape {shape}", "pass an (N, D) array, one row per point")
+    return shape
+
+
 def _write_neighbors(path: Path, config: dict, progress: bool, out: Path) -> dict[str, float]:
     started = time.time()
     points = np.load(path, mmap_mode="r")
     k, index, metric = config["k"], config["index"], config["metric"]
+    if index == "flat" and len(points) > EXACT_LIMIT:
+        warnings.warn(f"exact neighbor search over {len(points):,} points costs N² products; "
+                      f"index='auto' would use {auto_index(*points.shape)}", stacklevel=2)
     ids, scores = knn(points, k, index=index, metric=metric, out=out, progress=progress)
     recall = {} if index == "flat" else _recall(points, ids, scores, config)
     return {"samples": len(ids), "k": k, **recall, "seconds": round(time.time() - started, 3)}
