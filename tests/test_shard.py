@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
+from bounded import peak_traced
 from repsim.data import ShardResult, load_spec, shard
 from repsim.data.sources import open_source
 from repsim.errors import DataError, StageError
@@ -49,7 +50,7 @@ def write_webdataset_tar(path: Path, keys: list[str]) -> dict[str, tuple[str, st
     with tarfile.open(path, "w") as archive:
         for i, key in enumerate(keys):
             jpeg = io.BytesIO()
-            Image.fromarray(np.full((6, 10, 3), 40 * i, np.uint8)).save(jpeg, format="JPEG")
+            Image.fromarray(np.full((6, 10, 3), 40 * i % 256, np.uint8)).save(jpeg, format="JPEG")
             written[key] = (f"caption {key}", ("cat", "dog")[i % 2])
             members = {"jpg": jpeg.getvalue(), "txt": written[key][0].encode(),
                        "json": json.dumps({"key": key, "label": written[key][1]}).encode()}
@@ -270,6 +271,22 @@ def test_a_caption_only_manifest_shards_unlabelled_samples(make_image_folder, wr
     for row in manifest_rows(result):
         assert row["label"] is None and row["class_name"] is None
         assert "cls" not in samples[row["key"]] and samples[row["key"]]["txt"] == row["caption"].encode()
+
+
+def test_sharding_memory_grows_by_columns_not_by_a_python_row_per_sample(write_spec, tmp_path, monkeypatch):
+    monkeypatch.setattr(shard_module, "MANIFEST_ROW_GROUP", 100)
+    monkeypatch.setattr("repsim.data.sources.LISTING_BATCH", 100)
+    peaks = {}
+    for tars in (1, 2, 8):  # 250 samples to import what sharding imports, then 500 and 2,000
+        folder = tmp_path / f"source-{tars}"
+        folder.mkdir()
+        for number in range(tars):
+            write_webdataset_tar(folder / f"cc-{number:05d}.tar", [f"{number}-{i:03d}" for i in range(250)])
+        spec = load_spec(webdataset_spec(write_spec, str(folder / f"cc-{{00000..{tars - 1:05d}}}.tar"), shard_size=100))
+        peaks[tars * 250] = peak_traced(lambda: shard(spec, out_dir=tmp_path / f"shards-{tars}", progress=False))
+    assert (peaks[2000] - peaks[500]) / 1500 < 200  # bytes a sample: no Entry nor manifest row held per sample
+    manifest = pq.ParquetFile(tmp_path / "shards-8" / "manifest.parquet")
+    assert manifest.metadata.num_row_groups == 20 and manifest.metadata.num_rows == 2000
 
 
 def test_webdataset_source_round_trips_captions_and_json_labels(write_spec, tmp_path):

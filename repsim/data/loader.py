@@ -50,7 +50,6 @@ import hashlib
 import json
 import random
 import tarfile
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -66,7 +65,7 @@ from torchvision.transforms.v2 import functional as TF
 
 from repsim.data.augment import Views, make_views
 from repsim.data.batch_augment import BatchViews, forked_rng, make_batch_views
-from repsim.data.sharding import MANIFEST, ShardResult
+from repsim.data.sharding import MANIFEST, ShardResult, shard_sizes
 from repsim.device import rank_and_world, torch_threads
 from repsim.errors import DataError, RepsimError, SpecError
 
@@ -159,13 +158,6 @@ def _split_tars(folder: Path, split: str) -> list[str]:
 
 def _existing(path: str | Path) -> Path | None:
     return Path(path) if Path(path).is_file() else None
-
-
-def shard_sizes(manifest: Path) -> dict[str, int]:
-    """Samples per tar name, counted from the manifest's ``shard`` column."""
-    import pyarrow.parquet as pq
-
-    return dict(Counter(pq.read_table(manifest, columns=["shard"]).column("shard").to_pylist()))
 
 
 def peek_image(url: str) -> tuple[int, int]:

@@ -123,35 +123,36 @@ def _build(spec: DataSpec, reader: Reader, out: Path, progress: bool) -> dict[st
     entries = reader.entries()
     if not entries:
         raise DataError(f"the source of {spec.name!r} holds no samples", "check the source path and contents")
-    order = _write_order(entries, assign_splits(entries, spec), spec)
+    order = _write_order(assign_splits(entries, spec), spec)
     key_width = max(6, len(str(len(entries) - 1)))
-    columns: dict[str, list[Any]] = {name: [] for name in MANIFEST_SCHEMA}
-    with _TarShards(out, spec.shard_size) as tars, \
+    with _TarShards(out, spec.shard_size) as tars, _ManifestWriter(out / MANIFEST) as manifest, \
             tqdm(total=len(entries), desc=f"shard {spec.name}", unit="img", disable=not progress) as bar:
         for split, members in order:
             tars.start_split(split)
-            for entry in members:
+            for position in members:
                 bar.update()
+                entry = entries[position]
                 encoded = _encode_or_report(reader, entry, spec)
                 if encoded is not None:
-                    _write_sample(tars, columns, entry, split, encoded, spec, key_width)
+                    _write_sample(tars, manifest, entry, split, encoded, spec, key_width)
     errors = reader.skipped
-    if not columns["key"]:
+    if not manifest.rows:
         raise DataError(f"none of the {len(entries)} images of {spec.name!r} is readable",
                         f"see the first failure: {errors[0]['source_id']}: {errors[0]['reason']}")
-    _write_outputs(out, spec, columns, errors, tars.names)
-    return _metrics(columns, errors, out, started)
+    _write_index(out, spec, manifest, errors, tars.names)
+    return _metrics(manifest, errors, out, started)
 
 
-def _write_order(entries: list[Entry], splits: list[str], spec: DataSpec) -> list[tuple[str, list[Entry]]]:
-    """Entries grouped by split; within a split in source order, permuted by ``shuffle_seed`` if set."""
+def _write_order(splits: list[str], spec: DataSpec) -> list[tuple[str, np.ndarray]]:
+    """Entry positions grouped by split; within a split in source order, permuted by ``shuffle_seed`` if set."""
     rng = np.random.default_rng(spec.shuffle_seed) if spec.shuffle_seed is not None else None
+    names = split_order(splits, spec)
+    number_of = {name: number for number, name in enumerate(names)}
+    numbers = np.fromiter((number_of[split] for split in splits), dtype=np.int64, count=len(splits))
     order = []
-    for split in split_order(splits, spec):
-        members = [entry for entry, assigned in zip(entries, splits) if assigned == split]
-        if rng is not None:
-            members = [members[i] for i in rng.permutation(len(members))]
-        order.append((split, members))
+    for number, split in enumerate(names):
+        members = np.flatnonzero(numbers == number)
+        order.append((split, members[rng.permutation(len(members))] if rng is not None else members))
     return order
 
 
@@ -190,10 +191,10 @@ def decode_pixels(image: bytes | np.ndarray) -> np.ndarray:
         return np.asarray(upright.convert("L" if upright.mode in GRAYSCALE_MODES else "RGB"))
 
 
-def _write_sample(tars: _TarShards, columns: dict[str, list[Any]], entry: Entry, split: str,
+def _write_sample(tars: _TarShards, manifest: _ManifestWriter, entry: Entry, split: str,
                   encoded: tuple[bytes, int, int], spec: DataSpec, key_width: int) -> None:
     image, width, height = encoded
-    index = len(columns["key"])
+    index = manifest.rows
     key = f"{index:0{key_width}d}"
     class_name = spec.class_names[entry.label] if entry.label is not None else None
     caption = entry.caption or (spec.caption_for(entry.label, index) if entry.label is not None else "")
@@ -203,10 +204,8 @@ def _write_sample(tars: _TarShards, columns: dict[str, list[Any]], entry: Entry,
     if entry.label is not None:
         members["cls"] = str(entry.label).encode()
     shard_name = tars.write(key, members)
-    row = {**metadata, "shard": shard_name, "caption": caption, "sha256": hashlib.sha256(image).hexdigest(),
-           "width": width, "height": height}
-    for name, values in columns.items():
-        values.append(row[name])
+    manifest.add({**metadata, "shard": shard_name, "caption": caption, "sha256": hashlib.sha256(image).hexdigest(),
+                  "width": width, "height": height})
 
 
 class _TarShards:
@@ -246,6 +245,7 @@ class _TarShards:
 # ---------------------------------------------------------------------------------------------
 # Outputs
 
+MANIFEST_ROW_GROUP = 8192  # manifest rows held as Python objects at a time
 MANIFEST_SCHEMA = {
     "index": "int64", "key": "string", "shard": "string", "split": "string", "label": "int64",
     "class_name": "string", "caption": "string", "sha256": "string", "width": "int32", "height": "int32",
@@ -253,33 +253,67 @@ MANIFEST_SCHEMA = {
 }
 
 
-def _write_outputs(out: Path, spec: DataSpec, columns: dict[str, list[Any]], errors: list[dict[str, str]],
-                   shard_names: dict[str, list[str]]) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+class _ManifestWriter:
+    """Writes manifest rows to ``manifest.parquet`` a row group of :data:`MANIFEST_ROW_GROUP` rows at a
+    time, so that memory holds one group however many samples there are; counts rows and splits."""
 
-    schema = pa.schema([(name, pa.type_for_alias(kind)) for name, kind in MANIFEST_SCHEMA.items()])
-    pq.write_table(pa.table(columns, schema=schema), out / MANIFEST)
-    counts = Counter(columns["split"])
-    index = {"name": spec.name, "image_format": spec.image_format, "num_samples": len(columns["key"]),
+    def __init__(self, path: Path):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        self.schema = pa.schema([(name, pa.type_for_alias(kind)) for name, kind in MANIFEST_SCHEMA.items()])
+        self.writer = pq.ParquetWriter(path, self.schema)
+        self.pending: dict[str, list[Any]] = {name: [] for name in MANIFEST_SCHEMA}
+        self.rows, self.splits = 0, Counter()
+
+    def __enter__(self) -> _ManifestWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._flush()
+        self.writer.close()
+
+    def add(self, row: dict[str, Any]) -> None:
+        for name, values in self.pending.items():
+            values.append(row[name])
+        self.rows += 1
+        self.splits[row["split"]] += 1
+        if len(self.pending["index"]) == MANIFEST_ROW_GROUP:
+            self._flush()
+
+    def _flush(self) -> None:
+        import pyarrow as pa
+
+        if self.pending["index"]:
+            self.writer.write_table(pa.table(self.pending, schema=self.schema))
+            self.pending = {name: [] for name in MANIFEST_SCHEMA}
+
+
+def _write_index(out: Path, spec: DataSpec, manifest: _ManifestWriter, errors: list[dict[str, str]],
+                 shard_names: dict[str, list[str]]) -> None:
+    index = {"name": spec.name, "image_format": spec.image_format, "num_samples": manifest.rows,
              "errors": len(errors),
-             "splits": {split: {"samples": counts.get(split, 0), "shards": names}
+             "splits": {split: {"samples": manifest.splits.get(split, 0), "shards": names}
                         for split, names in shard_names.items()}}
     (out / INDEX).write_text(json.dumps(index, indent=2))
     (out / ERRORS).write_text(json.dumps(errors, indent=2))
 
 
-def _tar_samples(out: Path) -> dict[str, dict[str, int]]:
-    """Each tar's sample count (from the manifest), for its entry in the stage record."""
+def shard_sizes(manifest: Path) -> dict[str, int]:
+    """Samples per tar name, counted from the manifest's ``shard`` column by pyarrow (no row objects)."""
     import pyarrow.parquet as pq
 
-    counts = pq.read_table(out / MANIFEST, columns=["shard"])["shard"].value_counts()
-    return {str(entry["values"]): {"samples": int(entry["counts"])} for entry in counts.to_pylist()}
+    counts = pq.read_table(manifest, columns=["shard"]).column("shard").value_counts()
+    return dict(zip(counts.field("values").to_pylist(), counts.field("counts").to_pylist()))
 
 
-def _metrics(columns: dict[str, list[Any]], errors: list[dict[str, str]], out: Path,
-             started: float) -> dict[str, float]:
+def _tar_samples(out: Path) -> dict[str, dict[str, int]]:
+    """Each tar's sample count (from the manifest), for its entry in the stage record."""
+    return {name: {"samples": count} for name, count in shard_sizes(out / MANIFEST).items()}
+
+
+def _metrics(manifest: _ManifestWriter, errors: list[dict[str, str]], out: Path, started: float) -> dict[str, float]:
     tar_bytes = sum(path.stat().st_size for path in out.glob("*.tar"))
-    per_split = {f"samples/{split}": count for split, count in Counter(columns["split"]).items()}
-    return {"samples": len(columns["key"]), "bytes": tar_bytes, "errors": len(errors), **per_split,
+    per_split = {f"samples/{split}": count for split, count in manifest.splits.items()}
+    return {"samples": manifest.rows, "bytes": tar_bytes, "errors": len(errors), **per_split,
             "seconds": round(time.time() - started, 3)}

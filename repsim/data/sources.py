@@ -1,8 +1,10 @@
 """Readers for every data-spec source type, and the split assignment.
 
 A reader lists its samples cheaply (:meth:`Reader.entries`: id, label, caption, split) and reads an
-image only when asked (:meth:`Reader.read`), so file-based sources are never loaded whole. An image
-is either encoded bytes (PNG, JPEG, ...) or a uint8 array of shape (H, W) or (H, W, 3).
+image only when asked (:meth:`Reader.read`), so file-based sources are never loaded whole. The
+listing is held as columns (:class:`Listing`: tens of bytes a sample rather than a Python object
+each), so a source of millions of samples lists in bounded memory. An image is either encoded bytes
+(PNG, JPEG, ...) or a uint8 array of shape (H, W) or (H, W, 3).
 
 Source ids are stable across runs and machines: ``train/123`` (Fashion-MNIST split/row), ``123``
 (Animal-MNIST row), the path relative to the folder (image folders), the path as written in the
@@ -20,14 +22,16 @@ import pickle
 import re
 import tarfile
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
 import braceexpand
 import numpy as np
+import pyarrow as pa
 
 from repsim.data.spec import (AnimalMnistSource, DataSpec, FashionMnistSource, ImageFolderSource,
                               ManifestSource, RandomSplit, WebDatasetSource)
@@ -47,6 +51,52 @@ class Entry:
     caption: str | None = None
     split: str | None = None
     ref: Any = None
+
+
+LISTING_BATCH = 65536  # entries turned into columns at a time
+
+
+class Listing(Sequence[Entry]):
+    """A source's entries, in order, held as columns: ids, captions and splits as pyarrow strings,
+    labels as int64 (-1: none), and the readers' handles as an int64 array (R, width) when every
+    handle is a tuple of ints, else as a list. ``listing[i]`` builds entry i."""
+
+    def __init__(self, entries: Iterable[Entry]):
+        ids, labels, captions, splits, refs = [], [], [], [], []
+        for batch in _batches(entries, LISTING_BATCH):
+            ids.append(pa.array([entry.source_id for entry in batch], pa.string()))
+            labels.append(np.array([-1 if entry.label is None else entry.label for entry in batch], dtype=np.int64))
+            captions.append(pa.array([entry.caption for entry in batch], pa.string()))
+            splits.append(pa.array([entry.split for entry in batch], pa.string()))
+            refs.append(_compact([entry.ref for entry in batch]))
+        self.source_ids, self.captions, self.splits = (pa.concat_arrays(column) if column else pa.array([], pa.string())
+                                                       for column in (ids, captions, splits))
+        self.labels = np.concatenate(labels) if labels else np.empty(0, dtype=np.int64)
+        self.refs = np.concatenate(refs) if refs and all(isinstance(part, np.ndarray) for part in refs) \
+            else [ref for part in refs for ref in part]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, row: int) -> Entry:
+        if isinstance(row, slice):
+            raise TypeError("a Listing is indexed one entry at a time")
+        ref = self.refs[row]
+        label = int(self.labels[row])
+        return Entry(self.source_ids[row].as_py(), None if label < 0 else label, self.captions[row].as_py(),
+                     self.splits[row].as_py(), tuple(ref.tolist()) if isinstance(ref, np.ndarray) else ref)
+
+
+def _batches(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    iterator = iter(items)
+    while batch := list(islice(iterator, size)):
+        yield batch
+
+
+def _compact(refs: list[Any]) -> np.ndarray | list[Any]:
+    """Handles that are all tuples of ints of one width as an int64 array (R, width), else as they are."""
+    widths = {len(ref) if isinstance(ref, tuple) and all(isinstance(v, int) for v in ref) else -1 for ref in refs}
+    return np.array(refs, dtype=np.int64).reshape(len(refs), -1) if len(widths) == 1 and widths != {-1} else refs
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +124,7 @@ class Reader(ABC):
         """A digest of the source files (paths, sizes, times) that changes when the data does."""
 
     @abstractmethod
-    def entries(self) -> list[Entry]:
+    def entries(self) -> Listing:
         """Every sample in source order, without reading images."""
 
     @abstractmethod
@@ -176,9 +226,9 @@ class FashionMnistReader(Reader):
             arrays[split] = (images, labels)
         return arrays
 
-    def entries(self) -> list[Entry]:
-        return [Entry(f"{split}/{row}", int(label), None, split, (split, row))
-                for split, (_, labels) in self._arrays.items() for row, label in enumerate(labels)]
+    def entries(self) -> Listing:
+        return Listing(Entry(f"{split}/{row}", int(label), None, split, (split, row))
+                       for split, (_, labels) in self._arrays.items() for row, label in enumerate(labels))
 
     def read(self, entry: Entry) -> ImageData:
         split, row = entry.ref
@@ -260,8 +310,8 @@ class AnimalMnistReader(Reader):
         _check_labels(labels, self.spec, str(labels_path))
         return images, labels
 
-    def entries(self) -> list[Entry]:
-        return [Entry(str(row), int(label), ref=row) for row, label in enumerate(self._arrays[1])]
+    def entries(self) -> Listing:
+        return Listing(Entry(str(row), int(label), ref=row) for row, label in enumerate(self._arrays[1]))
 
     def read(self, entry: Entry) -> ImageData:
         return self._arrays[0][entry.ref]
@@ -330,9 +380,9 @@ class ImageFolderReader(_ImageFileReader):
     def fingerprint(self) -> str:
         return self.fingerprint_of([path for path, _, _ in self._files], root=self.root)
 
-    def entries(self) -> list[Entry]:
-        return [Entry(path.relative_to(self.root).as_posix(), self.label_ids[name], None, split, path)
-                for path, split, name in self._files]
+    def entries(self) -> Listing:
+        return Listing(Entry(path.relative_to(self.root).as_posix(), self.label_ids[name], None, split, path)
+                       for path, split, name in self._files)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,11 +438,11 @@ class ManifestReader(_ImageFileReader):
         """The manifest file's path, size and mtime (the images it names are not visited)."""
         return self.fingerprint_of([Path(self.spec.source.path)])
 
-    def entries(self) -> list[Entry]:
+    def entries(self) -> Listing:
         return self._entries
 
     @cached_property
-    def _entries(self) -> list[Entry]:
+    def _entries(self) -> Listing:
         """The rows as entries, listed once (so that a duplicate is reported once)."""
         path = Path(self.spec.source.path)
         columns = read_table(path)
@@ -406,7 +456,7 @@ class ManifestReader(_ImageFileReader):
         self._refuse_unlabelled(labels, path)
         entries = [Entry(str(image), self._label(label, path, row), caption, split, self.image_root / str(image))
                    for row, (image, label, caption, split) in enumerate(zip(columns["path"], labels, captions, splits))]
-        return self._first_of_each_image(entries, path)
+        return Listing(self._first_of_each_image(entries, path))
 
     def _refuse_unlabelled(self, labels: list[Any], path: Path) -> None:
         """DataError naming the rows without a label when the spec lists classes (only caption-only data,
@@ -480,16 +530,16 @@ class WebDatasetReader(Reader):
     def fingerprint(self) -> str:
         return self.fingerprint_of(self.tars)
 
-    def entries(self) -> list[Entry]:
+    def entries(self) -> Listing:
         return self._entries
 
     @cached_property
-    def _entries(self) -> list[Entry]:
+    def _entries(self) -> Listing:
         """Every tar's entries, listed once (so that a damaged tar is reported once)."""
-        return [entry for tar in self.tars for entry in self._tar_entries(tar)]
+        return Listing(entry for number, tar in enumerate(self.tars) for entry in self._tar_entries(number, tar))
 
-    def _tar_entries(self, tar: Path) -> Iterator[Entry]:
-        """Entries of one tar; ``ref`` is (tar, data offset, size) of the image member or None.
+    def _tar_entries(self, number: int, tar: Path) -> Iterator[Entry]:
+        """Entries of tar ``number``; ``ref`` is (tar number, data offset, size) of the image member or None.
 
         A tar that cannot be read to its end-of-archive block is a DataError or, under ``on_error: skip``,
         reported; then the samples before the last one read are kept (that one may be incomplete).
@@ -501,8 +551,9 @@ class WebDatasetReader(Reader):
             samples = dict(list(samples.items())[:-1])
         for key, members in samples.items():
             where = f"{tar}:{key}"
+            image = members.get(self.spec.source.image_ext)
             yield Entry(f"{tar.name}/{key}", self._label(members.get("json"), where), members.get("txt"),
-                        None, members.get(self.spec.source.image_ext))
+                        None, None if image is None else (number, *image))
 
     def _tar_samples(self, tar: Path) -> tuple[dict[str, dict[str, Any]], str | None]:
         """{key: {extension: value}} in member order, and why the tar is damaged (None when it is whole)."""
@@ -520,7 +571,7 @@ class WebDatasetReader(Reader):
 
     def _member_value(self, archive: tarfile.TarFile, member: tarfile.TarInfo, ext: str, tar: Path) -> Any:
         if ext == self.spec.source.image_ext:
-            return (tar, member.offset_data, member.size)
+            return (member.offset_data, member.size)
         if ext in ("txt", "json"):
             text = archive.extractfile(member).read().decode("utf-8", errors="replace")
             return text.strip() if ext == "txt" else text
@@ -540,7 +591,8 @@ class WebDatasetReader(Reader):
         if entry.ref is None:
             raise DataError(f"sample has no .{self.spec.source.image_ext} member",
                             "set source.image_ext to the shards' image extension")
-        tar, offset, size = entry.ref
+        number, offset, size = entry.ref
+        tar = self.tars[number]
         with open(tar, "rb") as handle:
             handle.seek(offset)
             data = handle.read(size)
@@ -549,7 +601,7 @@ class WebDatasetReader(Reader):
         return data
 
     def locate(self, entry: Entry) -> str:
-        return f"{entry.ref[0]} sample {entry.source_id}" if entry.ref else entry.source_id
+        return f"{self.tars[entry.ref[0]]} sample {entry.source_id}" if entry.ref else entry.source_id
 
 
 READERS: dict[type, type[Reader]] = {
@@ -566,7 +618,7 @@ def open_source(spec: DataSpec) -> Reader:
 # ---------------------------------------------------------------------------------------------
 # Splits
 
-def assign_splits(entries: list[Entry], spec: DataSpec) -> list[str]:
+def assign_splits(entries: Listing, spec: DataSpec) -> list[str]:
     """The split of each entry: the source's own (``source``) or a seeded, exact random split.
 
     A random split permutes each group (each label when ``stratify`` and the data is labelled,
@@ -574,9 +626,9 @@ def assign_splits(entries: list[Entry], spec: DataSpec) -> list[str]:
     every class gets exactly its share (e.g. 1000 images at 0.8/0.2 give 800/200).
     """
     if isinstance(spec.split, RandomSplit):
-        splits = _random_splits(entries, spec.split)
+        splits = _random_splits(entries.labels, spec.split)
     else:
-        splits = [entry.split for entry in entries]
+        splits = entries.splits.to_pylist()
         if any(split is None for split in splits):
             raise DataError(f"source {spec.source.type!r} of {spec.name!r} has no splits of its own",
                             "use 'split: {type: random}' in the data spec")
@@ -586,22 +638,21 @@ def assign_splits(entries: list[Entry], spec: DataSpec) -> list[str]:
     return splits
 
 
-def _random_splits(entries: list[Entry], split: RandomSplit) -> list[str]:
+def _random_splits(labels: np.ndarray, split: RandomSplit) -> list[str]:
+    """Each entry's split name; ``labels`` (N,) int64, -1 for none. The unlabelled entries form the last
+    group, and all entries form one when not stratifying."""
     names = list(split.fractions)
-    group_of = [entry.label if split.stratify else None for entry in entries]
-    groups: dict[Any, list[int]] = {}
-    for index, group in enumerate(group_of):
-        groups.setdefault(group, []).append(index)
+    groups = labels if split.stratify else np.full(len(labels), -1)
+    order = np.argsort(groups, kind="stable")  # each group's entries together, in source order
+    values, starts, counts = np.unique(groups[order], return_index=True, return_counts=True)
     rng = np.random.default_rng(split.seed)
-    assigned = [""] * len(entries)
-    for group in sorted(groups, key=lambda g: (g is None, g)):
-        members = rng.permutation(groups[group])
-        start = 0
-        for name, count in zip(names, exact_counts(len(members), list(split.fractions.values()))):
-            for index in members[start:start + count]:
-                assigned[index] = name
-            start += count
-    return assigned
+    assigned = np.zeros(len(labels), dtype=np.int64)
+    for _, start, count in sorted(zip(values, starts, counts), key=lambda group: (group[0] < 0, group[0])):
+        members = rng.permutation(order[start:start + count])
+        bounds = np.cumsum([0, *exact_counts(len(members), list(split.fractions.values()))])
+        for code, (first, last) in enumerate(zip(bounds[:-1], bounds[1:])):
+            assigned[members[first:last]] = code
+    return [names[code] for code in assigned]
 
 
 def exact_counts(total: int, fractions: list[float]) -> list[int]:
