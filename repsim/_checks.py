@@ -18,6 +18,7 @@ from repsim.device import resolve_device  # noqa: F401  (the eval modules' one d
 from repsim.errors import EvalError
 
 ArrayLike = np.ndarray | torch.Tensor
+CHECK_ROWS = 65536  # rows checked at a time, so that a memory-mapped array is never copied whole
 
 
 def _tensor(values: ArrayLike, name: str) -> torch.Tensor:
@@ -34,7 +35,8 @@ def _tensor(values: ArrayLike, name: str) -> torch.Tensor:
 
 
 def as_features(values: ArrayLike, name: str) -> torch.Tensor:
-    """``values`` as a tensor (N, D) with N >= 1, D >= 1 and only finite entries (no copy if possible)."""
+    """``values`` as a tensor (N, D) with N >= 1, D >= 1 and only finite entries (no copy if possible,
+    checked :data:`CHECK_ROWS` rows at a time)."""
     features = _tensor(values, name)
     if features.ndim != 2:
         raise EvalError(f"{name} has shape {tuple(features.shape)}, expected (samples, dims)",
@@ -44,7 +46,8 @@ def as_features(values: ArrayLike, name: str) -> torch.Tensor:
     if features.dtype == torch.bool or features.is_complex():
         raise EvalError(f"{name} has dtype {features.dtype}", "pass real-valued features")
     if features.is_floating_point():
-        bad_rows = (~torch.isfinite(features)).any(dim=1).nonzero().flatten()
+        bad_rows = torch.cat([(~torch.isfinite(chunk)).any(dim=1) for chunk in features.split(CHECK_ROWS)]
+                             ).nonzero().flatten()
         if len(bad_rows):
             raise EvalError(f"{name} has {len(bad_rows)} rows with NaN or inf values (first: row {bad_rows[0].item()})",
                             "fix or drop those samples before evaluating")

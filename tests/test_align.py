@@ -11,11 +11,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from animals import CLASSES, animal_shards
+from bounded import memory_mapped, peak_traced
 import torch
 
 from repsim.align.config import AlignConfig, load_align_config
 from repsim.align.pairing import NEIGHBOUR_FILES, Pairing, draw_pairing, neighbor_lists
 from repsim.align.stage import LOSS_PLOT_FILE, RESULTS_FILE, align, align_stage_of
+from repsim.align import tables as tables_module
 from repsim.align.tables import class_captions, embedding_tables, hold_out, load_tables
 from repsim.align.train import PairedBatches, load_alignment
 from repsim.cli import main
@@ -118,11 +120,11 @@ def test_tables_are_keyed_like_the_manifest_with_varied_seeded_captions(animals)
     config = tiny_config(spec)
     tables = load_tables(embedding_tables(shards, load_spec(spec), config.image, config.text, "train", progress=False))
     manifest = pq.read_table(shards.manifest).to_pandas().query("split == 'train'").sort_values("index")
-    assert tables.keys == manifest["key"].tolist()
+    assert tables.keys.to_pylist() == manifest["key"].tolist()
     np.testing.assert_array_equal(tables.labels, manifest["label"].to_numpy())
     assert tables.image.shape == (128, 28 * 28) and tables.text.shape == (128, 384)
-    assert len(set(tables.captions)) > 4 * 3  # not one caption per class
-    for caption, label in zip(tables.captions, tables.labels):
+    assert len(set(tables.captions.to_pylist())) > 4 * 3  # not one caption per class
+    for caption, label in zip(tables.captions.to_pylist(), tables.labels):
         assert caption in class_captions(list(CLASSES)[label], list(CLASSES.values())[label],
                                          ("a photo of a {name}.", "a silhouette of a {name}."))
 
@@ -183,7 +185,7 @@ def test_holdout_scores_a_seeded_part_of_the_train_split_instead_of_the_test_spl
     assert (len(kept.indices), len(held.indices)) == (96, 32)
     assert sorted([*kept.indices, *held.indices]) == sorted(tables.indices)
     np.testing.assert_array_equal(hold_out(tables, 0.25)[1].indices, held.indices)
-    row = tables.keys.index(held.keys[5])
+    row = tables.keys.to_pylist().index(held.keys[5].as_py())
     np.testing.assert_array_equal(held.image[5], tables.image[row])
     assert (held.captions[5], held.labels[5], held.indices[5]) == (tables.captions[row], tables.labels[row],
                                                                   tables.indices[row])
@@ -208,6 +210,17 @@ def test_impossible_sizes_fail_in_one_line(animals, sections, error, message):
     assert "\n" not in str(raised.value)
 
 
+def test_tables_are_copied_and_read_memory_mapped_a_chunk_at_a_time(tmp_path, monkeypatch):
+    source = memory_mapped(np.random.default_rng(0).standard_normal((4000, 64)).astype(np.float32),
+                           tmp_path / "features.npy")
+    monkeypatch.setattr(tables_module, "COPY_ROWS", 250)
+    rows = np.arange(0, 4000, 2)
+    peak = peak_traced(lambda: tables_module._copy_rows(source, rows, tmp_path / "image.npy", "image embeddings"))
+    assert peak <= source.nbytes / 4  # gathering the 2,000 rows at once takes nbytes / 2
+    copied = np.load(tmp_path / "image.npy", mmap_mode="r")
+    np.testing.assert_array_equal(copied, source[rows])
+
+
 def test_user_tables_with_nan_or_missing_rows_fail_in_one_line(animals, tmp_path):
     spec, shards = animals
     manifest = pq.read_table(shards.manifest, columns=["index", "split"]).to_pandas()
@@ -216,7 +229,7 @@ def test_user_tables_with_nan_or_missing_rows_fail_in_one_line(animals, tmp_path
     np.save(tmp_path / "nan.npy", embeddings)
     np.save(tmp_path / "short.npy", embeddings[:10])
     for name, error, message in (("short.npy", DataError, "needs row"),
-                                 ("nan.npy", EvalError, "image embeddings hold NaN or infinite values in 1 rows")):
+                                 ("nan.npy", EvalError, "image embeddings hold NaN or infinite values \\(first: row 3\\)")):
         config = tiny_config(spec, image={"type": "table", "path": str(tmp_path / name)})
         with pytest.raises(error, match=message) as raised:
             align(config, shards=shards, progress=False)

@@ -3,6 +3,7 @@
 import zlib
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from repsim.errors import SimilarityError
@@ -70,9 +71,16 @@ def test_no_captions_is_a_one_line_error():
     assert "\n" not in str(err.value)
 
 
-def test_a_caption_that_is_not_text_is_named():
+@pytest.mark.parametrize("column", [list, lambda texts: pa.array(texts, pa.string())])
+def test_a_caption_that_is_not_text_is_named(column):
     with pytest.raises(SimilarityError, match="caption 1 is NoneType, not a string"):
-        embed_captions(["a photo of a dog.", None], model=SpyModel())
+        embed_captions(column(["a photo of a dog.", None]), model=SpyModel())
+
+
+def test_a_pyarrow_column_embeds_like_the_same_list():
+    texts = ["a cat.", "a dog.", "a cat.", "a bird.", "a dog."]
+    np.testing.assert_array_equal(embed_captions(pa.chunked_array([texts[:2], texts[2:]]), model=SpyModel()),
+                                  embed_captions(texts, model=SpyModel()))
 
 
 @pytest.mark.slow

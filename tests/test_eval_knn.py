@@ -8,6 +8,7 @@ import pytest
 import torch
 from sklearn.neighbors import KNeighborsClassifier
 
+from bounded import largest_allocation, memory_mapped
 from repsim.errors import EvalError, RepsimError
 from repsim.eval import cosine_top_k, knn_accuracy, knn_predict, knn_rankings, top_k_accuracy
 
@@ -72,6 +73,19 @@ def test_chunking_changes_nothing(fashion, chunk_size, train_chunk_size):
                            chunk_size=chunk_size, train_chunk_size=train_chunk_size)
     for k in whole:
         np.testing.assert_array_equal(chunked[k], whole[k])
+
+
+def test_memory_mapped_training_features_are_read_a_chunk_at_a_time(fashion, tmp_path, monkeypatch):
+    train_x, train_y, test_x, _ = fashion
+    monkeypatch.setattr("repsim._checks.CHECK_ROWS", 500)
+    train = memory_mapped(np.asarray(train_x, dtype=np.float32), tmp_path / "train.npy")
+    test_x = test_x[:100]
+    expected = knn_rankings(train_x, train_y, test_x, 20, device="cpu")
+    found = {}
+    largest = largest_allocation(lambda: found.update(
+        knn_rankings(train, train_y, test_x, 20, device="cpu", chunk_size=50, train_chunk_size=500)))
+    assert largest <= train.nbytes / 8  # no normalised copy of the training features
+    np.testing.assert_array_equal(found[20], expected[20])
 
 
 def test_several_k_in_one_pass_equal_separate_calls(fashion):

@@ -10,8 +10,9 @@ import torch
 from sklearn.datasets import load_digits
 from sklearn.linear_model import LogisticRegression
 
+from bounded import largest_allocation, memory_mapped
 from repsim.errors import EvalError
-from repsim.eval import linear_probe, stratified_split
+from repsim.eval import linear, linear_probe, stratified_split
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +64,21 @@ def test_adam_reaches_the_lbfgs_accuracy(digits):
     lbfgs = linear_probe(*digits, (1e-2,), solver="lbfgs", device="cpu")
     adam = linear_probe(*digits, (1e-2,), solver="adam", epochs=30, batch_size=64, device="cpu")
     assert abs(adam["linear_top1"] - lbfgs["linear_top1"]) <= 0.02
+
+
+def test_features_are_read_a_chunk_at_a_time_with_the_same_result(digits, tmp_path, monkeypatch):
+    train_x, train_y, test_x, test_y = digits
+    features = memory_mapped(np.tile(train_x, (4, 1)).astype(np.float32), tmp_path / "train.npy")  # (5032, 64)
+    labels = np.tile(train_y, 4)
+    whole = linear_probe(features, labels, test_x, test_y, (1e-3, 1e-2), max_iter=20, device="cpu")
+    monkeypatch.setattr(linear, "CHUNK_ROWS", 256)
+    monkeypatch.setattr("repsim._checks.CHECK_ROWS", 256)
+    chunked = {}
+    largest = largest_allocation(lambda: chunked.update(
+        linear_probe(features, labels, test_x, test_y, (1e-3, 1e-2), max_iter=20, device="cpu")))
+    assert largest <= features.nbytes / 8  # no copy of the standardised features, nor of their 90 % fit slice
+    assert chunked["linear_weight_decay"] == whole["linear_weight_decay"]
+    assert abs(chunked["linear_top1"] - whole["linear_top1"]) <= 0.01
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

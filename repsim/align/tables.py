@@ -3,7 +3,8 @@ like the shard manifest, with the contract of :mod:`repsim.stage`.
 
 Output (``$REPSIM_HOME/artifacts/embedding_tables/<key>/`` unless given), besides ``stage.json``:
 ``image.npy`` (N, D_a) float32, ``text.npy`` (N, D_b) float32 unit rows, and ``rows.parquet``
-(index, key, label, caption) aligned with them, in manifest order, plus ``classes.json``.
+(index, key, label, caption) aligned with them, in manifest order, plus ``classes.json``. Both
+tables are written and read memory-mapped, a chunk of rows at a time.
 
 Image side (``image.type``): ``encoder`` or ``pixels`` reuse the cached features stage
 (:func:`repsim.eval.stages.extract_features`); ``table`` reads a user's Parquet (``key``,
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
@@ -31,12 +33,13 @@ from repsim.data.spec import DataSpec
 from repsim.errors import DataError, EvalError, SpecError
 from repsim.eval.stages import CLASSES_FILE, extract_features, features_stage_of, load_features, split_rows
 from repsim.methods.stage import file_digest
-from repsim.similarity.captions import embed_captions
+from repsim.similarity.captions import embed_captions, load_text_model
 from repsim.similarity.stages import text_model_identity
 from repsim.similarity.wordnet import lookup
 from repsim.stage import Stage, StageOutput, completed_output, run_stage
 
 STAGE_VERSION = "2"  # 2: the hypernym caption uses the first hypernym by name
+COPY_ROWS = 65536  # table rows copied at a time
 IMAGE_FILE = "image.npy"
 TEXT_FILE = "text.npy"
 ROWS_FILE = "rows.parquet"
@@ -44,23 +47,23 @@ ROWS_FILE = "rows.parquet"
 
 @dataclass(frozen=True)
 class EmbeddingTables:
-    """One split's tables: ``image`` (N, D_a) and ``text`` (N, D_b) float32, and per row its manifest
-    ``index``, ``key``, ``label`` (-1 when unlabelled) and ``caption``; ``class_names`` in label order."""
+    """One split's tables: ``image`` (N, D_a) and ``text`` (N, D_b) float32 (memory-mapped as read),
+    and per row its manifest ``index``, ``key``, ``label`` (-1 when unlabelled) and ``caption``
+    (pyarrow string arrays); ``class_names`` in label order."""
 
     image: np.ndarray
     text: np.ndarray
     indices: np.ndarray
-    keys: list[str]
+    keys: pa.Array
     labels: np.ndarray
-    captions: list[str]
+    captions: pa.Array
     class_names: list[str]
     key: str
 
     def take(self, rows: np.ndarray) -> EmbeddingTables:
-        """The tables of ``rows`` (int positions), in that order, under the same key."""
+        """The tables of ``rows`` (int positions), in that order, under the same key (copied into memory)."""
         return replace(self, image=self.image[rows], text=self.text[rows], indices=self.indices[rows],
-                       keys=[self.keys[row] for row in rows], labels=self.labels[rows],
-                       captions=[self.captions[row] for row in rows])
+                       keys=self.keys.take(rows), labels=self.labels[rows], captions=self.captions.take(rows))
 
 
 def hold_out(tables: EmbeddingTables, fraction: float, seed: int = 0) -> tuple[EmbeddingTables, EmbeddingTables]:
@@ -110,9 +113,9 @@ def load_tables(tables: StageOutput | str | Path) -> EmbeddingTables:
                                     "run the embedding tables stage first")
     rows = pq.read_table(path / ROWS_FILE)
     classes = json.loads((path / CLASSES_FILE).read_text())
-    return EmbeddingTables(np.load(path / IMAGE_FILE), np.load(path / TEXT_FILE), rows["index"].to_numpy(),
-                           rows["key"].to_pylist(), rows["label"].to_numpy(), rows["caption"].to_pylist(),
-                           [entry["name"] for entry in classes], record["key"])
+    return EmbeddingTables(np.load(path / IMAGE_FILE, mmap_mode="r"), np.load(path / TEXT_FILE, mmap_mode="r"),
+                           rows["index"].to_numpy(), rows["key"].combine_chunks(), rows["label"].to_numpy(),
+                           rows["caption"].combine_chunks(), [entry["name"] for entry in classes], record["key"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,24 +128,40 @@ def _write(shards: ShardResult, spec: DataSpec, image: ImageSource, text: AlignT
     if not len(rows):
         raise SpecError(f"the shards at {shards.path} hold no {split!r} samples", "choose a split the data spec has")
     indices = rows["index"].to_numpy()
-    image_embeddings = (_user_table(image, rows) if features is None
-                        else np.asarray(load_features(features).features, dtype=np.float32))
-    _check_finite(image_embeddings, "image embeddings")
-    captions = sample_captions(spec, text, indices, rows["label"].to_numpy(), rows["caption"].to_pylist())
-    text_embeddings = embed_captions(captions, model=text.model, device=None if device is None else str(device),
-                                     progress=progress)
-    np.save(out / IMAGE_FILE, image_embeddings)
-    np.save(out / TEXT_FILE, text_embeddings)
+    source, chosen = _user_table(image, rows) if features is None else (load_features(features).features, None)
+    image_embeddings = _copy_rows(source, chosen, out / IMAGE_FILE, "image embeddings")
+    captions = sample_captions(spec, text, indices, rows["label"].to_numpy(), rows["caption"].combine_chunks())
+    encoder = load_text_model(text.model, None if device is None else str(device))
+    text_embeddings = np.lib.format.open_memmap(out / TEXT_FILE, mode="w+", dtype=np.float32,
+                                                shape=(len(captions), encoder.get_embedding_dimension()))
+    embed_captions(captions, model=encoder, progress=progress, out=text_embeddings)
+    text_embeddings.flush()
     table = pa.table({"index": indices, "key": rows["key"], "label": rows["label"], "caption": captions})
     pq.write_table(table, out / ROWS_FILE)
     classes = [{"name": name, "synset": synset} for name, synset in (spec.classes or {}).items()]
     (out / CLASSES_FILE).write_text(json.dumps(classes, indent=2))
     return {"samples": len(indices), "image_dim": image_embeddings.shape[1], "text_dim": text_embeddings.shape[1],
-            "distinct_captions": len(set(captions))}
+            "distinct_captions": pc.count_distinct(captions).as_py()}
 
 
-def _user_table(image: TableImages, rows: pa.Table) -> np.ndarray:
-    """The user's embeddings of ``rows``, by manifest key (Parquet) or manifest index (``.npy``)."""
+def _copy_rows(source: np.ndarray, rows: np.ndarray | None, path: Path, name: str) -> np.ndarray:
+    """``source[rows]`` (all rows when None) written to a float32 ``.npy`` at ``path`` a chunk of rows at
+    a time, so that a memory-mapped source is never read whole; EvalError naming the first row with a
+    NaN or an infinite value."""
+    count = len(source) if rows is None else len(rows)
+    table = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(count, source.shape[1]))
+    for start in range(0, count, COPY_ROWS):
+        stop = min(start + COPY_ROWS, count)
+        chunk = np.asarray(source[start:stop] if rows is None else source[rows[start:stop]], dtype=np.float32)
+        _check_finite(chunk, name, start)
+        table[start:stop] = chunk
+    table.flush()
+    return table
+
+
+def _user_table(image: TableImages, rows: pa.Table) -> tuple[np.ndarray, np.ndarray | None]:
+    """The user's embeddings and which of their rows ``rows`` are (None: all, in order): by manifest
+    key (Parquet, read whole) or manifest index (``.npy``, memory-mapped)."""
     path = image.path
     if path.suffix == ".npy":
         embeddings = np.load(path, mmap_mode="r")
@@ -150,7 +169,7 @@ def _user_table(image: TableImages, rows: pa.Table) -> np.ndarray:
         if embeddings.ndim != 2 or len(embeddings) <= indices.max():
             raise DataError(f"{path} holds an array of shape {embeddings.shape}, but manifest index "
                             f"{indices.max()} needs row {indices.max()}", "save one row per manifest index, (N, D)")
-        return np.asarray(embeddings[indices], dtype=np.float32)
+        return embeddings, indices
     if path.suffix != ".parquet":
         raise SpecError(f"image.path {path} is neither .parquet nor .npy", "save the embeddings as one of those")
     table = pq.read_table(path, columns=["key", "embedding"])
@@ -160,13 +179,14 @@ def _user_table(image: TableImages, rows: pa.Table) -> np.ndarray:
         raise DataError(f"{path} has no embedding for {len(missing)} manifest keys (first: {missing[0]!r})",
                         "give every sample of the split a row keyed like the manifest")
     wanted = [position[key] for key in rows["key"].to_pylist()]
-    return np.asarray(table["embedding"].to_pylist(), dtype=np.float32)[wanted]
+    return np.asarray(table["embedding"].to_pylist(), dtype=np.float32)[wanted], None
 
 
-def _check_finite(embeddings: np.ndarray, name: str) -> None:
+def _check_finite(embeddings: np.ndarray, name: str, offset: int = 0) -> None:
+    """EvalError naming the first row (counted from ``offset``) of ``embeddings`` with a NaN or an inf."""
     bad = np.flatnonzero(~np.isfinite(embeddings).all(axis=1))
     if len(bad):
-        raise EvalError(f"{name} hold NaN or infinite values in {len(bad)} rows (first: row {bad[0]})",
+        raise EvalError(f"{name} hold NaN or infinite values (first: row {offset + bad[0]})",
                         "repair or drop those samples before aligning")
 
 
@@ -190,9 +210,10 @@ def class_captions(name: str, synset: str, templates: tuple[str, ...], lemmas: b
 
 
 def sample_captions(spec: DataSpec, text: AlignText, indices: np.ndarray, labels: np.ndarray,
-                    manifest_captions: list[str]) -> list[str]:
-    """One caption per row: its manifest caption (``source: manifest``), or one of its class's
-    captions drawn with ``default_rng(text.seed)`` at its manifest index (the same on every split)."""
+                    manifest_captions: pa.Array) -> pa.Array:
+    """One caption per row, as a pyarrow string array: its manifest caption (``source: manifest``), or one
+    of its class's captions drawn with ``default_rng(text.seed)`` at its manifest index (the same on every
+    split)."""
     if text.source == "manifest":
         return manifest_captions
     if spec.classes is None or (labels < 0).any():
@@ -202,5 +223,6 @@ def sample_captions(spec: DataSpec, text: AlignText, indices: np.ndarray, labels
     per_class = [class_captions(name, synset, templates, text.lemmas, text.gloss, text.hypernym)
                  for name, synset in spec.classes.items()]
     draws = np.random.default_rng(text.seed).random(int(indices.max()) + 1)[indices]
-    return [per_class[label][int(draw * len(per_class[label]))] for label, draw in zip(labels, draws)]
+    return pa.array([per_class[label][int(draw * len(per_class[label]))] for label, draw in zip(labels, draws)],
+                    pa.string())
 

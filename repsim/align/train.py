@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from repsim._checks import as_features
 from repsim.align.config import AlignConfig, GeometryConfig
 from repsim.losses.gera import GeRALoss
 from repsim.methods.train import Method
@@ -58,7 +59,7 @@ class PairedBatches:
 
     def __init__(self, image: np.ndarray, text: np.ndarray, paired: np.ndarray, image_neighbors: np.ndarray,
                  text_neighbors: np.ndarray, geometry: GeometryConfig, batch_size: int, seed: int = 0):
-        self.image, self.text = torch.as_tensor(image, dtype=torch.float32), torch.as_tensor(text, dtype=torch.float32)
+        self.image, self.text = as_features(image, "image table").float(), as_features(text, "text table").float()
         self.paired = torch.as_tensor(paired, dtype=torch.int64)
         self.neighbors = (torch.as_tensor(image_neighbors), torch.as_tensor(text_neighbors))
         self.geometry, self.seed, self.epoch = geometry, seed, 0

@@ -1,14 +1,16 @@
 """Linear probe: multinomial logistic regression on frozen, standardised features.
 
-Features are standardised with the mean and std of the training rows. The model minimises
+Features are standardised with the mean and std of the training rows, a chunk of rows at a time
+whenever they are read, so the features (possibly memory-mapped) are never copied whole. The model minimises
 ``mean cross-entropy + weight_decay / 2 · ‖W‖²`` (bias not penalised), which is scikit-learn's
 ``LogisticRegression`` objective with ``C = 1 / (weight_decay · n_samples)``. The weight decay is
 chosen on a seeded, stratified held-out slice of the training set (ties go to the larger decay),
 then the model is refit on all training rows.
 
-Solvers: full-batch L-BFGS on the device when the standardised training set and its logits fit in
-``FULL_BATCH_BYTES`` (or a quarter of the GPU's memory, if larger), else minibatch Adam on the same
-objective (``solver`` forces either).
+Solvers: full-batch L-BFGS when the training set and its logits would fit in ``FULL_BATCH_BYTES``
+(or a quarter of the GPU's memory, if larger), else minibatch Adam on the same objective (``solver``
+forces either). L-BFGS sums the loss and its gradient over chunks of ``CHUNK_ROWS`` rows, so its
+memory holds one chunk whatever N is; on a GPU, rows that fit the budget are moved there once.
 
 :func:`linear_probe` returns fractions in [0, 1]: ``linear_top1``, ``linear_top5``,
 ``linear_weight_decay`` (the chosen one) and ``linear_val_top1_wd{wd:g}`` per candidate decay
@@ -17,8 +19,8 @@ objective (``solver`` forces either).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -31,8 +33,7 @@ from repsim.eval.knn import top_k_accuracy
 
 DEFAULT_WEIGHT_DECAYS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
 FULL_BATCH_BYTES = 8 * 2**30
-PREDICT_CHUNK = 8192
-STATS_CHUNK = 65536
+CHUNK_ROWS = 65536
 ADAM_LR = 1e-2
 
 Parameters = tuple[torch.Tensor, torch.Tensor]  # weight (D, C), bias (C,)
@@ -57,6 +58,44 @@ def stratified_split(labels: ArrayLike, fraction: float, seed: int = 0) -> tuple
 
 
 @dataclass(frozen=True)
+class _Rows:
+    """Some rows of features (N, D), possibly memory-mapped, read standardised by the training
+    ``mean`` and ``std`` (D,) a chunk at a time: ``rows`` (R,) int64 positions in ``features`` (None: all)."""
+
+    features: torch.Tensor
+    labels: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+    rows: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.features) if self.rows is None else len(self.rows)
+
+    def subset(self, positions: np.ndarray) -> _Rows:
+        """The rows at ``positions`` (into this set), in that order."""
+        positions = torch.as_tensor(positions, dtype=torch.long)
+        return replace(self, rows=positions if self.rows is None else self.rows[positions])
+
+    def take(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Standardised float32 features (B, D) and labels (B,) of this set's rows ``start`` to ``stop``."""
+        rows = slice(start, stop) if self.rows is None else self.rows[start:stop]
+        return (self.features[rows].float() - self.mean) / self.std, self.labels[rows]
+
+    def chunks(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`take` of every :data:`CHUNK_ROWS` rows in turn."""
+        for start in range(0, len(self), CHUNK_ROWS):
+            yield self.take(start, start + CHUNK_ROWS)
+
+    def on(self, device: torch.device) -> _Rows:
+        """This set standardised whole on ``device`` (for a GPU that holds it), or itself on the CPU."""
+        if device.type == "cpu":
+            return self
+        features, labels = self.take(0, len(self))
+        zero, one = torch.zeros_like(self.mean), torch.ones_like(self.std)
+        return _Rows(features.to(device), labels.to(device), zero.to(device), one.to(device))
+
+
+@dataclass(frozen=True)
 class _Solver:
     """Fits the penalised softmax regression on (N, D) features; ``kind`` is "lbfgs" or "adam"."""
 
@@ -67,42 +106,50 @@ class _Solver:
     batch_size: int
     seed: int
 
-    def fit(self, features: torch.Tensor, labels: torch.Tensor, weight_decay: float, init: Parameters) -> Parameters:
+    def fit(self, data: _Rows, weight_decay: float, init: Parameters) -> Parameters:
         weight, bias = (p.detach().clone().to(self.device).requires_grad_() for p in init)
         if self.kind == "lbfgs":
-            self._lbfgs(features.to(self.device), labels.to(self.device), weight_decay, weight, bias)
+            self._lbfgs(data, weight_decay, weight, bias)
         else:
-            self._adam(features, labels, weight_decay, weight, bias)
+            self._adam(data, weight_decay, weight, bias)
         return weight.detach(), bias.detach()
 
-    def _lbfgs(self, features, labels, weight_decay, weight, bias) -> None:
+    def _lbfgs(self, data: _Rows, weight_decay: float, weight: torch.Tensor, bias: torch.Tensor) -> None:
         optimiser = torch.optim.LBFGS([weight, bias], lr=1, max_iter=self.max_iter, history_size=10,
                                       tolerance_grad=1e-6, tolerance_change=1e-10, line_search_fn="strong_wolfe")
 
         def closure() -> torch.Tensor:
+            """The objective over all rows, its gradient accumulated a chunk at a time."""
             optimiser.zero_grad()
-            loss = _objective(features, labels, weight, bias, weight_decay)
-            loss.backward()
-            return loss
+            penalty = 0.5 * weight_decay * weight.square().sum()
+            penalty.backward()
+            total = penalty.detach()
+            for features, labels in data.chunks():
+                loss = _cross_entropy(features, labels, weight, bias, self.device, "sum") / len(data)
+                loss.backward()
+                total = total + loss.detach()
+            return total
 
         optimiser.step(closure)
 
-    def _adam(self, features, labels, weight_decay, weight, bias) -> None:
-        steps_per_epoch = -(-len(features) // self.batch_size)
+    def _adam(self, data: _Rows, weight_decay: float, weight: torch.Tensor, bias: torch.Tensor) -> None:
+        steps_per_epoch = -(-len(data) // self.batch_size)
         optimiser = torch.optim.Adam([weight, bias], lr=ADAM_LR)
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimiser, T_max=self.epochs * steps_per_epoch)
         generator = torch.Generator().manual_seed(self.seed)
         for _ in range(self.epochs):
-            for rows in torch.randperm(len(features), generator=generator).split(self.batch_size):
+            for positions in torch.randperm(len(data), generator=generator).split(self.batch_size):
                 optimiser.zero_grad()
-                batch = features[rows].to(self.device), labels[rows].to(self.device)
-                _objective(*batch, weight, bias, weight_decay).backward()
+                features, labels = data.subset(positions).take(0, len(positions))
+                loss = _cross_entropy(features, labels, weight, bias, self.device, "mean")
+                (loss + 0.5 * weight_decay * weight.square().sum()).backward()
                 optimiser.step()
                 schedule.step()
 
 
-def _objective(features, labels, weight, bias, weight_decay) -> torch.Tensor:
-    return F.cross_entropy(features @ weight + bias, labels) + 0.5 * weight_decay * weight.square().sum()
+def _cross_entropy(features: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                   device: torch.device, reduction: str) -> torch.Tensor:
+    return F.cross_entropy(features.to(device) @ weight + bias, labels.to(device), reduction=reduction)
 
 
 def linear_probe(train_x: ArrayLike, train_y: ArrayLike, test_x: ArrayLike, test_y: ArrayLike,
@@ -122,32 +169,33 @@ def linear_probe(train_x: ArrayLike, train_y: ArrayLike, test_x: ArrayLike, test
     if not decays or decays[-1] < 0:
         raise EvalError(f"weight_decays={weight_decays!r} is empty or negative", "pass non-negative decays, e.g. (1e-4,)")
     num_classes = count_classes(train_y, num_classes, "train_y")
-    train_x, test_x = _standardised(train_x, test_x)
+    mean, std = _moments(train_x)
+    train, test = (_Rows(x, y, mean, std) for x, y in ((train_x, train_y), (test_x, test_y)))
     device = resolve_device(device)
     solver = _Solver(_solver_kind(solver, train_x.shape, num_classes, device), device, max_iter, epochs, batch_size, seed)
-    if solver.kind == "lbfgs":  # full-batch: move the features once, not once per fit
-        train_x = train_x.to(device)
+    if solver.kind == "lbfgs":  # full-batch: on a GPU, move the features once, not once per fit
+        train = train.on(device)
     zeros = (torch.zeros(train_x.shape[1], num_classes), torch.zeros(num_classes))
     metrics: dict[str, float] = {}
     init = zeros
     if len(decays) > 1:
-        val_accuracies, fitted = _validate(solver, train_x, train_y, decays, val_fraction, seed, zeros)
+        val_accuracies, fitted = _validate(solver, train, decays, val_fraction, seed, zeros)
         metrics |= {f"linear_val_top1_wd{wd:g}": accuracy for wd, accuracy in val_accuracies.items()}
         decays = [max(val_accuracies, key=lambda wd: (val_accuracies[wd], wd))]
         init = fitted[decays[0]]
-    parameters = solver.fit(train_x, train_y, decays[0], init)
-    test_accuracy = top_k_accuracy(_rank_classes(test_x, parameters), test_y.numpy())
+    parameters = solver.fit(train, decays[0], init)
+    test_accuracy = top_k_accuracy(_rank_classes(test, parameters), test_y.numpy())
     return {"linear_top1": test_accuracy[1], "linear_top5": test_accuracy[5], "linear_weight_decay": decays[0]} | metrics
 
 
-def _standardised(train: torch.Tensor, test: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both as float32, shifted and scaled by the training mean and std; constant dims are only shifted."""
-    chunks = train.split(STATS_CHUNK)
+def _moments(train: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 mean and std (D,) of the training rows (N, D), summed in float64 a chunk at a time;
+    a constant dimension's std is 1, so that it is only shifted."""
+    chunks = train.split(CHUNK_ROWS)
     mean = sum(chunk.double().sum(dim=0) for chunk in chunks) / len(train)
     std = (sum((chunk.double() - mean).square().sum(dim=0) for chunk in chunks) / len(train)).sqrt()
     std[std == 0] = 1
-    mean, std = mean.float(), std.float()
-    return (train.float() - mean) / std, (test.float() - mean) / std
+    return mean.float(), std.float()
 
 
 def _solver_kind(solver: str, shape: torch.Size, num_classes: int, device: torch.device) -> str:
@@ -163,25 +211,26 @@ def _solver_kind(solver: str, shape: torch.Size, num_classes: int, device: torch
     return "lbfgs" if 4 * rows * (dims + 2 * num_classes) <= budget else "adam"
 
 
-def _validate(solver: _Solver, features: torch.Tensor, labels: torch.Tensor, decays: list[float],
-              val_fraction: float, seed: int, init: Parameters) -> tuple[dict[float, float], dict[float, Parameters]]:
+def _validate(solver: _Solver, train: _Rows, decays: list[float], val_fraction: float, seed: int,
+              init: Parameters) -> tuple[dict[float, float], dict[float, Parameters]]:
     """Held-out top-1 and parameters per decay, fitted from the largest decay down, each warm-started."""
-    kept, held_out = stratified_split(labels.numpy(), val_fraction, seed)
+    labels = train.labels.cpu().numpy()
+    kept, held_out = stratified_split(labels, val_fraction, seed)
     if len(held_out) == 0:
         raise EvalError(f"val_fraction={val_fraction} of {len(labels)} training rows holds out nothing",
                         "raise val_fraction or pass a single weight decay")
     accuracies, fitted = {}, {}
     for wd in decays:
-        init = fitted[wd] = solver.fit(features[kept], labels[kept], wd, init)
-        accuracies[wd] = top_k_accuracy(_rank_classes(features[held_out], init), labels[held_out].numpy(), (1,))[1]
+        init = fitted[wd] = solver.fit(train.subset(kept), wd, init)
+        accuracies[wd] = top_k_accuracy(_rank_classes(train.subset(held_out), init), labels[held_out], (1,))[1]
     return accuracies, fitted
 
 
-def _rank_classes(features: torch.Tensor, parameters: Parameters, top: int = 5) -> np.ndarray:
+def _rank_classes(data: _Rows, parameters: Parameters, top: int = 5) -> np.ndarray:
     """Class ids (N, min(top, C)) by descending logit, ties to the lower class id."""
     weight, bias = parameters
     ranked = []
-    for chunk in features.split(PREDICT_CHUNK):
-        logits = chunk.to(weight.device) @ weight + bias
+    for features, _ in data.chunks():
+        logits = features.to(weight.device) @ weight + bias
         ranked.append(logits.sort(dim=1, descending=True, stable=True).indices[:, :top].cpu())
     return torch.cat(ranked).numpy()

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 from tqdm import tqdm
 
 from repsim.device import resolve_device
@@ -48,12 +49,14 @@ def _load_text_model(model: str, device: str):
                               MODEL_FIX) from None
 
 
-def embed_captions(texts: Sequence[str], model: Any = None, batch_size: int = 256,
+def embed_captions(texts: Sequence[str] | pa.Array | pa.ChunkedArray, model: Any = None, batch_size: int = 256,
                    device: str | None = None, progress: bool = False,
                    out: np.ndarray | None = None) -> np.ndarray:
-    """Embed captions: (N,) texts -> (N, D) float32 rows of unit L2 norm, in the order given.
+    """Embed captions: (N,) texts (a sequence of str or a pyarrow string column) -> (N, D) float32 rows of
+    unit L2 norm, in the order given.
 
-    Identical texts are embedded once and their row copied to every occurrence. Unique texts are
+    Identical texts are embedded once and their row copied to every occurrence; pyarrow finds them
+    (dictionary encoding), so only the distinct texts become Python strings. Unique texts are
     encoded longest first in batches of ``batch_size`` (similar lengths pad little). ``model`` is a
     path or name for :func:`load_text_model`, or an already loaded model with sentence-transformers'
     ``encode`` and ``get_embedding_dimension``. ``out`` (N, D), e.g. a float16
@@ -74,10 +77,14 @@ def embed_captions(texts: Sequence[str], model: Any = None, batch_size: int = 25
     return out
 
 
-def _check_texts(texts: Sequence[str]) -> None:
+def _check_texts(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> None:
     """Refuse an empty caption list or one holding anything but strings."""
     if len(texts) == 0:
         raise SimilarityError("no captions to embed", "pass at least one caption")
+    if isinstance(texts, (pa.Array, pa.ChunkedArray)):
+        if pa.types.is_string(texts.type) and texts.null_count == 0:
+            return
+        texts = texts.to_pylist()  # to name the first offender
     not_text = next((row for row, text in enumerate(texts) if not isinstance(text, str)), None)
     if not_text is not None:
         raise SimilarityError(f"caption {not_text} is {type(texts[not_text]).__name__}, not a string",
@@ -100,12 +107,13 @@ def _longest_first_batches(unique: list[str], inverse: np.ndarray, batch_size: i
         yield longest_first[start:start + batch_size], rows, row_rank[rows] - start
 
 
-def _deduplicate(texts: Sequence[str]) -> tuple[list[str], np.ndarray]:
+def _deduplicate(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> tuple[list[str], np.ndarray]:
     """Unique texts in first-seen order, and (N,) int64 indices into them for every text."""
-    position: dict[str, int] = {}
-    inverse = np.fromiter((position.setdefault(text, len(position)) for text in texts),
-                          dtype=np.int64, count=len(texts))
-    return list(position), inverse
+    column = texts if isinstance(texts, (pa.Array, pa.ChunkedArray)) else pa.array(texts, pa.string())
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    encoded = column.dictionary_encode()
+    return encoded.dictionary.to_pylist(), encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
 
 
 def _unit_rows(embeddings: np.ndarray) -> np.ndarray:
