@@ -1,0 +1,70 @@
+"""The README is a short front door whose links resolve; the reference is docs/, every page in the site's nav,
+and the site builds with --strict (no broken link, anchor or included README section)."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from e2e import REPO
+
+README = REPO / "README.md"
+DOCS = REPO / "docs"
+
+
+def nav_pages(nav) -> set[str]:
+    """Every page a mkdocs ``nav`` lists, at any depth."""
+    if isinstance(nav, str):
+        return {nav}
+    if isinstance(nav, dict):
+        return set().union(*(nav_pages(value) for value in nav.values()))
+    return set().union(*(nav_pages(item) for item in nav))
+
+
+def mkdocs_config() -> dict:
+    return yaml.safe_load((REPO / "mkdocs.yml").read_text())  # no !!python tags in it, so a safe load reads it
+
+
+def test_the_readme_is_short_and_its_table_cells_are_too():
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 250
+    cells = [cell.strip() for line in lines if line.startswith("|") for cell in line.strip("|").split(" | ")]
+    assert not [cell for cell in cells if len(cell) > 200]
+
+
+def test_every_relative_link_of_the_readme_resolves():
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README.read_text())
+    local = [link for link in links if not re.match(r"[a-z]+://", link)]
+    assert local, "the README links into docs/"
+    assert not [link for link in local if not (REPO / link).exists()]
+
+
+def test_every_docs_page_is_in_the_nav():
+    config = mkdocs_config()
+    assert config["theme"]["name"] == "material"
+    pages = {str(path.relative_to(DOCS)) for path in DOCS.rglob("*.md")}
+    assert pages == nav_pages(config["nav"])
+
+
+def test_the_readme_sections_the_docs_include_exist():
+    readme = README.read_text()
+    included = {name for page in DOCS.rglob("*.md")
+                for name in re.findall(r'^--8<-- "README\.md:([\w-]+)"$', page.read_text(), re.M)}
+    assert included
+    for name in included:
+        start, end = f"--8<-- [start:{name}]", f"--8<-- [end:{name}]"
+        assert start in readme and end in readme and readme.index(start) < readme.index(end)
+
+
+def test_the_site_builds_strictly(tmp_path):
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("material")
+    built = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                           cwd=REPO, capture_output=True, text=True, timeout=300,
+                           env=os.environ | {"NO_MKDOCS_2_WARNING": "1"})
+    assert built.returncode == 0, built.stderr
+    assert (tmp_path / "site" / "index.html").exists()
+    assert "The same chain from Python" in (tmp_path / "site" / "pipeline" / "index.html").read_text()
