@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -23,27 +24,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prefect import Task, flow
+import numpy as np
+from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.futures import PrefectFuture
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from repsim.data.sharding import MANIFEST, ShardResult
+from repsim.align.config import load_align_config
+from repsim.data.sharding import MANIFEST
+from repsim.data.spec import load_spec
 from repsim.errors import RepsimError, StageError
-from repsim.eval.stages import PIXELS, RESULTS_FILE, read_results
-from repsim.experiment import Experiment, Member, check_experiment, with_overrides
+from repsim.eval.stages import PIXELS, read_results
+from repsim.experiment import (AS_CONFIGURED, AlignSection, EvaluateSection, Experiment, Member, check_experiment,
+                               with_overrides)
+from repsim.methods.config import load_config
 from repsim.results import Row, Score, aggregate, as_columns, headline_metrics, markdown
-from repsim.similarity.stages import CLASSES_FILE, HEAT_MAP_FILE, SIMILARITY_FILE
-from repsim.stage import StageOutput, rebuilding, verifying
-from repsim.tasks.align import ARTIFACTS as ALIGN_ARTIFACTS
-from repsim.tasks.align import align_task
-from repsim.tasks.evaluate import evaluate_task, features_task
-from repsim.tasks.precompute import embed_captions_task, neighbors_task, wordnet_task
-from repsim.tasks.shard import shard_task
-from repsim.tasks.stage import current_record, plan_call, track
-from repsim.tasks.tracking import StageRun, Tracker, model_name
-from repsim.tasks.train import ARTIFACTS as TRAIN_ARTIFACTS
-from repsim.tasks.train import train_task
+from repsim.similarity.sources import ClassMatrixSource, EmbeddingSource, LabelSource, SimilaritySource
+from repsim.similarity.stages import EMBEDDINGS_FILE, SIMILARITY_FILE
+from repsim.similarity.targets import manifest_labels, target_histogram
+from repsim.stage import StageKind, StageOutput, read_record, rebuilding, verifying
+from repsim.tasks.stage import (KINDS, TASKS, current_record, describe, from_prefect_cache, log_stage, planned,
+                                reused)
+from repsim.tasks.tracking import MODEL_URI, StageRun, Tracker, model_directory, model_name
 
 RESULTS_TABLE = "results.json"  # the result table's file among the parent run's artifacts
 
@@ -55,43 +57,39 @@ def concurrency() -> int:
     return int(os.environ.get("REPSIM_CONCURRENCY") or max(1, torch.cuda.device_count()))
 
 
-SELF_LOGGING = ("train", "align")  # tasks that log their own nested run while they run
-
-
-def _call(task: Task, args: tuple, kwargs: dict[str, Any]) -> str:
-    """A task call as text: two calls are the same stage when their texts are equal."""
-    return f"{task.name}{args!r}{sorted(kwargs.items())!r}"
+def _call(kind: str, params: dict[str, Any], options: dict[str, Any], out_dir: str | None) -> str:
+    """A stage request as text: two requests are the same stage when their texts are equal."""
+    return f"{kind}{params!r}{sorted(options.items())!r}{out_dir}"
 
 
 @dataclass
 class Stages:
-    """The stage tasks of one flow run: each distinct call submitted once, each finished stage tracked
-    once (a nested MLflow run under ``parent`` and one row of ``summaries``, with how many members
-    submitted it: the first one's label names it)."""
+    """The stage tasks of one flow run: each distinct request submitted once, each finished stage
+    tracked once (one row of ``summaries``, with how many members submitted it: the first one's label
+    names it; a stage Prefect served from its cache did not run, so its nested run is logged here)."""
 
     tracker: Tracker
     parent: StageRun
     summaries: list[dict] = field(default_factory=list)
     _futures: dict[str, PrefectFuture] = field(default_factory=dict)
     _uses: Counter[str] = field(default_factory=Counter)
-    _tracking: dict[Any, tuple[str, tuple[str, ...], str | None, str | None]] = field(default_factory=dict)
+    _requests: dict[Any, tuple[str, str | None, str | None]] = field(default_factory=dict)
     _outputs: dict[Any, StageOutput] = field(default_factory=dict)
 
-    @property
-    def parent_run_id(self) -> str:
-        return self.parent.run_id
-
-    def submit(self, task: Task, *args: Any, artifacts: Sequence[str] = (), label: str | None = None,
-               encoder_label: str | None = None, **kwargs: Any) -> PrefectFuture:
-        """``task.submit(*args, **kwargs)``, or the future of the same call made before. ``artifacts``:
-        glob patterns of output files to log; ``label``: what the stage is for, in the summary;
-        ``encoder_label``: the encoder it trains, reads or scores, tagged on its MLflow run."""
-        call = _call(task, args, kwargs)
+    def submit(self, kind: str, params: dict[str, Any], options: dict[str, Any] | None = None, *,
+               out_dir: str | None = None, label: str | None = None, encoder: str | None = None,
+               register: str | None = None) -> PrefectFuture:
+        """The stage task of ``kind`` for ``params`` (:func:`repsim.tasks.stage.stage_task`), or the
+        future of the same request made before. ``label``: what the stage is for, in the summary and
+        its run's name; ``encoder``: the encoder it trains, reads or scores, tagged on its run."""
+        options = options or {}
+        call = _call(kind, params, options, out_dir)
         self._uses[call] += 1
         if call not in self._futures:
-            named = task.with_options(task_run_name=f"{task.name} {label}" if label else task.name)
-            future = self._futures[call] = named.submit(*args, **kwargs)
-            self._tracking[future.task_run_id] = (call, tuple(artifacts), label, encoder_label)
+            named = TASKS[kind].with_options(task_run_name=f"{kind} {label}" if label else kind)
+            future = self._futures[call] = named.submit(params, options, out_dir, self.parent.run_id, label,
+                                                        encoder, register)
+            self._requests[future.task_run_id] = (call, label, encoder)
         return self._futures[call]
 
     def result(self, future: PrefectFuture) -> StageOutput:
@@ -99,55 +97,61 @@ class Stages:
         run_id = future.task_run_id
         if run_id not in self._outputs:
             future.wait()
-            self._outputs[run_id] = self._track(future.state, *self._tracking[run_id])
+            call, label, encoder = self._requests[run_id]
+            output = self._outputs[run_id] = future.state.result()
+            kind = KINDS[call.partition("{")[0]]
+            if from_prefect_cache(future.state):
+                log_stage(self.tracker, self.parent, kind, output.path, label, encoder)
+            record = read_record(output.path)
+            self.summaries.append({"stage": kind.name, "detail": ": ".join(filter(None, [label, describe(record)])),
+                                   "key": output.key, "path": str(output.path), "cached": reused(future.state),
+                                   "members": self._uses[call]})
         return self._outputs[run_id]
 
-    def _track(self, state: Any, call: str, artifacts: tuple[str, ...], label: str | None,
-               encoder_label: str | None) -> Any:
-        output = track(self.tracker, self.parent, self.summaries, state, artifacts, label,
-                       self_logging=call.partition("(")[0] in SELF_LOGGING, encoder=encoder_label)
-        self.summaries[-1]["members"] = self._uses[call]
-        return output
+    def log_figures(self, draw: Callable[[Path], list[Path]]) -> None:
+        """The figures ``draw(folder)`` writes, logged on the parent run."""
+        with tempfile.TemporaryDirectory() as folder:
+            self.parent.log_artifacts(draw(Path(folder)))
 
 
 @dataclass
 class Planner:
-    """Stands in for :class:`Stages` to plan a run without running it: each distinct call is planned,
+    """Stands in for :class:`Stages` to plan a run without running it: each distinct request is planned,
     its output found complete (cached) or not. A stage whose inputs are not built yet has no key until
     they are; it is counted all the same."""
 
-    parent_run_id: str = "plan"
     summaries: list[dict] = field(default_factory=list)
-    _outputs: dict[str, tuple[Any, dict]] = field(default_factory=dict)
+    _outputs: dict[str, tuple[StageOutput, dict]] = field(default_factory=dict)
 
-    def submit(self, task: Task, *args: Any, artifacts: Sequence[str] = (), label: str | None = None,
-               encoder_label: str | None = None, **kwargs: Any) -> str:
-        call = _call(task, args, kwargs)
+    def submit(self, kind: str, params: dict[str, Any], options: dict[str, Any] | None = None, *,
+               out_dir: str | None = None, label: str | None = None, **_: Any) -> str:
+        call = _call(kind, params, options or {}, out_dir)
         if call not in self._outputs:
-            self._outputs[call] = self._plan(task, call, label, args, kwargs)
+            self._outputs[call] = self._plan(KINDS[kind], call, label, params, out_dir)
         self._outputs[call][1]["members"] += 1
         return call
 
-    def result(self, call: str) -> Any:
+    def result(self, call: str) -> StageOutput:
         return self._outputs[call][0]
 
-    def _plan(self, task: Task, call: str, label: str | None, args: tuple,
-              kwargs: dict[str, Any]) -> tuple[Any, dict]:
-        """The call's output (found, or a stand-in for one not built) and its summary."""
-        name = task.name
+    def log_figures(self, draw: Callable[[Path], list[Path]]) -> None:
+        """Nothing: a plan draws no figures."""
+
+    def _plan(self, kind: StageKind, call: str, label: str | None, params: dict[str, Any],
+              out_dir: str | None) -> tuple[StageOutput, dict]:
+        """The request's output (found, or a stand-in for one not built) and its summary."""
         try:
-            stage, out = plan_call(task, args, kwargs)
+            stage, out = planned(kind, params, out_dir)
         except (RepsimError, OSError):  # an input is not built yet
             stage, out = None, None
         record = current_record(stage, out) if stage is not None else None
-        summary = {"stage": name, "detail": label or "", "key": stage.key if stage else "", "members": 0,
+        summary = {"stage": kind.name, "detail": label or "", "key": stage.key if stage else "", "members": 0,
                    "status": "cached" if record else "runs" if stage else "runs after its inputs"}
         self.summaries.append(summary)
         if record is None:
-            unbuilt = Path(f"<{name} {hashlib.sha256(call.encode()).hexdigest()[:8]}, not built>")
-            return StageOutput(name, stage.key if stage else "", unbuilt, False, {}), summary
-        found = ShardResult.from_dir(out) if name == "shard" else StageOutput(name, stage.key, out, True, record)
-        return found, summary
+            unbuilt = Path(f"<{kind.name} {hashlib.sha256(call.encode()).hexdigest()[:8]}, not built>")
+            return StageOutput(kind.name, stage.key if stage else "", unbuilt, False, {}), summary
+        return StageOutput(kind.name, stage.key, out, True, record), summary
 
 
 @dataclass(eq=False)
@@ -184,34 +188,56 @@ Members = list[tuple[MemberRun, Any]]  # each member with its section of the ste
 
 
 def shard_step(stages: Stages, runs: list[MemberRun]) -> None:
-    futures = [stages.submit(shard_task, str(run.experiment.data), artifacts=(MANIFEST,)) for run in runs]
+    futures = [stages.submit("shard", {"spec": load_spec(run.experiment.data)}, out_dir=_shard_out(run.experiment))
+               for run in runs]
     for run, future in zip(runs, futures):
         run.shards = stages.result(future)
 
 
+def _shard_out(experiment: Experiment) -> str | None:
+    section = experiment.section("shard")
+    return str(section.out) if section is not None and section.out is not None else None
+
+
 def precompute_step(stages: Stages, members: Members) -> None:
-    captions = {run: stages.submit(embed_captions_task, str(run.shards.path))
+    captions = {run: stages.submit("captions", {"shards": str(run.shards.path), "model": section.model})
                 for run, section in members if section.captions}
-    wordnet = [stages.submit(wordnet_task, str(run.experiment.data), measure,
-                             artifacts=(CLASSES_FILE, SIMILARITY_FILE, HEAT_MAP_FILE))
-               for run, section in members for measure in section.wordnet]
+    wordnet = {(run, measure): stages.submit("wordnet", {"classes": load_spec(run.experiment.data), "measure": measure})
+               for run, section in members for measure in section.wordnet}
     for run, future in captions.items():
         run.captions = stages.result(future)
-    neighbors = [stages.submit(neighbors_task, str(run.captions.path), k=section.neighbors, index=section.index)
+    neighbors = [stages.submit("neighbors", {"embeddings": str(run.captions.path), "k": section.neighbors,
+                                             "index": section.index, "metric": section.metric})
                  for run, section in members if section.neighbors]
-    for future in [*wordnet, *neighbors]:
+    similarities = {key: stages.result(future) for key, future in wordnet.items()}
+    for future in neighbors:
         stages.result(future)
+    for run, section in dict(members).items():
+        measures = {measure: similarities[run, measure] for measure in section.wordnet}
+        stages.log_figures(lambda folder: target_histograms(run, measures, section.target_temperature, folder))
+
+
+def target_histograms(run: MemberRun, wordnet: dict[str, StageOutput], target_temperature: float,
+                      folder: Path) -> list[Path]:
+    """``target_similarity_<source>.png`` in ``folder`` for each similarity source a precompute section
+    prepared (captions, each WordNet measure, and labels for labelled data): the histogram of X-CLR's
+    targets on random batches after the softmax with ``target_temperature``."""
+    labels = manifest_labels(run.shards.path / MANIFEST)
+    sources: dict[str, SimilaritySource] = {"labels": LabelSource()} if (labels >= 0).all() else {}
+    if run.captions is not None:
+        sources["captions"] = EmbeddingSource.from_npy(run.captions.path / EMBEDDINGS_FILE)
+    for measure, output in wordnet.items():
+        sources[f"wordnet_{measure}"] = ClassMatrixSource(np.load(output.path / SIMILARITY_FILE))
+    return [target_histogram(source, labels, folder / f"target_similarity_{name}.png", name, target_temperature)
+            for name, source in sources.items()]
 
 
 def train_step(stages: Stages, members: Members) -> None:
-    futures = [(run, method.label, stages.submit(train_task, str(method.config),
-                                                 section.overrides(method, run.experiment.data),
-                                                 stages.parent_run_id, section.launch,
-                                                 run_name=run.tag(method.label, "train"), encoder=method.label,
-                                                 model=model_name(run.experiment.name, method.label),
-                                                 artifacts=TRAIN_ARTIFACTS, label=run.tag(method.label, "train"),
-                                                 encoder_label=method.label))
-               for run, section in members for method in section.methods]
+    futures = [(run, method.label, stages.submit(
+        "train", {"config": load_config(method.config, section.overrides(method, run.experiment.data))},
+        {"launch": section.launch}, label=run.tag(method.label, "train"), encoder=method.label,
+        register=model_name(run.experiment.name, method.label)))
+        for run, section in members for method in section.methods]
     for run, label, future in futures:
         run.encoders[label] = stages.result(future)
 
@@ -219,43 +245,51 @@ def train_step(stages: Stages, members: Members) -> None:
 def evaluate_step(stages: Stages, members: Members) -> None:
     sections = dict(members)
     encoders = [(run, label, tag, encoder) for run, section in members
-                for label, tag, encoder in _encoders(run, section.pixels)]
-    features = {(run, label): [stages.submit(features_task, str(run.shards.path), encoder, split, label=f"{tag} {split}",
-                                             encoder_label=label)
+                for label, tag, encoder in _encoders(run, section)]
+    features = {(run, label): [stages.submit("features", {"shards": str(run.shards.path), "encoder": encoder,
+                                                          "split": split, "device": sections[run].device},
+                                             {"batch_size": sections[run].batch_size}, label=f"{tag} {split}",
+                                             encoder=label)
                                for split in (sections[run].train_split, sections[run].test_split)]
                 for run, label, tag, encoder in encoders}
     evaluations = {(run, label): stages.submit(
-        evaluate_task, *(str(stages.result(future).path) for future in features[run, label]),
-        list(sections[run].suites), list(sections[run].knn_k),
-        linear_options=sections[run].linear.model_dump(exclude_defaults=True), artifacts=("*.png", RESULTS_FILE),
-        label=tag, encoder_label=label) for run, label, tag, encoder in encoders}
+        "evaluate", {"train": str(stages.result(train).path), "test": str(stages.result(test).path),
+                     "suites": list(sections[run].suites), "knn_k": list(sections[run].knn_k),
+                     "linear_options": sections[run].linear.model_dump(exclude_defaults=True)},
+        {"device": sections[run].device}, label=tag, encoder=label)
+        for run, label, tag, _ in encoders for train, test in [features[run, label]]}
     for (run, label), future in evaluations.items():
         run.score(label, stages.result(future))
 
 
-def _encoders(run: MemberRun, pixels: bool) -> list[tuple[str, str, str]]:
-    """(label, label shown with the member when it differs between members, encoder) of each encoder to evaluate."""
+def _encoders(run: MemberRun, section: EvaluateSection) -> list[tuple[str, str, str]]:
+    """(label, label shown with the member when it differs between members, encoder) of each encoder to
+    evaluate: the raw pixels, those the section names (a registered ``models:/`` one fetched), then
+    those trained (the only ones whose label shows the member)."""
+    named = {label: str(model_directory(encoder)) if encoder.startswith(MODEL_URI) else encoder
+             for label, encoder in (({PIXELS: PIXELS} if section.pixels else {}) | section.encoders).items()}
     trained = [(label, run.tag(label, "evaluate"), str(output.path)) for label, output in run.encoders.items()]
-    return [("pixels", "pixels", PIXELS)] * pixels + trained
+    return [(label, label, encoder) for label, encoder in named.items()] + trained
 
 
 def align_step(stages: Stages, members: Members) -> None:
-    futures = [(run, label, stages.submit(align_task, str(section.config),
-                                          section.overrides(encoder, run.experiment.data),
-                                          stages.parent_run_id, run_name=run.tag(label, "align"),
-                                          encoder=label, artifacts=ALIGN_ARTIFACTS,
-                                          label=run.tag(label, "align"), encoder_label=label))
-               for run, section in members for label, encoder in _image_sides(run, section.pixels)]
+    futures = [(run, label, stages.submit(
+        "align", {"config": load_align_config(section.config, section.overrides(image, run.experiment.data))},
+        label=run.tag(label, "align"), encoder=label))
+        for run, section in members for label, image in _image_sides(run, section)]
     for run, label, future in futures:
         run.score(label, stages.result(future))
 
 
-def _image_sides(run: MemberRun, pixels: bool) -> list[tuple[str, Path | None]]:
-    """(label, train stage directory; None: the raw pixels) of each image side to align."""
-    return [("pixels", None)] * pixels + [(label, output.path) for label, output in run.encoders.items()]
+def _image_sides(run: MemberRun, section: AlignSection) -> list[tuple[str, str]]:
+    """(label, image side: ``pixels``, ``config`` or a train stage directory) of each image side to align."""
+    own = [(section.config.stem, AS_CONFIGURED)] * section.as_configured
+    pixels = [(PIXELS, PIXELS)] * section.pixels
+    return own + pixels + [(label, str(output.path)) for label, output in run.encoders.items()]
 
 
 STEPS: dict[str, Callable[[Stages, Members], None]] = {
+    "shard": lambda stages, members: None,  # the shard step runs first, whatever the experiment lists
     "precompute": precompute_step, "train": train_step, "evaluate": evaluate_step, "align": align_step}
 
 

@@ -18,21 +18,32 @@ FORCEABLE = ("shard", "captions", "wordnet", "neighbors", "train", "features", "
 
 
 def cmd_shard(args: argparse.Namespace) -> None:
-    from repsim.data import load_spec
+    from repsim.data import ShardResult, load_spec
 
-    for spec in args.specs:  # validate every spec before starting any orchestration
-        load_spec(spec)
+    specs = [load_spec(spec) for spec in args.specs]  # validate every spec before starting any orchestration
     if args.out and len(args.specs) != 1:
         raise RepsimError("--out names one directory but several specs were given", "shard one spec at a time")
     if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
         raise RepsimError(f"--out {args.out} is a file, not a directory", "name a new or existing directory")
-    from repsim.flows.shard import shard_flow
+    rows = []
+    for path, spec in zip(args.specs, specs):
+        [shards] = _run_section(spec.name, path, {"kind": "shard", "out": args.out})["stages"]
+        found = ShardResult.from_dir(shards["path"])
+        rows.append([path, found.num_samples, " ".join(f"{k}={v}" for k, v in found.splits.items()), found.errors,
+                     "yes" if shards["cached"] else "no", shards["path"]])
+    print(_table(["spec", "samples", "splits", "errors", "cached", "output"], rows))
+
+
+def _run_section(name: str, data: str | os.PathLike, section: dict) -> dict:
+    """Run the one-section experiment ``name`` (made a valid experiment name) on the data spec ``data``
+    through the experiment flow, as ``repsim run`` runs a whole one; its outcome."""
+    from repsim.experiment import single_section
+
+    experiment = single_section(name, data, section)
+    from repsim.flows.experiment import experiment_flow
 
     _start_orchestration()
-    summaries = shard_flow(specs=list(args.specs), out_dir=args.out)
-    print(_table(["spec", "samples", "splits", "errors", "cached", "output"], [
-        [s["spec"], sum(s["splits"].values()), " ".join(f"{k}={v}" for k, v in s["splits"].items()),
-         s["errors"], "yes" if s["cached"] else "no", s["path"]] for s in summaries]))
+    return experiment_flow(experiment=experiment)
 
 
 PRECOMPUTE_STAGES = {  # subcommand: (captions, wordnet, neighbors)
@@ -49,18 +60,16 @@ def cmd_precompute(args: argparse.Namespace) -> None:
     measures = list(dict.fromkeys(args.measures or ["wup"])) if wordnet else []
     if measures:
         spec_classes(spec)
-    from repsim.flows.precompute import precompute_flow
-
-    _start_orchestration()
-    summaries = precompute_flow(spec=args.spec, captions=captions, wordnet_measures=measures, neighbors=neighbors,
-                                k=args.k, index=args.index, metric=args.metric, model=args.model,
-                                target_temperature=args.target_temperature)
-    _print_stages(summaries)
+    section = {"kind": "precompute", "captions": captions, "wordnet": measures, "neighbors": args.k * neighbors,
+               "index": args.index, "metric": args.metric, "model": args.model,
+               "target_temperature": args.target_temperature}
+    _print_stages(_run_section(spec.name, args.spec, section)["stages"])
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
     from repsim.data import load_spec
-    from repsim.eval.stages import DEFAULT_SUITES, KNN_K, check_evaluation, encoder_source, read_results, result_rows
+    from repsim.eval.stages import (DEFAULT_SUITES, KNN_K, PIXELS, RESULTS_FILE, check_evaluation, encoder_source,
+                                    read_results, result_rows)
 
     spec = load_spec(args.spec)  # validate before starting any orchestration
     suites, knn_k = check_evaluation(args.suites or DEFAULT_SUITES, args.k or KNN_K, labelled=spec.classes is not None)
@@ -69,16 +78,17 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
         args.encoder = str(model_directory(args.encoder))
     encoder_source(args.encoder)
-    from repsim.flows.evaluate import evaluate_flow
-
-    _start_orchestration()
-    outcome = evaluate_flow(spec=args.spec, encoder=args.encoder, suites=list(suites), knn_k=list(knn_k),
-                            batch_size=args.batch_size, device=args.device)
-    _print_stages(outcome["stages"])
-    rows = result_rows(read_results(os.path.dirname(outcome["results"])))
+    pixels = args.encoder == PIXELS
+    section = {"kind": "evaluate", "suites": list(suites), "knn_k": list(knn_k), "pixels": pixels,
+               "encoders": {} if pixels else {"encoder": args.encoder}, "batch_size": args.batch_size,
+               "device": args.device}
+    stages = _run_section(spec.name, args.spec, section)["stages"]
+    _print_stages(stages)
+    [evaluated] = [stage["path"] for stage in stages if stage["stage"] == "evaluate"]
+    rows = result_rows(read_results(evaluated))
     print()
     print(_table(["suite", "metric", "value"], [[suite, name, f"{value:.4g}"] for suite, name, value in rows]))
-    print(f"\nresults: {outcome['results']}")
+    print(f"\nresults: {os.path.join(evaluated, RESULTS_FILE)}")
 
 
 def cmd_synsets(args: argparse.Namespace) -> None:
@@ -96,10 +106,11 @@ def cmd_synsets(args: argparse.Namespace) -> None:
 
 def cmd_train(args: argparse.Namespace) -> None:
     from repsim.data import load_spec
+    from repsim.layering import as_settings
     from repsim.methods.config import load_config
 
     config = load_config(args.config, args.overrides)
-    load_spec(config.data.spec)  # validate before orchestration
+    spec = load_spec(config.data.spec)  # validate before orchestration
     # Under torchrun, rank 0 orchestrates and the others train alongside; with --direct (how the train
     # task launches torchrun) every rank trains directly.
     if args.direct or int(os.environ.get("RANK", "0")) > 0:
@@ -107,29 +118,33 @@ def cmd_train(args: argparse.Namespace) -> None:
 
         train(config, progress=args.direct and int(os.environ.get("RANK", "0")) == 0)
         return
-    from repsim.flows.train import train_flow
+    method = {"config": args.config, "settings": as_settings(args.overrides, "optim.lr=0.01")}
+    outcome = _run_section(spec.name, config.data.spec, {"kind": "train", "methods": [method]})
+    _print_stage_summary(outcome["stages"], "train", "trained")
 
-    _start_orchestration()
-    _print_stage_summary(train_flow(config=args.config, overrides=args.overrides), "trained")
 
+def _print_stage_summary(stages: list[dict], stage: str, done: str) -> None:
+    """The metrics of the flow's ``stage`` as a table, then whether it was ``done`` or found cached, and where."""
+    from pathlib import Path
 
-def _print_stage_summary(summary: dict, done: str) -> None:
-    """A flow's metrics as a table, then whether its stage was ``done`` or found cached, and where."""
-    rows = [[name, f"{value:.4g}"] for name, value in sorted(summary["metrics"].items())]
-    print(_table(["metric", "value"], rows))
+    from repsim.stage import read_record
+
+    [summary] = [summary for summary in stages if summary["stage"] == stage]
+    metrics = read_record(Path(summary["path"]))["metrics"]
+    print(_table(["metric", "value"], [[name, f"{value:.4g}"] for name, value in sorted(metrics.items())]))
     print(f"{'cached' if summary['cached'] else done}: {summary['path']}")
 
 
 def cmd_align(args: argparse.Namespace) -> None:
     from repsim.align.config import load_align_config
     from repsim.data import load_spec
+    from repsim.layering import as_settings
 
     config = load_align_config(args.config, args.overrides)
-    load_spec(config.data.spec)  # validate before orchestration
-    from repsim.flows.align import align_flow
-
-    _start_orchestration()
-    _print_stage_summary(align_flow(config=args.config, overrides=args.overrides), "aligned")
+    spec = load_spec(config.data.spec)  # validate before orchestration
+    section = {"kind": "align", "config": args.config, "settings": as_settings(args.overrides, "geometry.alpha=0"),
+               "as_configured": True}
+    _print_stage_summary(_run_section(spec.name, config.data.spec, section)["stages"], "align", "aligned")
 
 
 def cmd_run(args: argparse.Namespace) -> None:

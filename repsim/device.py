@@ -18,11 +18,16 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from pydantic import Field, model_validator
+
+from repsim.layering import Strict
 
 MAX_GPU_WORKERS = 8
 SMALL_CPU = 4  # cores up to which a CPU-only process reads its own data
@@ -114,3 +119,38 @@ def gpu_slot() -> Iterator[torch.device | None]:
         yield torch.device("cuda", index)
     finally:
         free.put(index)
+
+
+class TorchrunLaunch(Strict):
+    """How the train stage starts: in the flow's process, or with torchrun over several processes/nodes.
+
+    With ``nnodes > 1`` every node runs the same torchrun command (see :meth:`command`), meeting at
+    ``rdzv_endpoint``; the flow's node launches its own.
+    """
+
+    nproc_per_node: int = Field(1, ge=1)
+    nnodes: int = Field(1, ge=1)
+    rdzv_endpoint: str | None = Field(None, description="host:port of the c10d rendezvous (nnodes > 1)")
+    rdzv_id: str = "repsim"
+
+    @model_validator(mode="after")
+    def _rendezvous_for_several_nodes(self) -> TorchrunLaunch:
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("several nodes meet at a rendezvous; set rdzv_endpoint: host:port")
+        return self
+
+    @property
+    def distributed(self) -> bool:
+        return self.nproc_per_node > 1 or self.nnodes > 1
+
+    def command(self, config: str | Path, overrides: Sequence[str]) -> list[str]:
+        """The torchrun command that trains ``config`` with ``overrides`` directly on every rank."""
+        if self.nnodes == 1:
+            rendezvous = ["--standalone"]
+        else:
+            rendezvous = [f"--nnodes={self.nnodes}", "--rdzv_backend=c10d",
+                          f"--rdzv_endpoint={self.rdzv_endpoint}", f"--rdzv_id={self.rdzv_id}"]
+        sets = [arg for override in overrides for arg in ("--set", override)]
+        return [sys.executable, "-m", "torch.distributed.run", *rendezvous,
+                f"--nproc_per_node={self.nproc_per_node}",
+                "-m", "repsim.cli", "train", str(config), *sets, "--direct"]

@@ -20,7 +20,7 @@ the working directory. Every error is one line naming the file (or the overrides
 from __future__ import annotations
 
 import itertools
-import sys
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,23 +30,33 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from repsim.config_errors import describe
+from repsim.device import TorchrunLaunch
 from repsim.errors import SpecError
 from repsim.eval.linear import DEFAULT_WEIGHT_DECAYS
 from repsim.layering import Strict, as_overrides, inline, parse_override, read_layer, resolve_paths, set_dotted
 from repsim.shipped import locate
-from repsim.similarity.neighbors import STAGE_INDEXES
+from repsim.similarity.neighbors import METRICS, STAGE_INDEXES
 
 MEASURES = ("wup", "path", "lch", "hops")
 SUITES = ("knn", "linear", "map", "diagnostics", "plots")  # those of repsim.eval that need only image features
-PATH_FIELDS = ("data", "stages.*.methods.*.config", "stages.*.config")  # relative to the experiment's folder
+PATH_FIELDS = ("data", "stages.*.methods.*.config", "stages.*.config", "stages.*.out")  # relative to the experiment's folder
 DEPLOYMENT_PATH_FIELDS = ("deployments.*.experiment",)  # relative to the deployments file's folder
 Settings = dict[str, Any]
+PIXELS = "pixels"  # the image side that is the raw pixels (repsim.eval.stages.PIXELS)
+AS_CONFIGURED = "config"  # the image side that an alignment config names itself
 
 
 class _Section(Strict):
     def needs(self) -> tuple[str, ...]:
         """The section kinds that must come before this one."""
         return ()
+
+
+class ShardSection(_Section):
+    """Where the data spec's shards go (every experiment shards its data first, with or without this section)."""
+
+    kind: Literal["shard"] = "shard"
+    out: Path | None = Field(None, description="output folder; default: the stage's own under $REPSIM_HOME")
 
 
 class PrecomputeSection(_Section):
@@ -57,6 +67,9 @@ class PrecomputeSection(_Section):
     wordnet: list[Literal[MEASURES]] = Field(["wup"], description="WordNet measures, one stage each")
     neighbors: int = Field(10, ge=0, description="caption neighbors per sample; 0: none")
     index: Literal[STAGE_INDEXES] = "auto"
+    metric: Literal[METRICS] = "cosine"
+    model: str | None = Field(None, description="sentence-transformers model; default: all-MiniLM-L6-v2")
+    target_temperature: float = Field(0.1, gt=0, description="of the X-CLR target histograms on the parent run")
 
     @model_validator(mode="after")
     def _neighbors_need_captions(self) -> PrecomputeSection:
@@ -82,41 +95,6 @@ class MethodRun(Strict):
     @property
     def label(self) -> str:
         return self.name or self.config.stem
-
-
-class TorchrunLaunch(Strict):
-    """How the train stage starts: in the flow's process, or with torchrun over several processes/nodes.
-
-    With ``nnodes > 1`` every node runs the same torchrun command (see :meth:`command`), meeting at
-    ``rdzv_endpoint``; the flow's node launches its own.
-    """
-
-    nproc_per_node: int = Field(1, ge=1)
-    nnodes: int = Field(1, ge=1)
-    rdzv_endpoint: str | None = Field(None, description="host:port of the c10d rendezvous (nnodes > 1)")
-    rdzv_id: str = "repsim"
-
-    @model_validator(mode="after")
-    def _rendezvous_for_several_nodes(self) -> TorchrunLaunch:
-        if self.nnodes > 1 and not self.rdzv_endpoint:
-            raise ValueError("several nodes meet at a rendezvous; set rdzv_endpoint: host:port")
-        return self
-
-    @property
-    def distributed(self) -> bool:
-        return self.nproc_per_node > 1 or self.nnodes > 1
-
-    def command(self, config: str | Path, overrides: Sequence[str]) -> list[str]:
-        """The torchrun command that trains ``config`` with ``overrides`` directly on every rank."""
-        if self.nnodes == 1:
-            rendezvous = ["--standalone"]
-        else:
-            rendezvous = [f"--nnodes={self.nnodes}", "--rdzv_backend=c10d",
-                          f"--rdzv_endpoint={self.rdzv_endpoint}", f"--rdzv_id={self.rdzv_id}"]
-        sets = [arg for override in overrides for arg in ("--set", override)]
-        return [sys.executable, "-m", "torch.distributed.run", *rendezvous,
-                f"--nproc_per_node={self.nproc_per_node}",
-                "-m", "repsim.cli", "train", str(config), *sets, "--direct"]
 
 
 class TrainSection(_Section):
@@ -154,11 +132,21 @@ class EvaluateSection(_Section):
     knn_k: list[Annotated[int, Field(gt=0)]] = Field([20], min_length=1)
     linear: LinearProbeOptions = LinearProbeOptions()
     pixels: bool = Field(True, description="also evaluate raw pixels, the floor a learned encoder must beat")
+    encoders: dict[str, str] = Field({}, description="label -> encoder to evaluate besides those trained: a train "
+                                                     "stage folder, an encoder.pt or models:/NAME/VERSION")
     train_split: str = "train"
     test_split: str = "test"
+    batch_size: int = Field(512, gt=0, description="of feature extraction")
+    device: str | None = Field(None, description="default: the GPU if there is one, else the CPU")
+
+    @model_validator(mode="after")
+    def _pixels_by_name(self) -> EvaluateSection:
+        if PIXELS in self.encoders:
+            raise ValueError(f"encoder label {PIXELS!r} names the raw pixels; set pixels: true instead")
+        return self
 
     def needs(self) -> tuple[str, ...]:
-        return () if self.pixels else ("train",)
+        return () if self.pixels or self.encoders else ("train",)
 
 
 class AlignSection(_Section):
@@ -168,18 +156,21 @@ class AlignSection(_Section):
     config: Path = Field(description="alignment config YAML, e.g. configs/gera.yaml")
     settings: Settings = {}
     pixels: bool = Field(False, description="also align the raw pixels, the floor a learned image side must beat")
+    as_configured: bool = Field(False, description="also align the image side the config names itself")
 
-    def overrides(self, encoder: Path | None, data: Path) -> list[str]:
-        """``--set`` overrides of the alignment config: the experiment's data spec, ``encoder``'s
-        image embeddings (a train stage directory; None: the raw pixels), then the section's settings."""
-        image = ["image.type=pixels"] if encoder is None else ["image.type=encoder", f"image.path={encoder}"]
-        return [f"data.spec={data}", *image, *as_overrides(self.settings)]
+    def overrides(self, image: str, data: Path) -> list[str]:
+        """``--set`` overrides of the alignment config: the experiment's data spec, the ``image`` side
+        (a train stage directory, ``pixels``, or ``config``: the config's own), then the section's settings."""
+        sides = {PIXELS: ["image.type=pixels"], AS_CONFIGURED: []}
+        image_sets = sides.get(image, ["image.type=encoder", f"image.path={image}"])
+        return [f"data.spec={data}", *image_sets, *as_overrides(self.settings)]
 
     def needs(self) -> tuple[str, ...]:
-        return () if self.pixels else ("train",)
+        return () if self.pixels or self.as_configured else ("train",)
 
 
-Section = Annotated[PrecomputeSection | TrainSection | EvaluateSection | AlignSection, Field(discriminator="kind")]
+Section = Annotated[ShardSection | PrecomputeSection | TrainSection | EvaluateSection | AlignSection,
+                    Field(discriminator="kind")]
 
 
 SEED_KEYS = {"train": ("settings.optim.seed",),  # what one of an experiment's ``seeds`` sets, by section
@@ -302,6 +293,13 @@ def load_experiment(path: str | Path, overrides: Sequence[str] = ()) -> Experime
     return with_overrides(_validate(layer.values, layer.name), overrides, origin=layer.name)
 
 
+def single_section(name: str, data: str | Path, section: dict[str, Any]) -> Experiment:
+    """The experiment of one ``section`` on the data spec ``data``, as ``repsim shard``, ``precompute``,
+    ``train``, ``eval`` and ``align`` run it; ``name`` (a data spec's) made a valid experiment name."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-._") or "experiment"
+    return _validate({"name": name, "data": str(data), "stages": [section]}, "the command line")
+
+
 def with_overrides(experiment: Experiment, overrides: Sequence[str], origin: str = "experiment") -> Experiment:
     """``experiment`` with each ``key=value`` override applied in order (paths against the cwd)."""
     if not overrides:
@@ -367,7 +365,7 @@ def check_experiment(experiment: Experiment) -> list[Member]:
             for run in train.methods if train is not None else ():
                 load_config(run.config, train.overrides(run, member.experiment.data))
             if align is not None:
-                load_align_config(align.config, align.overrides(Path("encoder"), member.experiment.data))
+                load_align_config(align.config, align.overrides("encoder", member.experiment.data))
         except SpecError as err:
             raise SpecError(f"sweep member {member.label}: {err.what}" if member.label else err.what, err.fix) from None
     return members

@@ -125,6 +125,14 @@ def as_overrides(tree: Mapping[str, Any]) -> list[str]:
     return [f"{key}={inline(value)}" for key, value in flatten(tree).items()]
 
 
+def as_settings(overrides: Iterable[str], example: str) -> dict[str, Any]:
+    """``key=value`` overrides as the nested mapping they set, in order (the inverse of :func:`as_overrides`)."""
+    settings: dict[str, Any] = {}
+    for override in overrides:
+        settings = set_dotted(settings, *parse_override(override, example))
+    return settings
+
+
 def inline(value: Any) -> str:
     """``value`` as one line of YAML that parses back to it: ``[a, b]``, ``null``, ``'yes'``."""
     return yaml.safe_dump(value, default_flow_style=True, width=1 << 16).strip().removesuffix("\n...")

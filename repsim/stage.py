@@ -94,6 +94,24 @@ class StageOutput:
 StageLike = StageOutput | str | Path  # a stage output or its directory
 
 
+@dataclass(frozen=True)
+class StageKind:
+    """One kind of stage, declared once beside its code, as the pipeline runs it.
+
+    ``plan(**params) -> Stage`` gives the stage (and its key) without building it;
+    ``build(**params, **options, out_dir=...) -> StageOutput`` builds it, or finds it complete. The
+    ``params`` decide the output; ``options`` (a batch size, a device) do not. ``artifacts``: glob
+    patterns of the output files logged with the stage; ``streams``: ``build`` also takes
+    ``log(metrics, step)``, through which its curves stream while it runs.
+    """
+
+    name: str
+    plan: Callable[..., Stage]
+    build: Callable[..., StageOutput]
+    artifacts: tuple[str, ...] = ()
+    streams: bool = False
+
+
 def fingerprint_files(paths: Iterable[Path], root: Path | None = None, content: bool = False) -> str:
     """An input key for source data: a digest of files' paths (relative to ``root``, itself included,
     when given), sizes and modification times, or with ``content`` their bytes' sha256 instead of times."""

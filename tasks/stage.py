@@ -1,15 +1,17 @@
-"""What every stage task shares (:func:`stage_task`): Prefect's cache key is the stage key, a built
-output's result is stored under that key at once, so the first rerun shows as *Cached*; each task
-logs one summary line through Prefect's run logger; only transient failures (a connection) are
-retried. Each stage run is logged to MLflow as a nested run spanning the stage's own start and end,
-whether it ran or was served from cache."""
+"""Every stage task, made by one factory (:func:`stage_task`) from the stage's declaration
+(:class:`repsim.stage.StageKind`), and what the flow needs to track them.
+
+Prefect's cache key is the stage key; a built output's result is stored under that key at once, so
+the first rerun shows as *Cached*. Each task runs inside a nested MLflow run under the flow's parent
+run, so the curves of a streaming stage reach MLflow while it runs; a task that Prefect serves from
+its cache did not run, and the flow logs its run (:func:`log_stage`). Each task logs one summary line
+through Prefect's run logger; only transient failures (a connection) are retried.
+"""
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import inspect
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,19 +24,28 @@ from prefect.results import get_result_store
 from prefect.runtime import task_run
 from prefect.states import State
 
+from repsim.align.stage import ALIGN
+from repsim.data.sharding import SHARD
 from repsim.errors import RepsimError
-from repsim.stage import Stage, StageOutput, is_current, read_record
-from repsim.tasks.tracking import StageRun, Tracker, stage_span, stage_tags
+from repsim.eval.stages import EVALUATE, FEATURES
+from repsim.methods.stage import TRAIN
+from repsim.similarity.stages import CAPTIONS, NEIGHBORS, WORDNET
+from repsim.stage import Stage, StageKind, StageOutput, is_current, read_record
+from repsim.tasks.tracking import StageRun, Tracker, stage_tags
 
-Plan = Callable[..., Stage]
 RETRY_DELAYS_S = [5, 30]  # waits before the retries of a transient failure
 TRANSIENT = (ConnectionError, TimeoutError, httpx.TransportError, requests.ConnectionError,  # a server that did
              requests.Timeout)  # not answer, or dropped the connection (Prefect's client, MLflow's)
 
 
-def stage_cache_key(plan: Plan) -> Callable[[TaskRunContext, dict[str, Any]], str | None]:
-    """A Prefect ``cache_key_fn`` for a task whose parameters ``plan`` turns into its stage (see
-    :func:`_planned`).
+def planned(kind: StageKind, params: Mapping[str, Any], out_dir: str | None = None) -> tuple[Stage, Path]:
+    """(stage, output directory) of a ``kind`` task asked for ``params``, without building it."""
+    stage = kind.plan(**params)
+    return stage, stage.output_dir(out_dir)
+
+
+def stage_cache_key(kind: StageKind) -> Callable[[TaskRunContext | None, dict[str, Any]], str | None]:
+    """A Prefect ``cache_key_fn`` for the task of ``kind``.
 
     The key is the stage key and the output directory once that directory is complete and intact, and
     None (no cache) before, while it is being rebuilt (:func:`repsim.stage.rebuilding`) or once it is
@@ -43,55 +54,52 @@ def stage_cache_key(plan: Plan) -> Callable[[TaskRunContext, dict[str, Any]], st
     ``REPSIM_HOME`` sharing the Prefect store).
     """
 
-    def key(_: TaskRunContext, parameters: dict[str, Any]) -> str | None:
-        stage, out = _planned(plan, parameters)
+    def key(_: TaskRunContext | None, parameters: dict[str, Any]) -> str | None:
+        stage, out = planned(kind, parameters["params"], parameters.get("out_dir"))
         where = hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:12]
         return f"{stage.name}-{stage.key}-{where}" if current_record(stage, out) is not None else None
 
     return key
 
 
-def stage_task(name: str, plan: Plan) -> Callable[[Callable[..., StageOutput]], Task]:
-    """``@task`` for a stage whose parameters ``plan`` turns into its stage: cached by
-    :func:`stage_cache_key`; once the output is built (or found complete by repsim) its result is
-    stored under that key too, so the next run is *Cached* in Prefect, not only the one after; one
-    summary line per run goes to the task's log; retried with backoff on :func:`transient` failures only."""
+def stage_task(kind: StageKind) -> Task:
+    """The Prefect task of ``kind``: ``task(params, options, out_dir, parent_run_id, label, encoder,
+    register)`` builds the stage of ``params`` (with ``options``, which do not change it) into
+    ``out_dir`` (default: its own directory) inside a nested run under ``parent_run_id`` named
+    ``<stage> <label>`` and tagged with the ``encoder`` it is about (default ``label``); with
+    ``register``, the output's encoder is registered as an MLflow model of that name."""
+    key_of = stage_cache_key(kind)
 
-    def decorate(produce: Callable[..., StageOutput]) -> Task:
-        key_of = stage_cache_key(plan)
-        signature = inspect.signature(produce)
-        produce.plan = plan  # for plan_call
+    def run(params: dict[str, Any], options: dict[str, Any] | None = None, out_dir: str | None = None,
+            parent_run_id: str = "", label: str | None = None, encoder: str | None = None,
+            register: str | None = None) -> StageOutput:
+        stage, out = planned(kind, params, out_dir)
+        with Tracker().stage_run(parent_run_id, kind.name, stage.key, out, label,
+                                 tags=stage_tags(kind.name, stage.config, encoder or label)) as tracked:
+            streamed: set[str] = set()
 
-        @functools.wraps(produce)
-        def run(*args: Any, **kwargs: Any) -> StageOutput:
-            output = produce(*args, **kwargs)
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            key = key_of(None, dict(bound.arguments))
-            if key is not None:
-                get_result_store().write(output, key=key)
-            get_run_logger().info(summary_line(output, task_run.get_name()))
-            return output
+            def log(metrics: dict[str, float], step: int) -> None:
+                streamed.update(metrics)
+                tracked.log_metrics(metrics, step)
 
-        return task(name=name, cache_key_fn=key_of, persist_result=True, retries=len(RETRY_DELAYS_S),
-                    retry_delay_seconds=RETRY_DELAYS_S, retry_condition_fn=retry_if_transient)(run)
+            curves = {"log": log} if kind.streams else {}
+            output = kind.build(**params, **(options or {}), out_dir=out_dir, **curves)
+            tracked.log_stage_output(output.path, output.cached, artifact_files(kind, output.path), streamed)
+            if register:
+                tracked.log_encoder(output.path, register)
+        key = key_of(None, {"params": params, "out_dir": out_dir})
+        if key is not None:
+            get_result_store().write(output, key=key)
+        get_run_logger().info(summary_line(output, task_run.get_name()))
+        return output
 
-    return decorate
-
-
-def plan_call(stage_task: Task, args: tuple, kwargs: dict[str, Any]) -> tuple[Stage, Path]:
-    """(stage, out_dir) of a call of a :func:`stage_task` with these arguments, without running it."""
-    bound = inspect.signature(stage_task.fn).bind(*args, **kwargs)
-    bound.apply_defaults()
-    return _planned(stage_task.fn.plan, bound.arguments)
+    return task(name=kind.name, cache_key_fn=key_of, persist_result=True, retries=len(RETRY_DELAYS_S),
+                retry_delay_seconds=RETRY_DELAYS_S, retry_condition_fn=retry_if_transient)(run)
 
 
-def _planned(plan: Plan, parameters: dict[str, Any]) -> tuple[Stage, Path]:
-    """(stage, out_dir) of a stage task's parameters: ``plan`` takes, by name, the ones that decide the
-    stage; the output goes to the task's ``out_dir`` when it has one and it is set, else the stage's default."""
-    wanted = inspect.signature(plan).parameters
-    stage = plan(**{name: value for name, value in parameters.items() if name in wanted})
-    return stage, stage.output_dir(parameters.get("out_dir"))
+def artifact_files(kind: StageKind, path: Path) -> list[Path]:
+    """The files of ``kind``'s output at ``path`` that its run logs: those matching its artifact patterns."""
+    return sorted(file for pattern in kind.artifacts for file in path.glob(pattern))
 
 
 def transient(error: BaseException | None) -> bool:
@@ -135,34 +143,13 @@ def reused(state: State) -> bool:
     return from_prefect_cache(state) or state.result().cached
 
 
-def log_stage(tracker: Tracker, parent: StageRun, path: Path, state: State,
-              artifacts: Iterable[Path] = (), label: str | None = None, encoder: str | None = None) -> None:
-    """Log a finished stage (its ``stage.json`` at ``path``) as a nested run under ``parent``, about
-    ``encoder`` (:func:`stage_tags`)."""
+def log_stage(tracker: Tracker, parent: StageRun, kind: StageKind, path: Path, label: str | None = None,
+              encoder: str | None = None) -> None:
+    """Log the stage output at ``path``, served from Prefect's cache, as a nested run under ``parent``."""
     record = read_record(path)
-    cached = reused(state)
-    with tracker.stage_run(parent.run_id, record["stage"], record["key"], path, label,
-                           None if cached else stage_span(record),
-                           stage_tags(record["stage"], record["config"], encoder)) as run:
-        run.log_stage_output(path, cached, artifacts)
-
-
-def track(tracker: Tracker, parent: StageRun, summaries: list[dict], state: State,
-          artifacts: Sequence[str] = (), label: str | None = None, self_logging: bool = False,
-          encoder: str | None = None) -> Any:
-    """Log a finished stage task as a nested run (named with ``label``, with the files of its output
-    matching the glob patterns ``artifacts``), append its summary to ``summaries``, and return its
-    result. A ``self_logging`` task (train, align) logged its run while it ran, unless Prefect served
-    it from its cache."""
-    result = state.result()
-    if not self_logging or from_prefect_cache(state):
-        log_stage(tracker, parent, result.path, state,
-                  sorted(path for pattern in artifacts for path in result.path.glob(pattern)), label, encoder)
-    record = read_record(result.path)
-    summaries.append({"stage": record["stage"], "detail": ": ".join(filter(None, [label, describe(record)])),
-                      "key": result.key, "path": str(result.path),
-                      "cached": reused(state)})
-    return result
+    with tracker.stage_run(parent.run_id, record["stage"], record["key"], path, label, None,
+                           stage_tags(record["stage"], record["config"], encoder or label)) as run:
+        run.log_stage_output(path, True, artifact_files(kind, path))
 
 
 def describe(record: dict) -> str:
@@ -186,24 +173,5 @@ def describe(record: dict) -> str:
     return f"{metrics['samples']} samples"
 
 
-def run_streamed(parent_run_id: str, stage: Stage, produce: Callable[[Callable[[dict[str, float], int], None]],
-                                                                      StageOutput],
-                 artifacts: Sequence[str], label: str | None = None,
-                 then: Callable[[StageRun, StageOutput], Any] | None = None, encoder: str | None = None) -> StageOutput:
-    """``produce(log)`` inside a nested run for ``stage`` (named with ``label``, about ``encoder``, default
-    ``label``) under ``parent_run_id``: the curves it passes to ``log(metrics, step)`` stream to MLflow;
-    then the output is logged with the files ``artifacts`` of its directory (those that exist), and
-    ``then(run, output)`` is called."""
-    streamed: set[str] = set()
-    with Tracker().stage_run(parent_run_id, stage.name, stage.key, stage.default_dir(), label,
-                             tags=stage_tags(stage.name, stage.config, encoder or label)) as run:
-
-        def log(metrics: dict[str, float], step: int) -> None:
-            streamed.update(metrics)
-            run.log_metrics(metrics, step)
-
-        output = produce(log)
-        run.log_stage_output(output.path, output.cached, [output.path / name for name in artifacts], streamed)
-        if then is not None:
-            then(run, output)
-    return output
+KINDS = {kind.name: kind for kind in (SHARD, CAPTIONS, WORDNET, NEIGHBORS, FEATURES, EVALUATE, TRAIN, ALIGN)}
+TASKS = {name: stage_task(kind) for name, kind in KINDS.items()}

@@ -182,11 +182,6 @@ def stage_tags(stage: str, config: Mapping[str, Any], encoder: str | None) -> di
         {"repsim.method": config["method"]["name"]} if stage == "train" else {})
 
 
-def stage_span(record: Mapping[str, Any]) -> tuple[float, float]:
-    """(start, end) of a stage, seconds since the epoch, from its ``stage.json`` record."""
-    return record["started"], record["started"] + record.get("seconds", 0.0)
-
-
 def _input_shape(record: Mapping[str, Any], recipe: Mapping[str, Any]) -> tuple[int, int, int]:
     """(C, H, W) of the images a train stage's encoder takes."""
     metrics, data = record.get("metrics", {}), record["config"].get("data", {})

@@ -13,11 +13,12 @@ PAIRS = 2  # unlocked, a pair fails 3 times in 5: two pairs catch it 84 % of the
 FIRST_RUN = """
 import sys
 from repsim.tasks.settings import start_embedded_stores
-from repsim.flows.shard import shard_flow
+from repsim.experiment import single_section
+from repsim.flows.experiment import experiment_flow
 
 start_embedded_stores()  # what every command does before its flow
-shard_flow([sys.argv[1]])
-"""  # the shard flow of a tiny spec: the smallest run that uses both stores
+experiment_flow(single_section("pets", sys.argv[1], {"kind": "shard"}))
+"""  # a tiny spec's shards: the smallest run that uses both stores
 
 
 @pytest.mark.timeout(1800)
@@ -33,4 +34,4 @@ def test_first_runs_started_together_both_succeed(make_image_folder, write_spec,
         for run in runs:
             _, err = run.communicate(timeout=600)
             assert run.returncode == 0, err[-3000:]
-        assert len(flow_runs(home, "shard")) == 2
+        assert len(flow_runs(home, "experiment")) == 2

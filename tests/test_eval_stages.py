@@ -276,7 +276,7 @@ def test_eval_runs_caches_and_tracks_every_stage(make_image_folder, write_spec, 
     assert json.loads(open(results).read())["suites"]["linear"]["linear_top1"] >= 0
 
     client = MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
-    runs = flow_runs(home, "evaluate")
+    runs = flow_runs(home, "experiment")
     assert len(runs) == 2
     for (parent, children), cached in zip(runs, ("false", "true")):
         assert sorted(run.data.tags["repsim.stage"] for run in children) == sorted(stage_names)
@@ -286,4 +286,4 @@ def test_eval_runs_caches_and_tracks_every_stage(make_image_folder, write_spec, 
         assert {a.path for a in client.list_artifacts(evaluated.info.run_id)} >= \
             {RESULTS_FILE, CONFUSION_FILE, HISTOGRAM_FILE, TSNE_FILE, "stage.json"}
         assert 0 <= evaluated.data.metrics["knn_top1_k5"] <= 1 and "linear_top1" in evaluated.data.metrics
-        assert parent.data.metrics["knn_top1_k5"] == evaluated.data.metrics["knn_top1_k5"]
+        assert parent.data.metrics["pixels.knn_top1_k5"] == evaluated.data.metrics["knn_top1_k5"]

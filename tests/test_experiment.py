@@ -18,7 +18,8 @@ from mlflow.tracking import MlflowClient
 
 from repsim.cli import main
 from repsim.errors import SpecError
-from repsim.experiment import TorchrunLaunch, load_deployments, load_experiment, with_overrides
+from repsim.device import TorchrunLaunch
+from repsim.experiment import load_deployments, load_experiment, with_overrides
 from repsim.stage import (COMPLETE, INCOMPLETE, LOCKED, Stage, list_outputs, read_record, rebuilding, remove_output,
                           run_stage, unreferenced_outputs)
 

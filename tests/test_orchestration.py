@@ -27,7 +27,7 @@ def test_shard_flow_runs_caches_and_tracks_every_stage(pets_spec, tmp_path):
 
     [output] = [path for path in (home / "artifacts" / "shard").iterdir() if not path.name.startswith(".")]
     client = MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
-    runs = flow_runs(home, "shard")
+    runs = flow_runs(home, "experiment")
     assert len(runs) == 2
     for (parent, [stage]), cached in zip(runs, ("false", "true")):
         tags = stage.data.tags
@@ -113,17 +113,19 @@ def test_large_outputs_are_tagged_by_path_small_ones_logged(tmp_path, monkeypatc
 
 def test_prefect_cache_key_names_the_output_directory(make_image_folder, write_spec, tmp_path, monkeypatch):
     """One Prefect store shared by two REPSIM_HOMEs never serves one home's output to the other."""
-    from repsim.data import shard
-    from repsim.tasks.shard import plan_shard
+    from repsim.data import load_spec, shard
+    from repsim.data.sharding import SHARD
     from repsim.tasks.stage import stage_cache_key
 
     spec = write_spec({"name": "pets", "source": {"type": "image_folder", "root": str(make_image_folder({"cat": 2}))},
                        "classes": {"cat": "cat.n.01"}, "split": {"type": "random", "fractions": {"train": 1.0}}})
-    key = stage_cache_key(plan_shard)
+    key = stage_cache_key(SHARD)
+    request = {"params": {"spec": load_spec(spec)}}
     keys = []
     for home in ("a", "b"):
         monkeypatch.setenv("REPSIM_HOME", str(tmp_path / home))
-        assert key(None, {"spec_path": str(spec)}) is None  # not built in this home yet
+        assert key(None, request) is None  # not built in this home yet
         shard(spec, progress=False)
-        keys.append(key(None, {"spec_path": str(spec)}))
+        keys.append(key(None, request))
     assert None not in keys and keys[0] != keys[1] and keys[0].split("-")[:2] == keys[1].split("-")[:2]
+

@@ -316,7 +316,7 @@ def test_precompute_runs_every_stage_caches_and_tracks_them(pets_spec, wordnet_h
         assert all(row[-1].startswith(str(home / "artifacts")) for row in rows), done.stdout
 
     client = MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
-    runs = flow_runs(home, "precompute")
+    runs = flow_runs(home, "experiment")
     assert len(runs) == 2
     for (parent, children), cached in zip(runs, ("false", "true")):
         assert sorted(run.data.tags["repsim.stage"] for run in children) == sorted(stage_names)

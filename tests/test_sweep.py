@@ -4,7 +4,6 @@ experiment run end to end with shared stages built once and two stages at a time
 import json
 import math
 import statistics
-from pathlib import Path
 
 import pytest
 import yaml
@@ -232,8 +231,8 @@ def test_gera_reproductions_align_raw_pixels_as_the_floor_under_the_same_setting
     assert sum(stage["detail"].startswith("pixels [") for stage in aligns) == members  # one per M, α and seed
     assert len(aligns) == 2 * members  # and the SimCLR encoder's
     section = experiment.section("align")
-    encoder, pixels = section.overrides(Path("/stages/train/key"), experiment.data), section.overrides(None, experiment.data)
-    assert [o for o in encoder if not o.startswith("image.")] == [o for o in pixels if not o.startswith("image.")]
+    encoder, pixels, own = (section.overrides(side, experiment.data) for side in ("/stages/train/key", "pixels", "config"))
+    assert [o for o in encoder if not o.startswith("image.")] == [o for o in pixels if not o.startswith("image.")] == own
     assert "image.type=pixels" in pixels and "image.path=/stages/train/key" in encoder
 
 

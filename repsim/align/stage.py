@@ -44,7 +44,7 @@ from repsim.data.spec import DataSpec, load_spec
 from repsim.device import resolve_device
 from repsim.methods.stage import CHECKPOINT_FILE, METRICS_FILE, JsonlMetrics, _tee, summarise
 from repsim.methods.train import LogFn, Trainer, seed_everything
-from repsim.stage import Stage, StageOutput, repsim_home, run_stage
+from repsim.stage import Stage, StageKind, StageOutput, repsim_home, run_stage
 
 VERSION = "1"
 RESULTS_FILE = "results.json"
@@ -169,3 +169,7 @@ def loss_plot(metrics_path: Path, path: Path) -> Path:
     axes.set_title("alignment loss")
     figure.savefig(path, dpi=120, bbox_inches="tight")
     return path
+
+
+ALIGN = StageKind("align", align_stage_of, align, (RESULTS_FILE, LOSS_PLOT_FILE, METRICS_FILE, ALIGNMENT_FILE),
+                  streams=True)

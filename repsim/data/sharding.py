@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 from repsim.data.sources import Entry, Reader, assign_splits, open_source, split_order
 from repsim.data.spec import DataSpec, load_spec
 from repsim.errors import DataError, StageError
-from repsim.stage import Stage, completed_output, run_stage
+from repsim.stage import Stage, StageKind, completed_output, run_stage
 
 SHARD_VERSION = "2"
 MANIFEST = "manifest.parquet"
@@ -317,3 +317,6 @@ def _metrics(manifest: _ManifestWriter, errors: list[dict[str, str]], out: Path,
     per_split = {f"samples/{split}": count for split, count in manifest.splits.items()}
     return {"samples": manifest.rows, "bytes": tar_bytes, "errors": len(errors), **per_split,
             "seconds": round(time.time() - started, 3)}
+
+
+SHARD = StageKind("shard", shard_stage, shard, (MANIFEST,))

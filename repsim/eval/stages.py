@@ -56,7 +56,7 @@ from repsim.eval.retrieval import map_at_r, paired_retrieval
 from repsim.eval.zeroshot import zero_shot_accuracy, zero_shot_classifier
 from repsim.models.backbones import ENCODER_FILE, UNREADABLE_FIX, encoder_file, load_encoder
 from repsim.similarity.stages import CLASSES_FILE, EMBEDDINGS_FILE
-from repsim.stage import (Stage, StageLike, StageOutput, completed_output, fingerprint_files, output_dir, read_record,
+from repsim.stage import (Stage, StageKind, StageLike, StageOutput, completed_output, fingerprint_files, output_dir, read_record,
                           run_stage)
 
 STAGE_VERSION = "1"
@@ -445,3 +445,6 @@ def result_rows(results: Mapping[str, Any]) -> list[tuple[str, str, float]]:
     """(suite, metric, value) for every metric in ``results``, suites in the order they ran."""
     return [(suite, name, value) for suite, metrics in results["suites"].items() for name, value in metrics.items()]
 
+
+FEATURES = StageKind("features", features_stage_of, extract_features)
+EVALUATE = StageKind("evaluate", evaluate_stage_of, evaluate_features, ("*.png", RESULTS_FILE))

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -39,14 +41,14 @@ import torch.distributed as dist
 from repsim.data.loader import ShardLoader, make_loader, peek_image
 from repsim.data.sharding import ShardResult, sharded, sharded_already
 from repsim.data.spec import DataSpec, load_spec
-from repsim.device import cpu_plan, distributed, resolve_device, torch_threads
+from repsim.device import TorchrunLaunch, cpu_plan, distributed, gpu_slot, resolve_device, torch_threads
 from repsim.errors import SpecError
 from repsim.methods.config import Config
 from repsim.methods.registry import method_spec
-from repsim.methods.train import (KnnMonitor, LogFn, Method, Trainer, init_distributed, is_main_process,
+from repsim.methods.train import (KnnMonitor, LogFn, Method, Trainer, TrainingError, init_distributed, is_main_process,
                                   seed_everything)
 from repsim.models.backbones import ENCODER_FILE, encoder_file, load_encoder, save_encoder
-from repsim.stage import Stage, StageOutput, read_record, repsim_home, run_stage, sha256_file
+from repsim.stage import Stage, StageKind, StageOutput, read_record, repsim_home, run_stage, sha256_file
 
 VERSION = "1"
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -182,6 +184,31 @@ def prepare(config: Config, shards: ShardResult | str | Path | None = None,
     return data, upstream
 
 
+def launch_training(config: Config, out_dir: str | Path | None = None, log: LogFn | None = None,
+                    launch: TorchrunLaunch | None = None) -> StageOutput:
+    """:func:`train` as the pipeline runs it: on a GPU of its own among trainings that run at once in
+    this process; with a distributed ``launch``, through torchrun, whose ranks all train directly
+    (``repsim train --direct``) and whose curves reach ``log`` from ``metrics.jsonl`` once it ends."""
+    if launch is None or not launch.distributed:
+        with gpu_slot() as device:
+            return train(config, out_dir, log=log, device=device)
+    started = time.time()
+    resolved = repsim_home() / "scratch" / "launch" / f"{train_stage_of(config).key}.json"
+    resolved.parent.mkdir(parents=True, exist_ok=True)
+    resolved.write_text(config.model_dump_json())  # JSON is YAML: the ranks read the config as resolved here
+    exit_code = subprocess.run(launch.command(resolved, []), check=False).returncode
+    resolved.unlink()
+    if exit_code:
+        raise TrainingError(f"torchrun exited with code {exit_code}", "see the ranks' output above")
+    output = train(config, out_dir, progress=False)  # complete now: returns the output at once
+    trained = output.record["started"] >= started
+    if trained and log is not None:
+        for line in _read_lines(output.path / METRICS_FILE):
+            metrics = json.loads(line)
+            log(metrics, metrics.pop("step"))
+    return replace(output, cached=not trained)
+
+
 def _train_distributed(stage: Stage, build: Callable[[Path | None], Mapping[str, float]],
                        out_dir: str | Path | None, scratch: Path) -> StageOutput:
     """Rank 0 runs the stage and tells the others whether it trains; they train alongside, unwritten."""
@@ -308,3 +335,7 @@ def summarise(metrics_path: Path, steps_per_epoch: int) -> dict[str, float]:
            if key.startswith(("knn_", "teacher_knn_"))}
     return {"loss": sum(last_epoch) / len(last_epoch), "final_loss": steps[-1]["loss"], "steps": last,
             "epochs": epochs[-1]["epoch"] if epochs else 0, **knn}
+
+
+TRAIN = StageKind("train", train_stage_of, launch_training, (METRICS_FILE, ENCODER_FILE, CHECKPOINT_FILE, "*.png"),
+                  streams=True)

@@ -40,7 +40,7 @@ from repsim.similarity.captions import default_text_model, embed_captions, load_
 from repsim.similarity.neighbors import (EXACT_LIMIT, STAGE_INDEXES, auto_index, descending, drop_self, knn,
                                         recall_at_k)
 from repsim.similarity.wordnet import class_similarity
-from repsim.stage import Stage, StageOutput, fingerprint_files, output_dir, read_record, run_stage
+from repsim.stage import Stage, StageKind, StageOutput, fingerprint_files, output_dir, read_record, run_stage
 
 STAGE_VERSION = "1"
 NEIGHBORS_VERSION = "2"  # 2: knn(), scores named for what they are, cosine by default
@@ -251,3 +251,9 @@ def _tie_aware_recall(ids: np.ndarray, scores: np.ndarray, kth: np.ndarray, metr
     tolerance = 1e-4 * np.maximum(np.abs(kth), 1.0)[:, None]
     near = scores >= kth[:, None] - tolerance if descending(metric) else scores <= kth[:, None] + tolerance
     return float((near & (ids >= 0)).mean())
+
+
+CAPTIONS = StageKind("captions", embed_captions_stage_of, embed_captions_stage)
+WORDNET = StageKind("wordnet", wordnet_similarity_stage_of, wordnet_similarity_stage,
+                    (CLASSES_FILE, SIMILARITY_FILE, HEAT_MAP_FILE))
+NEIGHBORS = StageKind("neighbors", neighbors_stage_of, neighbors_stage)
