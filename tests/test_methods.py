@@ -26,12 +26,11 @@ from repsim.data.sharding import ShardResult
 from repsim.data.spec import load_spec
 from repsim.errors import SpecError
 from repsim.losses import NTXentLoss, XCLRLoss
-from repsim.methods import registry
+from repsim.methods import base
 from repsim.methods.config import Config, LabelsSimilarity, MethodConfig, load_config
-from repsim.methods.registry import method_spec, register
-from repsim.methods.stage import (TrainingData, Upstream, file_digest, prepare, train, train_stage_of,
-                                  training_data)
-from repsim.methods.train import Method, init_distributed
+from repsim.methods.base import Method, TrainingData, Upstream, method_spec, register
+from repsim.methods.stage import file_digest, prepare, train, train_stage_of, training_data
+from repsim.methods.train import init_distributed
 from repsim.methods.xclr import similarity_source, upstream
 from repsim.models import MaskableViT, backbone, load_encoder, save_encoder
 from repsim.stage import repsim_home
@@ -249,7 +248,7 @@ def test_the_two_view_methods_train_a_vit_as_well(animals, name):
 
 def test_a_method_registered_outside_the_library_is_found_by_the_train_stage(animals, monkeypatch):
     spec, shards = animals
-    monkeypatch.setattr(registry, "_methods", dict(registry._methods))  # registered for this test only
+    monkeypatch.setattr(base, "_methods", dict(base._methods))  # registered for this test only
     produced = object()
 
     def toy_upstream(config: Config, data: TrainingData) -> Upstream:
@@ -278,7 +277,7 @@ class ToyConfig(BaseModel):
 @pytest.fixture
 def registry_restored(monkeypatch):
     """The methods registered in the test are forgotten after it, by the registry and by the config."""
-    monkeypatch.setattr(registry, "_methods", dict(registry._methods))
+    monkeypatch.setattr(base, "_methods", dict(base._methods))
     field = Config.model_fields["method"]
     accepted = field.annotation
     yield
@@ -313,15 +312,15 @@ def test_an_outside_method_registered_in_a_test_is_forgotten_after_it(tmp_path):
     path.write_text(yaml.safe_dump({"method": {"name": "toy"}}))
     with pytest.raises(SpecError, match="field 'method.name' is 'toy', which is not known"):
         load_config(path)
-    assert "toy" not in registry._methods
+    assert "toy" not in base._methods
 
 
 def test_an_unknown_method_name_is_one_line_naming_the_known_methods():
     with pytest.raises(SpecError) as raised:
         method_spec("xclrr")
     assert str(raised.value) == ("method.name is 'xclrr', which is not known; use one of "
-                                 + ", ".join(repr(name) for name in registry.shipped()))
-    assert sorted(registry.shipped()) == sorted(ACCEPTED_METHODS)
+                                 + ", ".join(repr(name) for name in base.shipped()))
+    assert sorted(base.shipped()) == sorted(ACCEPTED_METHODS)
 
 
 @pytest.mark.parametrize("method, needs", [({"name": "supcon"}, "SupCon"),

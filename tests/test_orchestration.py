@@ -1,7 +1,11 @@
 """End to end through the CLI, the Prefect flow and MLflow, on the embedded defaults."""
 
+import json
+import subprocess
+import sys
+
 import pytest
-from e2e import flow_runs, repsim
+from e2e import REPSIM, flow_runs, isolated_env, repsim
 from mlflow.tracking import MlflowClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.orchestration]
@@ -129,3 +133,68 @@ def test_prefect_cache_key_names_the_output_directory(make_image_folder, write_s
         keys.append(key(None, request))
     assert None not in keys and keys[0] != keys[1] and keys[0].split("-")[:2] == keys[1].split("-")[:2]
 
+
+
+OUTSIDE_METHOD = '''"""A method outside repsim: SimCLR under its own name and settings."""
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from repsim.methods.base import Method, TrainingData, method_spec, register
+from repsim.methods.config import SimCLRConfig
+
+
+class TinyConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: Literal["tiny"]
+    temperature: float = 0.2
+
+
+@register("tiny", settings=TinyConfig)
+def build(config, data: TrainingData) -> Method:
+    simclr = SimCLRConfig(name="simclr", temperature=config.method.temperature)
+    return method_spec("simclr").build(config.model_copy(update={"method": simclr}), data)
+'''
+OUTSIDE_PACKAGE = '''[build-system]
+requires = ["setuptools"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "repsim-tiny-method"
+version = "0.1"
+
+[project.entry-points."repsim.methods"]
+tiny = "tiny_method"
+
+[tool.setuptools]
+py-modules = ["tiny_method"]
+'''
+
+
+def test_a_method_installed_as_a_package_trains_with_repsim_train(make_image_folder, write_spec, tmp_path):
+    package, site = tmp_path / "package", tmp_path / "site"
+    package.mkdir()
+    (package / "tiny_method.py").write_text(OUTSIDE_METHOD)
+    (package / "pyproject.toml").write_text(OUTSIDE_PACKAGE)
+    installed = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
+                                "--no-build-isolation", "--target", str(site), str(package)],
+                               capture_output=True, text=True)
+    assert installed.returncode == 0, installed.stderr
+    root = make_image_folder({"cat": 8, "dog": 8}, size=16)
+    spec = write_spec({"name": "pets", "source": {"type": "image_folder", "root": str(root)},
+                       "classes": {"cat": "cat.n.01", "dog": "dog.n.01"},
+                       "split": {"type": "random", "fractions": {"train": 0.5, "test": 0.5}}})
+    config = tmp_path / "tiny.yaml"
+    config.write_text(f"data: {{spec: {spec}, image_size: 16}}\nmethod: {{name: tiny, temperature: 0.3}}\n")
+    command = [REPSIM, "train", str(config), "--set", "optim.epochs=1", "--set", "optim.batch_size=4",
+               "--set", "optim.num_workers=0", "--set", "optim.warmup_epochs=0", "--set", "monitor.knn=false",
+               "--set", "model.projection_dim=8", "--set", "model.projection_hidden_dim=16"]
+    home = tmp_path / "home"
+    without = subprocess.run(command, capture_output=True, text=True, env=isolated_env(home), timeout=600)
+    assert without.returncode == 2 and "field 'method.name' is 'tiny', which is not known" in without.stderr
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                          env=isolated_env(home) | {"PYTHONPATH": str(site)})
+    assert done.returncode == 0, done.stderr
+    [output] = [p for p in (home / "artifacts" / "train").iterdir() if not p.name.startswith(".")]
+    assert done.stdout.strip().endswith(f"trained: {output}")
+    assert json.loads((output / "stage.json").read_text())["config"]["method"] == {"name": "tiny", "temperature": 0.3}

@@ -23,7 +23,7 @@ import torch
 from repsim._checks import as_features
 from repsim.align.config import AlignConfig, GeometryConfig
 from repsim.losses.gera import GeRALoss
-from repsim.methods.train import Method
+from repsim.methods.base import Method
 from repsim.models.alignment import AlignmentNetwork
 
 ALIGNMENT_FILE = "alignment.pt"

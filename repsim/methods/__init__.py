@@ -1,9 +1,9 @@
 """Training methods, one per module, on the shared :class:`~repsim.methods.train.Trainer`.
 
 A method module registers its ``build(config, data) -> Method`` under its name
-(:func:`~repsim.methods.registry.register`), with, when it consumes more than the shards,
+(:func:`~repsim.methods.base.register`), with, when it consumes more than the shards,
 ``upstream(config, data) -> Upstream`` naming that input's cache key and how to produce it
-(:class:`~repsim.methods.registry.MethodSpec`). The train stage (:func:`repsim.methods.stage.train`;
+(:class:`~repsim.methods.base.MethodSpec`). The train stage (:func:`repsim.methods.stage.train`;
 not exported here, where ``train`` is the Trainer's module) wires config, data, method and Trainer.
 
 Exports resolve on first use, so reading a config does not start the Trainer's imports.
@@ -13,9 +13,9 @@ from repsim._lazy import lazy_exports
 
 _EXPORTS = {
     "Config": "config", "load_config": "config",
-    "Method": "train", "Trainer": "train", "KnnMonitor": "train", "LARS": "train", "init_distributed": "train",
+    "Method": "base", "Trainer": "train", "KnnMonitor": "train", "LARS": "train", "init_distributed": "train",
     "train_stage_of": "stage", "load_encoder": "stage",
-    "MethodSpec": "registry", "register": "registry", "method_spec": "registry",
+    "MethodSpec": "base", "register": "base", "method_spec": "base", "TrainingData": "base", "Upstream": "base",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -17,9 +17,8 @@ from torch import nn
 from repsim.losses import ClipLoss
 from repsim.methods.config import Config
 from repsim.methods.contrastive import backbone_and_projection
-from repsim.methods.registry import register
-from repsim.methods.stage import TrainingData, Upstream
-from repsim.methods.train import Batch, Method
+from repsim.methods.base import Method, TrainingData, Upstream, register
+from repsim.methods.train import Batch
 from repsim.models import ProjectionMLP
 from repsim.similarity.stages import EMBEDDINGS_FILE, embed_captions_stage, embed_captions_stage_of
 

@@ -13,6 +13,7 @@ the field and the fix.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args
 
@@ -20,13 +21,14 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from repsim.config_errors import describe, model_at
 from repsim.data.augment import PRESETS
-from repsim.errors import SpecError
+from repsim.errors import SpecError, first_line
 from repsim.layering import Strict, merge_layers, origin, override_layer, read_layer
 from repsim.models.backbones import RESNETS
 from repsim.models.vit import VITS
 from repsim.shipped import locate, packaged
 
 DEFAULTS = "defaults"  # the shipped config under every training config
+ENTRY_POINTS = "repsim.methods"  # the entry-point group under which a package names its methods' modules
 PATH_FIELDS = ("data.spec", "method.similarity.path", "model.init_encoder", "image.path")  # image: alignment configs
 
 
@@ -256,7 +258,7 @@ class Config(Strict):
 
 def accept_method(name: str, settings: type[BaseModel]) -> None:
     """Let ``method.name: <name>`` validate into ``settings``, a model whose ``name`` is
-    ``Literal["<name>"]``: how a method outside the library (see ``registry.register``) has its
+    ``Literal["<name>"]``: how a method outside the library (see :func:`repsim.methods.base.register`) has its
     settings read, and their errors described, like a shipped method's. Settings accepted under the
     same name before are replaced."""
     if _name_of(settings) != name:
@@ -265,6 +267,29 @@ def accept_method(name: str, settings: type[BaseModel]) -> None:
     others = [model for model in get_args(field.annotation) if _name_of(model) != name]
     field.annotation = Union[(*others, settings)]  # the field keeps its discriminator
     Config.model_rebuild(force=True)
+
+
+def shipped() -> tuple[str, ...]:
+    """The method names the library ships (``method.name``), in its order."""
+    union, _ = get_args(MethodConfig)
+    return tuple(_name_of(model) for model in get_args(union))
+
+
+def accepted_methods() -> tuple[str, ...]:
+    """The method names a config accepts now: those shipped, then those accepted from outside."""
+    return tuple(_name_of(model) for model in get_args(Config.model_fields["method"].annotation))
+
+
+def import_outside_method(name: str) -> None:
+    """Import the module that a package names for method ``name`` under the entry-point group
+    ``repsim.methods``, so that it registers itself (and its settings); nothing when none does.
+    SpecError in one line when that module does not import."""
+    for point in entry_points(group=ENTRY_POINTS, name=name):
+        try:
+            point.load()
+        except Exception as err:  # whatever the outside module raises while it imports
+            raise SpecError(f"method {name!r} of {point.value!r} (entry point of {point.dist.name if point.dist else '?'}) "
+                            f"does not import: {first_line(err)}", "fix or reinstall the package") from None
 
 
 def _name_of(settings: type[BaseModel]) -> str | None:
@@ -286,8 +311,12 @@ def load_config(path: str | Path, overrides: Sequence[str] = (), defaults: str |
     files = [packaged("config", defaults)] if defaults is not None else []
     layers = [read_layer(file, "config", "configs/simclr.yaml", PATH_FIELDS) for file in [*files, path]]
     layers += [override_layer(override, "optim.lr=0.01", PATH_FIELDS) for override in overrides]
+    merged = merge_layers(layers)
+    method = merged.get("method")
+    if schema is Config and isinstance(method, dict) and method.get("name") not in accepted_methods():
+        import_outside_method(str(method.get("name")))
     try:
-        return schema.model_validate(merge_layers(layers))
+        return schema.model_validate(merged)
     except ValidationError as err:
         _, field = model_at(schema, err.errors()[0]["loc"])
         raise SpecError(*describe(err, origin(layers, field) or str(path), schema)) from None

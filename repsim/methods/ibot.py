@@ -10,8 +10,7 @@ from repsim.data.masking import BlockMasking
 from repsim.losses.ibot import IBOTPatchLoss
 from repsim.methods import dino
 from repsim.methods.config import Config
-from repsim.methods.registry import register
-from repsim.methods.stage import TrainingData
+from repsim.methods.base import TrainingData, register
 
 
 @register("ibot")

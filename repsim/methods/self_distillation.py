@@ -26,8 +26,8 @@ from repsim.eval.diagnostics import effective_rank, embedding_std
 from repsim.losses._pairs import gather_no_grad
 from repsim.losses.sop import mean_assignment_entropy, mean_sample_entropy
 from repsim.methods.config import Config, ModelConfig
-from repsim.methods.stage import TrainingData
-from repsim.methods.train import Batch, Method
+from repsim.methods.base import Method, TrainingData
+from repsim.methods.train import Batch
 from repsim.models import VITS, MaskableViT, backbone
 
 

@@ -8,8 +8,7 @@ from torch import nn
 from repsim.losses import NTXentLoss
 from repsim.methods.config import Config
 from repsim.methods.contrastive import TwoViewMethod, backbone_and_projection
-from repsim.methods.registry import register
-from repsim.methods.stage import TrainingData
+from repsim.methods.base import TrainingData, register
 from repsim.methods.train import Batch
 
 

@@ -30,9 +30,8 @@ from repsim.data.masking import BlockMasking
 from repsim.losses import KoLeoLoss
 from repsim.losses.sop import MaskedSOPLoss, SOPLoss, SOPs, Supports, assemble_sops, draw_supports
 from repsim.methods.config import Config
-from repsim.methods.registry import register
+from repsim.methods.base import TrainingData, register
 from repsim.methods.self_distillation import Memory, SelfDistillation, projection_head, vit_backbone
-from repsim.methods.stage import TrainingData
 from repsim.methods.train import Batch
 from repsim.models.vit import MaskableViT
 

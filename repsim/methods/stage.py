@@ -31,7 +31,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +44,8 @@ from repsim.data.spec import DataSpec, load_spec
 from repsim.device import TorchrunLaunch, cpu_plan, distributed, gpu_slot, resolve_device, torch_threads
 from repsim.errors import SpecError
 from repsim.methods.config import Config
-from repsim.methods.registry import method_spec
-from repsim.methods.train import (KnnMonitor, LogFn, Method, Trainer, TrainingError, init_distributed, is_main_process,
+from repsim.methods.base import Method, TrainingData, Upstream, method_spec
+from repsim.methods.train import (KnnMonitor, LogFn, Trainer, TrainingError, init_distributed, is_main_process,
                                   seed_everything)
 from repsim.models.backbones import ENCODER_FILE, encoder_file, load_encoder, save_encoder
 from repsim.stage import Stage, StageKind, StageOutput, read_record, repsim_home, run_stage, sha256_file
@@ -57,33 +57,8 @@ KEY_NEUTRAL = (("optim", "threads"), ("optim", "checkpoint_every"), ("monitor", 
                ("method", "similarity", "path"), ("model", "init_encoder"))  # paths: their contents are keyed
 MACHINE_CHOSEN = ("optim", "num_workers")  # changes the batches; keyed when set, not when left to the machine
 
-__all__ = ["TrainingData", "Upstream", "file_digest", "load_encoder", "prepare", "train", "train_loader",
+__all__ = ["file_digest", "load_encoder", "prepare", "train", "train_loader",
            "train_stage_of"]
-
-
-@dataclass(frozen=True)
-class Upstream:
-    """What a method consumes besides the shards: its cache key, and how to produce it (None for a
-    user's file, whose key is its digest)."""
-
-    key: str
-    run: Callable[[], StageOutput] | None = None
-
-
-@dataclass(frozen=True)
-class TrainingData:
-    """What a method is built from: the data spec, its shards, the images' channels and view size,
-    and the output of the method's upstream stage, if any."""
-
-    spec: DataSpec
-    shards: ShardResult
-    channels: int
-    image_size: int
-    upstream: StageOutput | None = None
-
-    @property
-    def labelled(self) -> bool:
-        return self.spec.classes is not None
 
 
 def file_digest(path: Path, field: str) -> str:

@@ -1,4 +1,4 @@
-"""The shared Trainer: any :class:`Method` on a shard loader, with AdamW or LARS, warm-up + cosine,
+"""The shared Trainer: any :class:`~repsim.methods.base.Method` on a shard loader, with AdamW or LARS, warm-up + cosine,
 mixed precision, checkpoints with exact resume, an online kNN monitor and DDP.
 
 A method is an ``nn.Module`` whose ``training_step(batch)`` returns ``{"loss": scalar, **scalars}``
@@ -23,7 +23,6 @@ import logging
 import math
 import os
 import random
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import islice
@@ -41,6 +40,7 @@ from repsim.data.loader import Batch, ShardLoader
 from repsim.device import distributed, resolve_device
 from repsim.errors import RepsimError, first_line
 from repsim.eval.knn import knn_accuracy
+from repsim.methods.base import Method
 from repsim.methods.config import OptimConfig
 
 LogFn = Callable[[dict[str, float], int], None]
@@ -50,35 +50,6 @@ log = logging.getLogger(__name__)
 
 class TrainingError(RepsimError):
     """Training cannot go on: the loss diverged, or the data gives no full batch."""
-
-
-class Method(nn.Module, ABC):
-    """A training method: ``training_step(batch) -> {"loss": scalar, **scalars}`` and an ``encoder``.
-
-    ``batch`` is the loader's dict (``views``, ``label``, ``index``) already on the device.
-    """
-
-    encoder: nn.Module
-
-    @abstractmethod
-    def training_step(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """The loss of one batch, plus any scalars worth logging."""
-
-    def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
-        return self.training_step(batch)
-
-    def after_optimizer_step(self, step: int, total_steps: int) -> None:
-        """Called after optimizer step ``step`` (1-based) of ``total_steps``, e.g. to update an EMA teacher."""
-
-    def epoch_metrics(self) -> dict[str, float]:
-        """Scalars logged (and written to metrics.jsonl) with the kNN accuracies at each epoch's end,
-        on rank 0, e.g. collapse diagnostics. None by default."""
-        return {}
-
-    def monitored_encoders(self) -> dict[str, nn.Module]:
-        """The encoders the kNN monitor scores at each epoch's end, by the prefix of their metrics:
-        the ``encoder`` (no prefix) by default."""
-        return {"": self.encoder}
 
 
 # ---------------------------------------------------------------------------------------------

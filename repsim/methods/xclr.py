@@ -21,8 +21,8 @@ from repsim.losses import XCLRLoss
 from repsim.losses._pairs import gather_no_grad
 from repsim.methods.config import Config, Similarity
 from repsim.methods.contrastive import TwoViewMethod, backbone_and_projection, require_labels
-from repsim.methods.registry import register
-from repsim.methods.stage import TrainingData, Upstream, file_digest
+from repsim.methods.base import TrainingData, Upstream, register
+from repsim.methods.stage import file_digest
 from repsim.methods.train import Batch
 from repsim.plots import histogram_plot
 from repsim.similarity.sources import (ClassMatrixSource, EmbeddingSource, GraphSource, IdentitySource,

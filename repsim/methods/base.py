@@ -1,0 +1,151 @@
+"""The method contract: what a training method is (:class:`Method`), what it is built from
+(:class:`TrainingData`, :class:`Upstream`), and how it is registered and found by name
+(:func:`register`, :func:`method_spec`).
+
+A method is one module that registers its ``build`` under its name, with what else it provides::
+
+    @register("simclr")
+    def build(config: Config, data: TrainingData) -> SimCLR: ...
+
+A method outside the library registers its settings model too (``name: Literal["mymethod"]``), so
+that a config naming it validates: ``@register("mymethod", settings=MyMethodConfig)``. Its package
+names the module under the entry-point group ``repsim.methods`` (``mymethod = "mypackage.method"``),
+so that ``repsim train``, ``repsim run`` and torchrun's ranks import it when a config names it.
+
+A shipped method (a name the config accepts) lives in the module ``repsim.methods.<name>``, imported
+on the first lookup of that name, so no caller imports a method by hand and reading a config
+imports none.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel
+from torch import nn
+
+from repsim.data.loader import Batch
+from repsim.data.sharding import ShardResult
+from repsim.data.spec import DataSpec
+from repsim.errors import SpecError
+from repsim.methods.config import Config, accept_method, accepted_methods, import_outside_method, shipped
+from repsim.stage import StageOutput
+
+
+class Method(nn.Module, ABC):
+    """A training method: ``training_step(batch) -> {"loss": scalar, **scalars}`` and an ``encoder``.
+
+    ``batch`` is the loader's dict (``views``, ``label``, ``index``) already on the device.
+    """
+
+    encoder: nn.Module
+
+    @abstractmethod
+    def training_step(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """The loss of one batch, plus any scalars worth logging."""
+
+    def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
+        return self.training_step(batch)
+
+    def after_optimizer_step(self, step: int, total_steps: int) -> None:
+        """Called after optimizer step ``step`` (1-based) of ``total_steps``, e.g. to update an EMA teacher."""
+
+    def epoch_metrics(self) -> dict[str, float]:
+        """Scalars logged (and written to metrics.jsonl) with the kNN accuracies at each epoch's end,
+        on rank 0, e.g. collapse diagnostics. None by default."""
+        return {}
+
+    def monitored_encoders(self) -> dict[str, nn.Module]:
+        """The encoders the kNN monitor scores at each epoch's end, by the prefix of their metrics:
+        the ``encoder`` (no prefix) by default."""
+        return {"": self.encoder}
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """What a method consumes besides the shards: its cache key, and how to produce it (None for a
+    user's file, whose key is its digest)."""
+
+    key: str
+    run: Callable[[], StageOutput] | None = None
+
+
+@dataclass(frozen=True)
+class TrainingData:
+    """What a method is built from: the data spec, its shards, the images' channels and view size,
+    and the output of the method's upstream stage, if any."""
+
+    spec: DataSpec
+    shards: ShardResult
+    channels: int
+    image_size: int
+    upstream: StageOutput | None = None
+
+    @property
+    def labelled(self) -> bool:
+        return self.spec.classes is not None
+
+
+Build = Callable[[Config, TrainingData], Method]
+
+
+def no_upstream(config: Config, data: TrainingData) -> None:
+    """Nothing besides the shards."""
+
+
+def no_figures(method: Method, out: Path) -> None:
+    """No figures of training."""
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """What a method gives the train stage.
+
+    ``build(config, data) -> Method`` (required); ``upstream(config, data) -> Upstream | None``: what
+    the method consumes besides the shards, its cache key and how to produce it; ``write_figures(method,
+    out)``: its figures of training (PNG files, logged with the stage), written into the stage's folder
+    ``out`` once training ends.
+    """
+
+    build: Build
+    upstream: Callable[[Config, TrainingData], Upstream | None] = no_upstream
+    write_figures: Callable[[Method, Path], None] = no_figures
+
+
+_methods: dict[str, MethodSpec] = {}
+
+
+def register(name: str, *, upstream: Callable[[Config, TrainingData], Upstream | None] = no_upstream,
+             write_figures: Callable[[Method, Path], None] = no_figures,
+             settings: type[BaseModel] | None = None) -> Callable[[Build], Build]:
+    """Decorator registering ``build`` as method ``name``, with its ``upstream`` and ``write_figures``,
+    and, for a method outside the library, the ``settings`` model the config reads ``method`` into
+    (see :func:`~repsim.methods.config.accept_method`)."""
+    def decorate(build: Build) -> Build:
+        taken = _methods.get(name)
+        if taken is not None and taken.build.__module__ != build.__module__:
+            raise ValueError(f"method {name!r} is registered by {taken.build.__module__} already")
+        if settings is not None:
+            accept_method(name, settings)
+        _methods[name] = MethodSpec(build, upstream, write_figures)
+        return build
+    return decorate
+
+
+def method_spec(name: str) -> MethodSpec:
+    """The method registered as ``name``: a shipped one's module imported first, an outside one's
+    through its ``repsim.methods`` entry point; SpecError naming the known methods for any other name."""
+    if name not in _methods:
+        if name in shipped():
+            importlib.import_module(f"repsim.methods.{name}")
+        else:
+            import_outside_method(name)
+    if name not in _methods:
+        known = ", ".join(repr(known) for known in dict.fromkeys([*accepted_methods(), *_methods]))
+        raise SpecError(f"method.name is {name!r}, which is not known", f"use one of {known}")
+    return _methods[name]
