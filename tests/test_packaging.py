@@ -41,7 +41,7 @@ def wheel_files(wheel) -> set[str]:
 def test_the_wheel_holds_every_module_and_shipped_file(wheel_files):
     expected = {f"{place}/{path.relative_to(REPO / folder).as_posix()}" for folder, (place, patterns) in TREE.items()
                 for pattern in patterns for path in (REPO / folder).glob(pattern)}
-    assert {"repsim/align/stage.py", "repsim/flows/experiment.py", "repsim/configs/defaults.yaml"} <= expected
+    assert {"repsim/align/stage.py", "repsim/flows/experiment.py", "repsim/configs/xclr.yaml"} <= expected
     assert expected <= wheel_files, sorted(expected - wheel_files)
 
 
@@ -127,13 +127,23 @@ def test_loaders_take_names(tmp_path, monkeypatch):
     assert load_experiment("default") == load_experiment(REPO / "experiments" / "default.yaml")
 
 
+def test_defaults_live_in_the_config_models_alone(tmp_path):
+    config = tmp_path / "simclr.yaml"
+    config.write_text(yaml.safe_dump({"method": {"name": "simclr"}}))
+    from repsim.methods.config import Config
+
+    assert load_config(config) == Config.model_validate({"method": {"name": "simclr"}})
+    assert not list((REPO / "configs").glob("default*"))
+
+
 def test_a_missing_packaged_default_is_an_error_naming_it(tmp_path, monkeypatch):
     config = tmp_path / "simclr.yaml"
-    config.write_text(yaml.safe_dump({"method": {"name": "simclr"}, "data": {"spec": "spec.yaml"}}))
+    config.write_text(yaml.safe_dump({"method": {"name": "simclr"}}))
     monkeypatch.setattr("repsim.shipped.files", lambda package: tmp_path)
-    with pytest.raises(SpecError, match=f"the packaged config {tmp_path / 'defaults.yaml'} is missing; reinstall"):
+    with pytest.raises(SpecError, match=f"the packaged data spec {tmp_path / 'animal-mnist.yaml'} is missing; reinstall"):
         load_config(config)
-    assert load_config(config, defaults=None).method.name == "simclr"
+    config.write_text(yaml.safe_dump({"method": {"name": "simclr"}, "data": {"spec": "spec.yaml"}}))
+    assert load_config(config).data.spec == tmp_path / "spec.yaml"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,7 +156,7 @@ def test_a_missing_packaged_default_is_an_error_naming_it(tmp_path, monkeypatch)
     (["precompute", "all", "no-such-spec"], "error: data spec no-such-spec does not exist"),
     (["eval", "no-such-spec"], "error: data spec no-such-spec does not exist"),
     (["train", "no-such-config"], "error: config no-such-config does not exist; check the path, or name a shipped "
-                                  "config: align_contrastive, clip, defaults,"),
+                                  "config: align_contrastive, clip, dino,"),
     (["serve", "no-such-file"], "name a shipped deployments file: default, deployments"),
     # shipped names found, then a later mistake, before any orchestration
     (["shard", "animal-mnist", "animal-mnist.yaml", "--out", "x"], "error: --out names one directory but several"),

@@ -177,4 +177,4 @@ class AlignConfig(Strict):
 def load_align_config(path: str | Path, overrides: Sequence[str] = ()) -> AlignConfig:
     """Read the alignment config at ``path`` (or the shipped config of that name: ``gera``) and apply
     ``overrides`` (``"geometry.alpha=0"``); SpecError in one line naming the file and the field."""
-    return load_config(path, overrides, defaults=None, schema=AlignConfig)
+    return load_config(path, overrides, schema=AlignConfig)

@@ -1,9 +1,9 @@
 """Experiment configs: pydantic models read from YAML, merged over defaults, overridable by ``a.b=value``.
 
-A config file (a path, or the name of a shipped config: ``xclr``) is merged over the shipped
-``configs/defaults.yaml`` (mappings merge key by key; a mapping whose ``type`` or ``name`` changes
-is replaced whole, so switching a similarity source drops the old source's fields), then each
-override is applied in order. Override values are parsed as YAML
+A config file (a path, or the name of a shipped config: ``xclr``) sets what differs from the
+models' defaults here, the one place defaults live; then each override is applied in order
+(mappings merge key by key; a mapping whose ``type`` or ``name`` changes is replaced whole, so
+switching a similarity source drops the old source's fields). Override values are parsed as YAML
 (``optim.lr=0.1``, ``monitor.knn=false``, ``optim.grad_clip=null``). Relative paths resolve against
 the folder of the file that names them; paths given in overrides resolve against the working
 directory (see :mod:`repsim.layering`). Every error is one line naming the file (or the override),
@@ -27,7 +27,7 @@ from repsim.models.backbones import RESNETS
 from repsim.models.vit import VITS
 from repsim.shipped import locate, packaged
 
-DEFAULTS = "defaults"  # the shipped config under every training config
+DEFAULT_SPEC = "animal-mnist"  # the shipped data spec a config trains on unless it names one
 ENTRY_POINTS = "repsim.methods"  # the entry-point group under which a package names its methods' modules
 PATH_FIELDS = ("data.spec", "method.similarity.path", "model.init_encoder", "image.path")  # image: alignment configs
 
@@ -35,14 +35,15 @@ PATH_FIELDS = ("data.spec", "method.similarity.path", "model.init_encoder", "ima
 class DataConfig(Strict):
     """What to train on: a data spec, its training split and the augmentation preset."""
 
-    spec: Path
+    spec: Path = Field(default_factory=lambda: packaged("data spec", DEFAULT_SPEC),
+                       description="data spec YAML; default: the shipped animal-mnist (28×28 silhouettes, 10 classes)")
     split: str = "train"
     preset: Literal[tuple(PRESETS)] = "simclr"
     preset_options: dict[str, Any] = {}
     augment: Literal["sample", "batch"] = Field("sample", description="sample: each image's views in the loader "
                                                 "workers (torchvision); batch: a batch's views in one call on the "
                                                 "training device (kornia)")
-    image_size: int | None = Field(None, gt=0, description="side of the views; default: the images' own")
+    image_size: int | None = Field(28, gt=0, description="side of the views; None: the images' own")
 
 
 class ModelConfig(Strict):
@@ -52,7 +53,7 @@ class ModelConfig(Strict):
     small_images: bool = True
     patch_size: int = Field(4, gt=0, description="ViT patch side in pixels (4 for 28 px images, 16 for 224 px)")
     depth: int = Field(12, gt=0, description="ViT blocks")
-    projection_hidden_dim: int = Field(2048, gt=0)
+    projection_hidden_dim: int = Field(512, gt=0)
     projection_dim: int = Field(128, gt=0)
     projection_layers: int = Field(2, ge=1)
     init_encoder: Path | None = Field(None, description="a saved encoder (a train stage's encoder.pt or its "
@@ -68,7 +69,7 @@ class OptimConfig(Strict):
     momentum: float = Field(0.9, ge=0, lt=1, description="LARS momentum")
     trust_coefficient: float = Field(1e-3, gt=0, description="LARS trust coefficient")
     batch_size: int = Field(256, gt=0)
-    epochs: int = Field(10, gt=0)
+    epochs: int = Field(5, gt=0)
     max_steps: int | None = Field(None, gt=0, description="stop after this many steps, mid-epoch if need be "
                                   "(the schedule ends there); None: train every epoch")
     warmup_epochs: float = Field(1.0, ge=0)
@@ -79,7 +80,7 @@ class OptimConfig(Strict):
     seed: int = 0
     num_workers: int | None = Field(None, ge=0, description="DataLoader workers; default: repsim.device.cpu_plan")
     threads: int | None = Field(None, gt=0, description="torch intra-op threads; default: the cores the workers leave")
-    checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0: only at the end")
+    checkpoint_every: int = Field(50, ge=0, description="steps between checkpoints; 0: only at the end")
 
 
 class MonitorConfig(Strict):
@@ -250,7 +251,7 @@ class Config(Strict):
     """One training experiment."""
 
     method: MethodConfig
-    data: DataConfig
+    data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = ModelConfig()
     optim: OptimConfig = OptimConfig()
     monitor: MonitorConfig = MonitorConfig()
@@ -302,14 +303,12 @@ def _name_of(settings: type[BaseModel]) -> str | None:
 # ---------------------------------------------------------------------------------------------
 # Loading
 
-def load_config(path: str | Path, overrides: Sequence[str] = (), defaults: str | None = DEFAULTS,
-                schema: type[BaseModel] = Config) -> Any:
-    """Read the config at ``path`` (or the shipped config of that name) merged over the shipped config
-    ``defaults`` (None: no defaults), then apply ``overrides`` (``"optim.lr=0.01"``), as a ``schema``
-    (default: a training :class:`Config`). Raises SpecError in one line naming file and field."""
+def load_config(path: str | Path, overrides: Sequence[str] = (), schema: type[BaseModel] = Config) -> Any:
+    """Read the config at ``path`` (or the shipped config of that name) and apply ``overrides``
+    (``"optim.lr=0.01"``), as a ``schema`` (default: a training :class:`Config`) whose defaults fill
+    in the rest. Raises SpecError in one line naming file and field."""
     path = locate(path, "config")
-    files = [packaged("config", defaults)] if defaults is not None else []
-    layers = [read_layer(file, "config", "configs/simclr.yaml", PATH_FIELDS) for file in [*files, path]]
+    layers = [read_layer(path, "config", "configs/simclr.yaml", PATH_FIELDS)]
     layers += [override_layer(override, "optim.lr=0.01", PATH_FIELDS) for override in overrides]
     merged = merge_layers(layers)
     method = merged.get("method")
