@@ -6,7 +6,7 @@ export REPSIM_HOME ?= $(CURDIR)/.repsim
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 EXPERIMENT ?= experiments/default.yaml
 
-.PHONY: setup run test test-fast docs ui servers servers-stop serve clean
+.PHONY: setup run test test-fast lint docs ui servers servers-stop serve clean
 
 setup:
 	@bash scripts/setup.sh
@@ -19,6 +19,9 @@ test: setup  ## the whole test suite, slow tests included
 
 test-fast: setup  ## the tests that take seconds
 	$(PY) -m pytest -m "not slow"
+
+lint: setup  ## ruff's checks, configured in pyproject.toml
+	$(VENV)/bin/ruff check .
 
 docs: setup  ## the documentation site (mkdocs.yml, docs/), built strictly into .site/
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir .site

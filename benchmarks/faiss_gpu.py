@@ -147,7 +147,7 @@ def run_torch(points: np.ndarray, args: argparse.Namespace, device: torch.device
         return ids.cpu().numpy(), scores.cpu().numpy()
 
     timings = search_all(search, len(points), args.torch_chunk, args.k, args.max_seconds, args.check, "torch")
-    del base
+    base.resize_(0)  # the GPU memory goes back before the next backend runs
     return {"build": build, **timings}
 
 

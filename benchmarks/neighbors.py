@@ -79,7 +79,7 @@ def search_rows(x: np.ndarray, queries: np.ndarray, chunk: int) -> list[list[str
         (_, ids), search = timed(index.search, queries, K)
         results[kind] = (ids, build, search, len(faiss.serialize_index(index)) / len(x))
         if kind == "ivfpq":
-            def search_and_rerank() -> np.ndarray:
+            def search_and_rerank(index: faiss.Index = index) -> np.ndarray:
                 return rerank_exactly(x, queries, index.search(queries, K * IVFPQ_RERANK)[1], "ip", K)[0]
             ids, search = timed(search_and_rerank)
             results[f"ivfpq + exact re-rank of {IVFPQ_RERANK}k"] = (ids, build, search, results[kind][3])

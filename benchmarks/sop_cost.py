@@ -95,7 +95,8 @@ def report(command: str, args: argparse.Namespace, device: torch.device, steps: 
          f"torch threads, {platform.processor() or platform.machine()}. ViT-Tiny, {args.depth} blocks, 28 px "
          f"(patch 4), batch {args.batch_size}, 2 global + {args.local_crops} local views; head 2048-2048-256. "
          f"SOP: K = {args.anchors} anchors, k = 8, memories {args.cls_memory} ([CLS]) and {args.patch_memory} "
-         f"(patches), full; DINO and iBOT: {args.prototypes} prototypes; SOP and iBOT mask half the global views. Median of {args.repeats} alternated repeats. The "
+         f"(patches), full; DINO and iBOT: {args.prototypes} prototypes; SOP and iBOT mask half the global views. "
+         f"Median of {args.repeats} alternated repeats. The "
          "machine may be shared, so absolute times vary between runs; the ratios are the measure."), "",
         markdown(["step", "ms", "ratio"], [
             ["DINO training step", f"{steps['DINO'] * 1e3:,.1f}", "1.00"],

@@ -11,10 +11,10 @@ run times, alternating between them round by round:
 - (c) **loader-fed**: the Trainer on the train stage's real shard loader, with the time spent
   waiting for each batch measured apart.
 
-Each round runs one epoch (or ``--steps``) of each, a different variant first each round; the table gives the median step time over the rounds, the
-ratios trainer/bare and loader-fed/bare (1 is a step at the model's speed) and the share of
-loader-fed time spent waiting for data. Threads and workers follow the train stage's defaults
-(:func:`repsim.device.cpu_plan`) unless ``--set`` changes them. Written to
+Each round runs one epoch (or ``--steps``) of each, a different variant first each round; the table
+gives the median step time over the rounds, the ratios trainer/bare and loader-fed/bare (1 is a
+step at the model's speed) and the share of loader-fed time spent waiting for data. Threads and
+workers follow the train stage's defaults (:func:`repsim.device.cpu_plan`) unless ``--set`` changes them. Written to
 ``benchmarks/results/train_step.md``.
 
     python benchmarks/train_step.py [--method xclr] [--rounds 3] [--set data.augment=sample ...]

@@ -14,6 +14,7 @@ Each section kind has one step here (:data:`STEPS`). A new stage kind is a secti
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import tempfile
@@ -214,7 +215,7 @@ def precompute_step(stages: Stages, members: Members) -> None:
         stages.result(future)
     for run, section in dict(members).items():
         measures = {measure: similarities[run, measure] for measure in section.wordnet}
-        stages.log_figures(lambda folder: target_histograms(run, measures, section.target_temperature, folder))
+        stages.log_figures(functools.partial(target_histograms, run, measures, section.target_temperature))
 
 
 def target_histograms(run: MemberRun, wordnet: dict[str, StageOutput], target_temperature: float,

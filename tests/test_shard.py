@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gzip
 import hashlib
 import io
@@ -24,6 +25,7 @@ from PIL import Image
 
 from bounded import peak_traced
 from repsim.data import ShardResult, load_spec, shard
+from repsim.data import sharding as shard_module
 from repsim.data.sources import open_source
 from repsim.errors import DataError, StageError
 
@@ -31,7 +33,6 @@ CLASSES = {"cat": "cat.n.01", "dog": "dog.n.01"}
 CLASSES_BY_LABEL = list(CLASSES)
 FASHION_ROOT = Path("/usr/share/datasets/fashion-mnist")
 REPO = Path(__file__).resolve().parents[1]
-from repsim.data import sharding as shard_module
 
 
 def read_tar(path: Path) -> dict[str, dict[str, bytes]]:
@@ -283,7 +284,7 @@ def test_sharding_memory_grows_by_columns_not_by_a_python_row_per_sample(write_s
         for number in range(tars):
             write_webdataset_tar(folder / f"cc-{number:05d}.tar", [f"{number}-{i:03d}" for i in range(250)])
         spec = load_spec(webdataset_spec(write_spec, str(folder / f"cc-{{00000..{tars - 1:05d}}}.tar"), shard_size=100))
-        peaks[tars * 250] = peak_traced(lambda: shard(spec, out_dir=tmp_path / f"shards-{tars}", progress=False))
+        peaks[tars * 250] = peak_traced(functools.partial(shard, spec, out_dir=tmp_path / f"shards-{tars}", progress=False))
     assert (peaks[2000] - peaks[500]) / 1500 < 200  # bytes a sample: no Entry nor manifest row held per sample
     manifest = pq.ParquetFile(tmp_path / "shards-8" / "manifest.parquet")
     assert manifest.metadata.num_row_groups == 20 and manifest.metadata.num_rows == 2000

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
@@ -72,7 +72,7 @@ class WebDatasetSource(Strict):
 
 
 Source = Annotated[
-    Union[FashionMnistSource, AnimalMnistSource, ImageFolderSource, ManifestSource, WebDatasetSource],
+    FashionMnistSource | AnimalMnistSource | ImageFolderSource | ManifestSource | WebDatasetSource,
     Field(discriminator="type"),
 ]
 
@@ -101,7 +101,7 @@ class RandomSplit(Strict):
         return fractions
 
 
-Split = Annotated[Union[SourceSplit, RandomSplit], Field(discriminator="type")]
+Split = Annotated[SourceSplit | RandomSplit, Field(discriminator="type")]
 
 
 class Captions(Strict):

@@ -2,8 +2,9 @@
 symmetric InfoNCE.
 
 The text tower is the frozen sentence-transformer of the caption stage (all-MiniLM-L6-v2 by default)
-followed by a trainable projection, not a text encoder trained from scratch as in the paper. Its frozen output for every sample is the caption stage's ``embeddings.npy`` (row =
-manifest index), so a step reads B rows instead of running the text model.
+followed by a trainable projection, not a text encoder trained from scratch as in the paper. Its
+frozen output for every sample is the caption stage's ``embeddings.npy`` (row = manifest index),
+so a step reads B rows instead of running the text model.
 """
 
 from __future__ import annotations

@@ -382,8 +382,9 @@ def knn(base: np.ndarray, k: int, queries: np.ndarray | None = None, index: str 
     it out of the k + 1 found, the last of those is dropped). ``index`` and ``index_options``: see
     :func:`build_index`. ``rerank``: search ``rerank`` × k candidates and keep the k nearest by
     exact scores computed from ``base`` (default 10 for ``ivfpq``, whose coded scores are coarse,
-    else 1: no re-ranking); the scores returned are then exact. ``out``: a folder to write ``neighbor_ids.npy`` and ``neighbor_scores.npy``
-    into as memory maps, which are returned. Anything unusable is a one-line SimilarityError.
+    else 1: no re-ranking); the scores returned are then exact. ``out``: a folder to write
+    ``neighbor_ids.npy`` and ``neighbor_scores.npy`` into as memory maps, which are returned.
+    Anything unusable is a one-line SimilarityError.
     """
     base = _checked_matrix(base, "base points")
     rows = _checked_subset(subset, len(base))
