@@ -58,13 +58,17 @@ def test_unreadable_image_inside_the_flow_is_one_line_and_leaves_nothing(make_im
     assert not (tmp_path / "out").exists()
 
 
-def test_train_flow_streams_curves_to_mlflow_and_caches(make_image_folder, write_spec, tmp_path):
+@pytest.fixture
+def pets_16px(make_image_folder, write_spec):
     root = make_image_folder({"cat": 12, "dog": 12}, size=16)
-    spec = write_spec({"name": "pets", "source": {"type": "image_folder", "root": str(root)},
+    return write_spec({"name": "pets", "source": {"type": "image_folder", "root": str(root)},
                        "classes": {"cat": "cat.n.01", "dog": "dog.n.01"},
                        "split": {"type": "random", "fractions": {"train": 0.5, "test": 0.5}}})
+
+
+def test_train_flow_streams_curves_to_mlflow_and_caches(pets_16px, tmp_path):
     config = tmp_path / "supcon.yaml"
-    config.write_text(f"data: {{spec: {spec}, image_size: 16}}\nmethod: {{name: supcon}}\n")
+    config.write_text(f"data: {{spec: {pets_16px}, image_size: 16}}\nmethod: {{name: supcon}}\n")
     settings = ["--set", "optim.epochs=2", "--set", "optim.batch_size=4", "--set", "optim.num_workers=0",
                 "--set", "optim.warmup_epochs=0", "--set", "monitor.k=3", "--set", "model.projection_dim=16",
                 "--set", "model.projection_hidden_dim=32"]
@@ -171,7 +175,7 @@ py-modules = ["tiny_method"]
 '''
 
 
-def test_a_method_installed_as_a_package_trains_with_repsim_train(make_image_folder, write_spec, tmp_path):
+def test_a_method_installed_as_a_package_trains_with_repsim_train(pets_16px, tmp_path):
     package, site = tmp_path / "package", tmp_path / "site"
     package.mkdir()
     (package / "tiny_method.py").write_text(OUTSIDE_METHOD)
@@ -180,12 +184,8 @@ def test_a_method_installed_as_a_package_trains_with_repsim_train(make_image_fol
                                 "--no-build-isolation", "--target", str(site), str(package)],
                                capture_output=True, text=True)
     assert installed.returncode == 0, installed.stderr
-    root = make_image_folder({"cat": 8, "dog": 8}, size=16)
-    spec = write_spec({"name": "pets", "source": {"type": "image_folder", "root": str(root)},
-                       "classes": {"cat": "cat.n.01", "dog": "dog.n.01"},
-                       "split": {"type": "random", "fractions": {"train": 0.5, "test": 0.5}}})
     config = tmp_path / "tiny.yaml"
-    config.write_text(f"data: {{spec: {spec}, image_size: 16}}\nmethod: {{name: tiny, temperature: 0.3}}\n")
+    config.write_text(f"data: {{spec: {pets_16px}, image_size: 16}}\nmethod: {{name: tiny, temperature: 0.3}}\n")
     command = [REPSIM, "train", str(config), "--set", "optim.epochs=1", "--set", "optim.batch_size=4",
                "--set", "optim.num_workers=0", "--set", "optim.warmup_epochs=0", "--set", "monitor.knn=false",
                "--set", "model.projection_dim=8", "--set", "model.projection_hidden_dim=16"]
