@@ -91,9 +91,16 @@ def finished_run(name: str) -> FinishedRun:
     overrides = ast.literal_eval(run.data.params.get("overrides", "[]"))
     source = run.data.params.get("source", name)
     return FinishedRun(name, run.info.run_id, Path(run.data.params["experiment.data"]),
-                       [dict(zip(table["columns"], row)) for row in table["data"]],
+                       [dict(zip(map(_column_name, table["columns"]), row)) for row in table["data"]],
                        shlex.join(["repsim", "run", source, *(arg for o in overrides for arg in ("--set", o))]),
                        (run.info.end_time - run.info.start_time) / 60000, source)
+
+
+def _column_name(logged: str) -> str:
+    """A result table column as the reports name it: ``<metric>.std`` and ``<metric>.n``, as runs
+    logged before the table's columns lost their dots (``<metric> std``) name them too."""
+    metric, _, statistic = logged.partition(" ")
+    return f"{metric}.{statistic}" if statistic else metric
 
 
 def optional_run(name: str) -> FinishedRun | None:

@@ -20,6 +20,7 @@ import os
 import tempfile
 import time
 from collections import Counter
+from datetime import datetime
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,9 +30,12 @@ import numpy as np
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.futures import PrefectFuture
+from prefect.logging import get_run_logger
+from prefect.runtime import flow_run as prefect_flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from repsim.align.config import load_align_config
+from repsim.align.stage import align_scores
 from repsim.data.sharding import MANIFEST
 from repsim.data.spec import load_spec
 from repsim.errors import RepsimError, StageError
@@ -39,13 +43,13 @@ from repsim.eval.stages import PIXELS, read_results
 from repsim.experiment import (AS_CONFIGURED, AlignSection, EvaluateSection, Experiment, Member, check_experiment,
                                with_overrides)
 from repsim.methods.config import load_config
-from repsim.results import Row, Score, aggregate, as_columns, headline_metrics, markdown
+from repsim.results import Row, Score, aggregate, as_records, headline_metrics, markdown
 from repsim.similarity.sources import ClassMatrixSource, EmbeddingSource, LabelSource, SimilaritySource
 from repsim.similarity.stages import EMBEDDINGS_FILE, SIMILARITY_FILE
 from repsim.similarity.targets import manifest_labels, target_histogram
 from repsim.stage import StageKind, StageOutput, read_record, rebuilding, verifying
 from repsim.tasks.stage import (KINDS, TASKS, current_record, describe, from_prefect_cache, log_stage, planned,
-                                reused)
+                                reused, summary_line)
 from repsim.tasks.tracking import MODEL_URI, StageRun, Tracker, model_directory, model_name
 
 RESULTS_TABLE = "results.json"  # the result table's file among the parent run's artifacts
@@ -101,8 +105,9 @@ class Stages:
             call, label, encoder = self._requests[run_id]
             output = self._outputs[run_id] = future.state.result()
             kind = KINDS[call.partition("{")[0]]
-            if from_prefect_cache(future.state):
+            if from_prefect_cache(future.state):  # the task did not run: its run and summary line are logged here
                 log_stage(self.tracker, self.parent, kind, output.path, label, encoder)
+                get_run_logger().info(summary_line(output, f"{kind.name} {label}" if label else kind.name))
             record = read_record(output.path)
             self.summaries.append({"stage": kind.name, "detail": ": ".join(filter(None, [label, describe(record)])),
                                    "key": output.key, "path": str(output.path), "cached": reused(future.state),
@@ -177,10 +182,12 @@ class MemberRun:
 
     def score(self, encoder: str, output: StageOutput) -> None:
         """Keep the metrics of an evaluate or align output of ``encoder`` (none from a stage only planned)."""
-        if output.stage == "evaluate" and output.record:
+        if not output.record:
+            return
+        if output.stage == "evaluate":
             metrics = {name: value for suite in read_results(output)["suites"].values() for name, value in suite.items()}
         else:
-            metrics = output.metrics
+            metrics = align_scores(output)
         if metrics:
             self.scores.append(Score(self.member.point_label, encoder, output.key, metrics))
 
@@ -340,7 +347,9 @@ def publish(parent: StageRun, rows: list[Row], columns: dict[str, str], name: st
     """The result table on the parent MLflow run (a table artifact, and each row's means as metrics)
     and on the Prefect flow run (a markdown artifact); its markdown."""
     table = markdown(rows, columns)
-    parent.client.log_table(parent.run_id, data=as_columns(rows), artifact_file=RESULTS_TABLE)
+    records = as_records(rows, columns.values())
+    parent.client.log_table(parent.run_id, data={name: [record[name] for record in records] for name in records[0]},
+                            artifact_file=RESULTS_TABLE)
     points = list(dict.fromkeys(row.point for row in rows))
     for row in rows:
         prefix = f"point{points.index(row.point)}." if row.point else ""
@@ -349,11 +358,22 @@ def publish(parent: StageRun, rows: list[Row], columns: dict[str, str], name: st
                               for metric in row.mean if row.n[metric] > 1})
     parent.log_params({f"point{index}": point for index, point in enumerate(points) if point})
     create_markdown_artifact(table, key="results", description=f"experiment {name}: mean ± std (n) over seeds")
-    create_table_artifact(as_columns(rows), key="results-table", description=f"experiment {name}, every metric")
+    create_table_artifact(records, key="results-table", description=f"experiment {name}, every metric")
     return table
 
 
-@flow(name="experiment", task_runner=ThreadPoolTaskRunner(max_workers=concurrency()))
+def run_name() -> str:
+    """``animal-mnist 2026-12-04 23:10:05``: the experiment's name (with the run's overrides) and when
+    the run started, for its Prefect flow run and its parent MLflow run."""
+    parameters = prefect_flow_run.parameters
+    try:
+        name = with_overrides(Experiment.model_validate(parameters["experiment"]), parameters.get("overrides") or []).name
+    except (RepsimError, ValueError):  # the flow itself says what is wrong
+        name = "experiment"
+    return f"{name} {datetime.now():%Y-%m-%d %H:%M:%S}"
+
+
+@flow(name="experiment", flow_run_name=run_name, task_runner=ThreadPoolTaskRunner(max_workers=concurrency()))
 def experiment_flow(experiment: Experiment, overrides: list[str] | None = None,
                     force: list[str] | None = None, spread: str | None = None) -> dict[str, Any]:
     """Run ``experiment`` with ``overrides`` (``"train.settings.optim.lr=0.01"``), rebuilding the
@@ -372,7 +392,8 @@ def experiment_flow(experiment: Experiment, overrides: list[str] | None = None,
     tracker = Tracker()
     params = {"experiment": experiment.model_dump(mode="json"), "source": source, "overrides": list(overrides or []),
               "force": list(force or []), "members": len(members), "spread": spread or ""}
-    with rebuilding(force or []), verifying(experiment.verify), tracker.flow_run("experiment", params) as parent:
+    parent_run = tracker.flow_run("experiment", params, prefect_flow_run.get_name())
+    with rebuilding(force or []), verifying(experiment.verify), parent_run as parent:
         if spread:
             run_members_on(spread, members, force or [])
         stages = Stages(tracker, parent)

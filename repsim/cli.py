@@ -207,12 +207,15 @@ def _print_plan(plan: dict) -> None:
 
 def _where_to_look() -> str:
     from repsim.stage import repsim_home
+    from repsim.tasks.tracking import Tracker, runs_page
 
+    experiment = Tracker().experiment_id
     if os.environ.get("PREFECT_API_URL"):
         return (f"runs: Prefect UI at {os.environ['PREFECT_API_URL'].removesuffix('/api')}, "
-                f"MLflow UI at {os.environ.get('MLFLOW_TRACKING_URI')}")
-    return (f"runs: `make ui` serves the MLflow UI (http://127.0.0.1:5000) and the Prefect UI "
-            f"(http://127.0.0.1:4200) over {repsim_home()}; outputs: `repsim stages`")
+                f"MLflow UI at {runs_page(os.environ['MLFLOW_TRACKING_URI'], experiment)}")
+    mlflow_ui = f"http://127.0.0.1:{os.environ.get('MLFLOW_PORT', '5000')}"
+    return (f"runs: `make ui` serves the MLflow UI ({runs_page(mlflow_ui, experiment)}) and the "
+            f"Prefect UI (http://127.0.0.1:4200) over {repsim_home()}; outputs: `repsim stages`")
 
 
 def cmd_stages(args: argparse.Namespace) -> None:

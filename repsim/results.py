@@ -62,16 +62,22 @@ def cell(row: Row, metric: str) -> str:
     return f"{row.mean[metric]:.4f} ± {row.std[metric]:.4f} ({row.n[metric]})"
 
 
-def as_columns(rows: Sequence[Row]) -> dict[str, list]:
-    """Every metric's mean, std and n as columns (for an MLflow table): {"point", "encoder", "<metric>",
-    "<metric>.std", "<metric>.n", ...}; None where a row lacks the metric."""
-    names = list(dict.fromkeys(name for row in rows for name in row.mean))
-    table: dict[str, list] = {"point": [row.point for row in rows], "encoder": [row.encoder for row in rows]}
-    for name in names:
-        table[name] = [row.mean.get(name) for row in rows]
-        table[f"{name}.std"] = [row.std.get(name) for row in rows]
-        table[f"{name}.n"] = [row.n.get(name) for row in rows]
-    return table
+def column(metric: str, statistic: str = "") -> str:
+    """The result table's column of ``metric``'s ``statistic`` (``""``: the mean, ``"std"``, ``"n"``):
+    no dots, which MLflow's table view leaves blank (``linear_val_top1_wd0.01 std`` ->
+    ``linear_val_top1_wd0_01 std``)."""
+    return " ".join(filter(None, [metric.replace(".", "_"), statistic]))
+
+
+def as_records(rows: Sequence[Row], first: Iterable[str] = ()) -> list[dict]:
+    """One record per row: point, encoder, then each metric's mean, std and n (:func:`column`), the
+    metrics ``first`` (the headline ones) leading; None where a row lacks the metric."""
+    names = list(dict.fromkeys([*(name for name in first if any(name in row.mean for row in rows)),
+                                *(name for row in rows for name in row.mean)]))
+    return [{"point": row.point, "encoder": row.encoder}
+            | {column(name, statistic): values.get(name) for name in names
+               for statistic, values in (("", row.mean), ("std", row.std), ("n", row.n))}
+            for row in rows]
 
 
 def markdown(rows: Sequence[Row], columns: dict[str, str]) -> str:

@@ -55,6 +55,14 @@ launch() {  # NAME HEALTH_URL COMMAND...: a new session (pid = process group), s
   say "$name did not answer $url within 120 s; its log: $DIR/$name.log"; exit 1
 }
 
+runs_link() {  # TRACKING_URI UI_URL: the UI's page of repsim's runs, in its model-training view
+  MLFLOW_TRACKING_URI="$1" "$VENV/bin/python" -c "import sys
+from mlflow import MlflowClient
+from repsim.tasks.tracking import EXPERIMENT, runs_page
+found = MlflowClient().get_experiment_by_name(EXPERIMENT)
+print(runs_page(sys.argv[1], found.experiment_id) if found else sys.argv[1])" "$2" 2>/dev/null || echo "$2"
+}
+
 start() {
   MODE=servers require_free_ports
   mkdir -p "$DIR/prefect" "$DIR/mlartifacts"
@@ -75,7 +83,7 @@ start() {
 export PREFECT_API_URL=http://$HOST:$PREFECT_PORT/api
 export MLFLOW_TRACKING_URI=http://$HOST:$MLFLOW_PORT
 ENV
-  say "Prefect UI http://$HOST:$PREFECT_PORT, MLflow UI http://$HOST:$MLFLOW_PORT (logs in $DIR)"
+  say "Prefect UI http://$HOST:$PREFECT_PORT, MLflow UI $(runs_link "http://$HOST:$MLFLOW_PORT" "http://$HOST:$MLFLOW_PORT") (logs in $DIR)"
   say "point repsim at them:  source $DIR/env.sh"
   sed 's/^/    /' "$DIR/env.sh"
 }
@@ -105,8 +113,8 @@ ui() {  # both UIs over the embedded stores, in this terminal; stopping either s
     launch prefect "http://$HOST:$PREFECT_PORT/api/health" \
     "$VENV/bin/prefect" server start --host "$HOST" --port "$PREFECT_PORT"
   launch mlflow "http://$HOST:$MLFLOW_PORT/health" \
-    "$VENV/bin/mlflow" ui --host "$HOST" --port "$MLFLOW_PORT" --backend-store-uri "sqlite:///$REPSIM_HOME/mlflow.db"
-  say "MLflow UI http://$HOST:$MLFLOW_PORT (experiment repsim), Prefect UI http://$HOST:$PREFECT_PORT, over $REPSIM_HOME; Ctrl-C stops both"
+    "$VENV/bin/mlflow" ui --host "$HOST" --port "$MLFLOW_PORT" --workers 1 --backend-store-uri "sqlite:///$REPSIM_HOME/mlflow.db"
+  say "MLflow UI $(runs_link "sqlite:///$REPSIM_HOME/mlflow.db" "http://$HOST:$MLFLOW_PORT") (experiment repsim), Prefect UI http://$HOST:$PREFECT_PORT, over $REPSIM_HOME; Ctrl-C stops both"
   while running prefect && running mlflow; do sleep 2; done
   for name in prefect mlflow; do
     running "$name" || say "error: the $name UI stopped (its log: $DIR/$name.log); stopping the other"

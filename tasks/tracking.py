@@ -6,8 +6,8 @@ the stage's resolved config (flattened); metrics are the stage's metrics; output
 artifacts (with an embedded store, files over SMALL_ARTIFACT_BYTES only by path: they lie on the same
 disk). A trained encoder is an MLflow model of its train run, registered once per stage key under
 ``<experiment>-<method>`` (:meth:`StageRun.log_encoder`); ``models:/NAME/VERSION`` resolves to a
-directory repsim evaluates (:func:`model_directory`). The experiment is a model-training one, so the
-MLflow UI opens on its runs.
+directory repsim evaluates (:func:`model_directory`). The experiment is a model-training one, and the
+links repsim prints open the UI on its runs (:func:`runs_page`).
 """
 
 from __future__ import annotations
@@ -71,13 +71,33 @@ class StageRun:
                          streamed: Iterable[str] = ()) -> None:
         """A completed stage (its ``stage.json`` at ``path``): params = resolved config and input keys,
         metrics = the stage's metrics and seconds, except those ``streamed`` as curves while it ran;
-        ``stage.json`` and ``artifacts`` as artifacts."""
+        ``stage.json`` and ``artifacts`` as artifacts. A ``cached`` stage copies nothing: it refers
+        to its files and to the run that built them (:meth:`refer_to_build`)."""
         record = read_record(path)
         self.client.set_tag(self.run_id, "repsim.cached", str(cached).lower())
         self.log_params({"config": record["config"], "inputs": record["inputs"]})
         summary = {**record.get("metrics", {}), "seconds": record.get("seconds", 0.0)}
+        files = [path / STAGE_FILE, *artifacts]
+        if cached:
+            self.refer_to_build(record["key"], summary, files)
+            return
         self.log_metrics({name: value for name, value in summary.items() if name not in set(streamed)})
-        self.log_artifacts([path / "stage.json", *artifacts])
+        self.log_artifacts(files)
+
+    def refer_to_build(self, key: str, summary: Mapping[str, float], files: Iterable[Path]) -> None:
+        """A cached stage's run: a ``repsim.file.<name>`` tag holding each file's path, the run that
+        built the output as ``repsim.built_by`` (a link in the UI's tags), and that run's final
+        values (else the output's ``summary``), so both runs show the same numbers."""
+        experiment = self.client.get_run(self.run_id).info.experiment_id
+        built = self.client.search_runs([experiment], f"tags.`repsim.stage_key` = '{key}' and tags.`repsim.cached` = "
+                                        "'false' and attributes.status = 'FINISHED'",
+                                        order_by=["attributes.start_time DESC"], max_results=1)
+        for file in files:
+            if file.is_file():
+                self.client.set_tag(self.run_id, f"repsim.file.{file.name}", str(file.resolve()))
+        if built:
+            self.client.set_tag(self.run_id, "repsim.built_by", built[0].info.run_id)
+        self.log_metrics(built[0].data.metrics if built else summary)
 
     def log_artifacts(self, paths: Iterable[Path]) -> None:
         """Every file as an artifact; with an embedded store (a local path, not a server), files over
@@ -112,6 +132,9 @@ class StageRun:
         with torch.no_grad():
             signature = infer_signature(example.numpy(), encoder(example).numpy())
         with _EXPORTING:  # MLflow saves the model with torch.export, which two threads cannot run at once
+            # a logged model belongs to the active experiment, not to its run's: make that this run's,
+            # so the model and its files land in repsim's experiment and artifact store
+            mlflow.set_experiment(experiment_id=self.client.get_run(self.run_id).info.experiment_id)
             logged = mlflow.pytorch.log_model(
                 encoder, name="encoder", run_id=self.run_id, signature=signature, input_example=example.numpy(),
                 extra_files=[str(train_dir / name) for name in MODEL_FILES],
@@ -157,9 +180,10 @@ class Tracker:
             self.client.set_terminated(run.info.run_id, status, end_time=end)
 
     @contextlib.contextmanager
-    def flow_run(self, flow_name: str, params: Mapping[str, Any]) -> Iterator[StageRun]:
-        """The parent run of one flow run, with the flow's parameters as params."""
-        with self._run(flow_name, {"repsim.flow": flow_name}) as run:
+    def flow_run(self, flow_name: str, params: Mapping[str, Any], name: str | None = None) -> Iterator[StageRun]:
+        """The parent run of one flow run, named ``name`` (default: the flow's), with the flow's
+        parameters as params."""
+        with self._run(name or flow_name, {"repsim.flow": flow_name}) as run:
             run.log_params(params)
             yield run
 
@@ -187,6 +211,12 @@ def _input_shape(record: Mapping[str, Any], recipe: Mapping[str, Any]) -> tuple[
     metrics, data = record.get("metrics", {}), record["config"].get("data", {})
     size = int(recipe.get("image_size") or metrics.get("image_size") or data.get("image_size") or 224)
     return int(recipe.get("in_channels") or metrics.get("channels") or 3), size, size
+
+
+def runs_page(tracking_uri: str, experiment_id: str) -> str:
+    """The MLflow UI's page of an experiment's runs in its model-training view: the UI otherwise opens
+    on its GenAI view (traces), whatever the experiment's kind tag says."""
+    return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
 
 
 def model_name(experiment: str, method: str) -> str:

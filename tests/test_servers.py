@@ -206,7 +206,8 @@ def test_triggered_runs_are_tracked_and_then_cached(served, tmp_path):
 
 def screenshots(servers: dict[str, str], flow_run: FlowRun, parent: dict, train: dict, default_folder: Path) -> None:
     """Headless Chromium opens, in the Prefect UI, the flow run and its results artifact and, in the MLflow
-    UI, the parent run, its results table and the encoder the train run registered; waits until each
+    UI, the runs page repsim links to (in its model-training view), the parent run, its results table
+    and the encoder the train run registered; waits until each
     page shows what it is about (the run's name or id, the results artifact, a metric column, the
     model's first version), and saves a screenshot of each."""
     chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
@@ -214,6 +215,7 @@ def screenshots(servers: dict[str, str], flow_run: FlowRun, parent: dict, train:
         pytest.skip("the browser check needs Debian's chromium and chromium-driver (scripts/setup.sh installs them)")
     webdriver = pytest.importorskip("selenium.webdriver", reason="the browser check needs selenium (dev extras)")
     from repsim.flows.experiment import RESULTS_TABLE
+    from repsim.tasks.tracking import runs_page
 
     folder = Path(os.environ.get("REPSIM_TEST_ARTIFACTS") or default_folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -227,6 +229,7 @@ def screenshots(servers: dict[str, str], flow_run: FlowRun, parent: dict, train:
     mlflow_run = f"{mlflow}/#/experiments/{run['experiment_id']}/runs/{run['run_id']}"
     pages = {"prefect-flow-run.png": (f"{prefect}/runs/flow-run/{flow_run.id}", flow_run.name),
              "prefect-results-artifact.png": (f"{prefect}/artifacts/artifact/{artifact['id']}", "kNN@3"),
+             "mlflow-runs.png": (runs_page(mlflow, run["experiment_id"]), "Run Name"),  # the link repsim prints
              "mlflow-run.png": (mlflow_run, run["run_id"]),
              "mlflow-results-table.png": (f"{mlflow_run}/artifacts/{RESULTS_TABLE}", "knn_top1_k3"),
              "mlflow-registered-model.png": (f"{mlflow}/#/models/{model['name']}", "Version 1")}

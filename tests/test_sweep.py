@@ -11,7 +11,7 @@ from e2e import REPO, flow_runs, prefect_query, repsim, tiny_experiment
 
 from repsim.errors import SpecError
 from repsim.experiment import SEED_KEYS, check_experiment, expand, load_experiment
-from repsim.results import Score, aggregate, cell, markdown
+from repsim.results import Score, aggregate, as_records, cell, markdown
 from repsim.stage import read_record
 
 SWEEP = ["seeds=[0, 1]", "sweep={train.settings.optim.lr: [0.001, 0.002]}"]
@@ -88,6 +88,17 @@ def test_aggregate_is_mean_and_sample_std_over_distinct_outputs():
     assert cell(rows[2], "linear") == "-"
     table = markdown(rows, {"kNN": "knn"}).splitlines()
     assert table[0] == "| grid point | encoder | kNN |" and table[3] == "| lr=0.1 | pixels | 0.4000 |"
+
+
+def test_the_logged_table_has_no_dotted_columns_and_leads_with_the_headline_metrics():
+    rows = aggregate([Score("", "simclr", "a", {"linear_val_top1_wd0.01": 0.5, "epochs": 3.0, "knn_top1_k20": 0.6}),
+                      Score("", "simclr", "b", {"linear_val_top1_wd0.01": 0.7, "knn_top1_k20": 0.8}),
+                      Score("", "pixels", "p", {"knn_top1_k20": 0.4})])
+    records = as_records(rows, ["knn_top1_k20", "zeroshot_top1"])  # a headline metric no row has is left out
+    assert list(records[0])[:5] == ["point", "encoder", "knn_top1_k20", "knn_top1_k20 std", "knn_top1_k20 n"]
+    assert not any("." in name for record in records for name in record)
+    assert records[0]["linear_val_top1_wd0_01"] == pytest.approx(0.6) and records[0]["linear_val_top1_wd0_01 n"] == 2
+    assert records[1]["epochs"] is None and list(records[1]) == list(records[0])
 
 
 @pytest.fixture

@@ -85,12 +85,20 @@ print(json.dumps(found))""")
 
 @pytest.mark.slow
 @pytest.mark.orchestration
+def store_bytes(home: Path) -> int:
+    return sum(path.stat().st_size for path in home.rglob("*") if path.is_file())
+
+
 def test_runs_models_and_cache_hits_are_what_the_uis_show(make_image_folder, write_spec, tmp_path, monkeypatch):
-    experiment, home = str(tiny_experiment(tmp_path, make_image_folder, write_spec)), tmp_path / "home"
+    experiment = str(tiny_experiment(tmp_path, make_image_folder, write_spec, align=True))
+    home = tmp_path / "home"
     spec = yaml.safe_load(Path(experiment).read_text())["data"]
+    sizes = []
     for _ in range(2):
         done = repsim(home, "run", experiment)
         assert done.returncode == 0, done.stderr
+        sizes.append(store_bytes(home))
+    assert sizes[1] - sizes[0] < 2**20, sizes  # a cached rerun copies no output into the stores
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{home / 'mlflow.db'}")
     client = MlflowClient()
@@ -102,6 +110,18 @@ def test_runs_models_and_cache_hits_are_what_the_uis_show(make_image_folder, wri
         assert spent >= 0.9 * record["seconds"], (run.info.run_name, spent, record["seconds"])
 
     [train] = [run for run in stages if run.data.tags["repsim.stage"] == "train"]
+    assert first.info.run_name.startswith("tiny 20") and second.info.run_name.startswith("tiny 20")
+    assert not {"supcon.steps", "supcon.epochs", "supcon.loss"} & set(first.data.metrics)  # align's bookkeeping
+    [cached_train] = [run for run in flow_runs(home, "experiment")[1][1] if run.data.tags["repsim.stage"] == "train"]
+    assert cached_train.data.tags["repsim.built_by"] == train.info.run_id
+    assert cached_train.data.metrics["loss"] == train.data.metrics["loss"]  # the same final values
+    assert cached_train.data.tags["repsim.file.encoder.pt"] == str(Path(train.data.tags["repsim.output"]) / "encoder.pt")
+    assert not client.list_artifacts(cached_train.info.run_id)
+    repsim_id = client.get_experiment_by_name("repsim").experiment_id
+    [logged] = client.search_logged_models(experiment_ids=[repsim_id])
+    assert logged.name == "encoder" and logged.source_run_id == train.info.run_id
+    assert logged.artifact_location.removeprefix("file://").startswith(str(home))
+    assert not client.search_logged_models(experiment_ids=["0"])
     [version] = client.search_model_versions("name = 'tiny-supcon'")  # one version, also after the rerun
     assert version.tags["repsim.stage_key"] == train.data.tags["repsim.stage_key"]
     assert version.tags["repsim.output"] == train.data.tags["repsim.output"]

@@ -53,7 +53,7 @@ KEY_NEUTRAL = {"data": {"spec", "train_split", "test_split"}, "image": True, "te
                "optim": {"num_workers", "checkpoint_every"}}
 CURVES = ("loss", "contrastive", "geo_a", "geo_b")
 
-__all__ = ["align", "align_stage_of"]
+__all__ = ["align", "align_scores", "align_stage_of"]
 
 
 def align_stage_of(config: AlignConfig, shards: ShardResult | str | Path | None = None,
@@ -128,8 +128,7 @@ class _AlignRun:
                    "samples": {"paired": len(pairing.paired), "unpaired_image": len(pairing.unpaired_image),
                                "unpaired_text": len(pairing.unpaired_text), "test": len(self.test.indices)}}
         (out / RESULTS_FILE).write_text(json.dumps(results, indent=2))
-        return {**summarise(out / METRICS_FILE, steps_per_epoch), **_flat(results["suites"]),
-                **_flat(results["baselines"]["asif"]["suites"], "asif_"),
+        return {**summarise(out / METRICS_FILE, steps_per_epoch), **_scores(results),
                 **{f"{name}_samples": count for name, count in results["samples"].items()}}
 
     def _train(self, paired: np.ndarray, neighbors: dict[str, np.ndarray]) -> tuple[AlignmentMethod, int]:
@@ -148,6 +147,16 @@ class _AlignRun:
         evaluation = self.config.evaluation
         return score_space(space, self.test, evaluation.templates or self.spec.captions.templates,
                            self.config.text.model, evaluation.retrieval_k)
+
+
+def align_scores(output: StageOutput) -> dict[str, float]:
+    """What an align output scores, for a comparison table: its zero-shot and retrieval results and
+    ASIF's (``asif_*``); not the training's bookkeeping (loss, steps, epochs) that its metrics also hold."""
+    return _scores(json.loads((output.path / RESULTS_FILE).read_text()))
+
+
+def _scores(results: dict) -> dict[str, float]:
+    return _flat(results["suites"]) | _flat(results["baselines"]["asif"]["suites"], "asif_")
 
 
 def _flat(suites: dict[str, dict[str, float]], prefix: str = "") -> dict[str, float]:
