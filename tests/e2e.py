@@ -34,6 +34,12 @@ def flow_runs(home: Path, flow: str) -> list[tuple[Run, list[Run]]]:
             for parent in found if parent.data.tags.get("repsim.flow") == flow]
 
 
+def logged_files(client: MlflowClient, run: Run) -> set[str]:
+    """The output files a stage run shows: its artifacts, or, for a cached stage, the files it refers to."""
+    referred = {tag.removeprefix("repsim.file.") for tag in run.data.tags if tag.startswith("repsim.file.")}
+    return {artifact.path for artifact in client.list_artifacts(run.info.run_id)} | referred
+
+
 def write_experiment(folder: Path, stages: list[dict], name: str = "tiny", data: str = "spec.yaml") -> Path:
     """An experiment YAML ``folder/<name>.yaml`` with ``stages``."""
     path = folder / f"{name}.yaml"

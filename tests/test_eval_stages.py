@@ -13,7 +13,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 from PIL import Image
-from e2e import flow_runs, repsim
+from e2e import flow_runs, logged_files, repsim
 
 from repsim.cli import build_parser, main
 from repsim.data import make_loader, shard
@@ -283,7 +283,7 @@ def test_eval_runs_caches_and_tracks_every_stage(make_image_folder, write_spec, 
         assert {run.data.tags["repsim.cached"] for run in children} == {cached}
         assert all(run.info.status == "FINISHED" for run in [parent, *children])
         [evaluated] = [run for run in children if run.data.tags["repsim.stage"] == "evaluate"]
-        assert {a.path for a in client.list_artifacts(evaluated.info.run_id)} >= \
+        assert logged_files(client, evaluated) >= \
             {RESULTS_FILE, CONFUSION_FILE, HISTOGRAM_FILE, TSNE_FILE, "stage.json"}
         assert 0 <= evaluated.data.metrics["knn_top1_k5"] <= 1 and "linear_top1" in evaluated.data.metrics
         assert parent.data.metrics["pixels.knn_top1_k5"] == evaluated.data.metrics["knn_top1_k5"]

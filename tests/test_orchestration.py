@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from e2e import REPSIM, flow_runs, isolated_env, repsim
+from e2e import REPSIM, flow_runs, isolated_env, logged_files, repsim
 from mlflow.tracking import MlflowClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.orchestration]
@@ -40,7 +40,7 @@ def test_shard_flow_runs_caches_and_tracks_every_stage(pets_spec, tmp_path):
         assert tags["repsim.cached"] == cached and tags["prefect.flow_run_id"]
         assert parent.data.tags["prefect.flow_run_id"] == tags["prefect.flow_run_id"]
         assert stage.data.params["config.name"] == "pets" and stage.data.metrics["samples"] == 12
-        assert {a.path for a in client.list_artifacts(stage.info.run_id)} >= {"manifest.parquet", "stage.json"}
+        assert logged_files(client, stage) >= {"manifest.parquet", "stage.json"}
         assert stage.info.status == parent.info.status == "FINISHED"
 
 

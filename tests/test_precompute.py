@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
-from e2e import flow_runs, repsim
+from e2e import flow_runs, logged_files, repsim
 
 from repsim.cli import build_parser, main
 from repsim.data import DataSpec, shard
@@ -323,7 +323,7 @@ def test_precompute_runs_every_stage_caches_and_tracks_them(pets_spec, wordnet_h
         assert {run.data.tags["repsim.cached"] for run in children} == {cached}
         assert all(run.info.status == "FINISHED" for run in [parent, *children])
         [wordnet] = [run for run in children if run.data.tags["repsim.stage"] == "wordnet"]
-        assert {a.path for a in client.list_artifacts(wordnet.info.run_id)} >= \
+        assert logged_files(client, wordnet) >= \
             {CLASSES_FILE, HEAT_MAP_FILE, SIMILARITY_FILE, "stage.json"}
         [neighbors] = [run for run in children if run.data.tags["repsim.stage"] == "neighbors"]
         assert 0 <= neighbors.data.metrics["recall"] <= 1

@@ -161,7 +161,7 @@ def test_sweep_shares_upstream_stages_runs_two_at_a_time_and_reruns_from_cache(s
     supcon = [index for index, encoder in enumerate(logged["encoder"]) if encoder == "supcon"]
     knn = {row.split()[0]: float(row.split()[2]) for row in table[2:] if "supcon" in row}
     assert [round(logged["knn_top1_k3"][index], 4) for index in supcon] == [knn["lr=0.001"], knn["lr=0.002"]]
-    assert [logged["knn_top1_k3.n"][index] for index in supcon] == [2, 2]
+    assert [logged["knn_top1_k3 n"][index] for index in supcon] == [2, 2]
     assert parent.data.metrics["point0.supcon.knn_top1_k3"] == pytest.approx(logged["knn_top1_k3"][supcon[0]])
     assert parent.data.params["point1"] == "lr=0.002"
 
