@@ -34,6 +34,7 @@ from prefect.logging import get_run_logger
 from prefect.runtime import flow_run as prefect_flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from repsim import stopping
 from repsim.align.config import load_align_config
 from repsim.align.stage import align_scores
 from repsim.data.sharding import MANIFEST
@@ -330,7 +331,7 @@ def run_members_on(deployment: str, members: list[Member], force: Sequence[str],
 
     started = {member.label: run_deployment(deployment, timeout=0, flow_run_name=f"{member.experiment.name} {member.label}",
                                             parameters={"experiment": member.experiment.model_dump(mode="json"),
-                                                        "force": list(force)})
+                                                        "force": list(force), "member": member.label})
                for member in members}
     with get_client(sync_client=True) as client:
         states = {label: client.read_flow_run(run.id).state for label, run in started.items()}
@@ -364,28 +365,31 @@ def publish(parent: StageRun, rows: list[Row], columns: dict[str, str], name: st
 
 def run_name() -> str:
     """``animal-mnist 2026-12-04 23:10:05``: the experiment's name (with the run's overrides) and when
-    the run started, for its Prefect flow run and its parent MLflow run."""
+    the run started, or the member it runs (``animal-mnist seed=1``), for its Prefect flow run and its
+    parent MLflow run."""
     parameters = prefect_flow_run.parameters
     try:
         name = with_overrides(Experiment.model_validate(parameters["experiment"]), parameters.get("overrides") or []).name
     except (RepsimError, ValueError):  # the flow itself says what is wrong
         name = "experiment"
-    return f"{name} {datetime.now():%Y-%m-%d %H:%M:%S}"
+    return f"{name} {parameters.get('member') or f'{datetime.now():%Y-%m-%d %H:%M:%S}'}"
 
 
 @flow(name="experiment", flow_run_name=run_name, task_runner=ThreadPoolTaskRunner(max_workers=concurrency()))
 def experiment_flow(experiment: Experiment, overrides: list[str] | None = None,
-                    force: list[str] | None = None, spread: str | None = None) -> dict[str, Any]:
+                    force: list[str] | None = None, spread: str | None = None, member: str = "") -> dict[str, Any]:
     """Run ``experiment`` with ``overrides`` (``"train.settings.optim.lr=0.01"``), rebuilding the
     outputs of the stages named in ``force`` (e.g. ``["train"]``) even when they are cached; with
     ``experiment.verify``, cache hits are checked by the sha256 of their files (always by size). With
     ``spread`` (a deployment of this flow, ``experiment/<name>``), the members run first as flow runs
-    of that deployment (:func:`run_members_on`), and this run then finds every stage cached.
+    of that deployment (:func:`run_members_on`), and this run then finds every stage cached. ``member``:
+    the label of the member a flow run of a spread runs, which names it.
 
     Returns ``{"name", "stages": [one summary per distinct stage: stage, detail, key, path, cached],
     "rows": [one result row per grid point and encoder], "columns": {title: headline metric},
     "table": the rows as markdown}``; the parent MLflow run carries the table.
     """
+    stopping.install()  # SIGTERM asks the stages to stop, rather than Prefect's engine to crash the run
     source = experiment.name  # the experiment file's, before a `name=` override
     experiment = with_overrides(experiment, overrides or [])
     members = check_experiment(experiment)

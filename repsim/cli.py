@@ -11,7 +11,9 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 
+from repsim import stopping
 from repsim.errors import RepsimError, SpecError
+from repsim.stopping import Stopped
 
 EXIT_USER_ERROR = 2
 FORCEABLE = ("shard", "captions", "wordnet", "neighbors", "train", "features", "evaluate", "align")
@@ -42,7 +44,7 @@ def _run_section(name: str, data: str | os.PathLike, section: dict) -> dict:
     experiment = single_section(name, data, section)
     from repsim.flows.experiment import experiment_flow
 
-    _start_orchestration()
+    _start_orchestration(stop_on_signals=True)
     return experiment_flow(experiment=experiment)
 
 
@@ -164,7 +166,7 @@ def cmd_run(args: argparse.Namespace) -> None:
 
     from prefect.task_runners import ThreadPoolTaskRunner
 
-    _start_orchestration()
+    _start_orchestration(stop_on_signals=True)
     flow = experiment_flow if args.concurrency is None else experiment_flow.with_options(
         task_runner=ThreadPoolTaskRunner(max_workers=args.concurrency))
     # the file as written and the overrides apart, so that the run records the command that made it
@@ -328,9 +330,10 @@ class _NoTracebackForUserErrors(logging.Filter):
         return True
 
 
-def _start_orchestration() -> None:
+def _start_orchestration(stop_on_signals: bool = False) -> None:
     """Before a flow starts: stop at once if a configured server does not answer, start the embedded
-    stores under their lock, and keep Prefect's console line for a RepsimError but drop its traceback."""
+    stores under their lock, and keep Prefect's console line for a RepsimError but drop its traceback;
+    with ``stop_on_signals``, SIGTERM and SIGINT stop the run (:mod:`repsim.stopping`)."""
     from repsim.tasks.servers import check_servers
     from repsim.tasks.settings import start_embedded_stores
 
@@ -341,6 +344,8 @@ def _start_orchestration() -> None:
     setup_logging()
     for handler in logging.getLogger().handlers:
         handler.addFilter(_NoTracebackForUserErrors())
+    if stop_on_signals:
+        stopping.install()
 
 
 def add_overrides(parser: argparse.ArgumentParser, what: str, example: str) -> None:
@@ -457,6 +462,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     run: Callable[[argparse.Namespace], int | None] = args.run
     try:
         return run(args) or 0
+    except Stopped as err:
+        stopping.exit_now(err.signum, str(err))
     except RepsimError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USER_ERROR

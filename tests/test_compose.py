@@ -164,6 +164,7 @@ def test_worker_serves_the_shipped_deployments_on_reserved_gpus_with_a_health_ch
     assert worker["environment"]["MLFLOW_TRACKING_URI"] == "http://mlflow-server:5000"
     assert worker["environment"]["PREFECT_RUNNER_SERVER_ENABLE"] == "true"
     assert "http://localhost:8080/health" in " ".join(worker["healthcheck"]["test"])
+    assert worker["stop_grace_period"] == "30s"  # more than repsim.stopping.GRACE_S: a training checkpoints first
 
 
 # ---------------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
+from repsim import stopping
 from repsim.data.loader import Batch, ShardLoader
 from repsim.device import distributed, resolve_device
 from repsim.errors import RepsimError, first_line
@@ -363,6 +364,9 @@ class Trainer:
                     bar.set_postfix(loss=f"{result.last_step['loss']:.4f}", epoch=progress.epoch)
                     if progress.position == self.steps_per_epoch:
                         result.knn = self._end_epoch(progress) or result.knn
+                    if stopping.requested():
+                        self._save(progress)
+                        raise stopping.stopped(f"at step {progress.step} of {self.total_steps}, its checkpoint written")
                     if self._checkpoint_due(progress):
                         self._save(progress)
         self._share_buffers()

@@ -1,0 +1,100 @@
+"""Stopping on request: SIGTERM (a scheduler's, or Kubernetes' at the end of a pod) and SIGINT (Ctrl-C).
+
+The command line and the experiment flow install the handler (:func:`install`), so a flow run that
+a deployment's worker started stops the same way; the first signal only asks for a stop
+(:func:`requested`). The Trainer checks after each optimizer step: it writes its checkpoint and
+raises :class:`Stopped`, and the command exits with one line saying where it stopped. A stage that
+has no such point (sharding, features) stops with the process: ``GRACE_S`` seconds after the
+signal, or at once on a second signal, the process ends its child processes (the temporary Prefect
+API among them) and exits; a stage interrupted so leaves only its temporary folder, which the next
+run removes. Either way the exit status is 128 + the signal's number, and running the same command
+again resumes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from repsim.errors import RepsimError
+
+GRACE_S = 8.0  # from the signal to the forced exit: within a 10 s grace period, with room to exit
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_requested: list[signal.Signals] = []
+
+
+class Stopped(RepsimError):
+    """The run stopped because a signal asked it to; the same command resumes it."""
+
+    def __init__(self, what: str, fix: str, signum: int):
+        super().__init__(what, fix)
+        self.signum = signum
+
+    def __reduce__(self) -> tuple:  # pickled with a failed task's state
+        return Stopped, (self.what, self.fix, self.signum)
+
+
+def install() -> None:
+    """Turn SIGTERM and SIGINT into a stop request, in this process from now on; nothing outside the
+    main thread, where Python delivers signals. The experiment flow calls it again as it starts, to
+    take the signals back from Prefect's flow engine, which would crash the run at once."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in SIGNALS:
+            signal.signal(signum, _on_signal)
+
+
+def requested() -> signal.Signals | None:
+    """The signal that asked this process to stop, if one did."""
+    return _requested[0] if _requested else None
+
+
+def stopped(where: str) -> Stopped:
+    """The error of a run that stopped ``where`` (``at step 12 of 40, its checkpoint written``) on request."""
+    signum = requested() or signal.SIGTERM
+    return Stopped(f"stopped by {signum.name} {where}", "run the same command again to resume from there", signum)
+
+
+def _on_signal(signum: int, _frame: object) -> None:
+    signum = signal.Signals(signum)
+    mid_stage = f"stopped by {signum.name}; the stage it was in starts anew when the same command runs again"
+    if _requested:  # a second signal: stop now
+        exit_now(signum, mid_stage)
+    _requested.append(signum)
+    timer = threading.Timer(GRACE_S, exit_now, (signum, mid_stage))
+    timer.daemon = True
+    timer.start()
+
+
+def exit_now(signum: signal.Signals, message: str) -> None:
+    """End the child processes (the temporary Prefect API among them), print ``error: <message>``, and
+    exit with 128 + ``signum`` at once, without waiting on clean-ups that talk to servers the signal
+    may have stopped too."""
+    for pid in _descendants(os.getpid()):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    sys.stdout.flush()
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+    os._exit(128 + signum)
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid``, children first (from /proc; none where there is no /proc)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for parent in frontier for child in parents.get(parent, [])]
+        found += children
+        frontier = children
+    return found
