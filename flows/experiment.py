@@ -79,7 +79,7 @@ class Stages:
     summaries: list[dict] = field(default_factory=list)
     _futures: dict[str, PrefectFuture] = field(default_factory=dict)
     _uses: Counter[str] = field(default_factory=Counter)
-    _requests: dict[Any, tuple[str, str | None, str | None]] = field(default_factory=dict)
+    _requests: dict[Any, tuple[StageKind, str, str | None, str | None]] = field(default_factory=dict)
     _outputs: dict[Any, StageOutput] = field(default_factory=dict)
 
     def submit(self, kind: str, params: dict[str, Any], options: dict[str, Any] | None = None, *,
@@ -95,7 +95,7 @@ class Stages:
             named = TASKS[kind].with_options(task_run_name=f"{kind} {label}" if label else kind)
             future = self._futures[call] = named.submit(params, options, out_dir, self.parent.run_id, label,
                                                         encoder, register)
-            self._requests[future.task_run_id] = (call, label, encoder)
+            self._requests[future.task_run_id] = (KINDS[kind], call, label, encoder)
         return self._futures[call]
 
     def result(self, future: PrefectFuture) -> StageOutput:
@@ -103,9 +103,8 @@ class Stages:
         run_id = future.task_run_id
         if run_id not in self._outputs:
             future.wait()
-            call, label, encoder = self._requests[run_id]
+            kind, call, label, encoder = self._requests[run_id]
             output = self._outputs[run_id] = future.state.result()
-            kind = KINDS[call.partition("{")[0]]
             if from_prefect_cache(future.state):  # the task did not run: its run and summary line are logged here
                 log_stage(self.tracker, self.parent, kind, output.path, label, encoder)
                 get_run_logger().info(summary_line(output, f"{kind.name} {label}" if label else kind.name))
