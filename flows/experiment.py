@@ -37,17 +37,17 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from repsim import stopping
 from repsim.align.config import load_align_config
 from repsim.align.stage import align_scores
-from repsim.data.sharding import MANIFEST
+from repsim.data.sharding import MANIFEST, manifest_labels
 from repsim.data.spec import load_spec
 from repsim.errors import RepsimError, StageError
 from repsim.eval.stages import PIXELS, read_results
 from repsim.experiment import (AS_CONFIGURED, AlignSection, EvaluateSection, Experiment, Member, check_experiment,
                                with_overrides)
 from repsim.methods.config import load_config
+from repsim.methods.xclr import target_histogram
 from repsim.results import Row, Score, aggregate, as_records, headline_metrics, markdown
 from repsim.similarity.sources import ClassMatrixSource, EmbeddingSource, LabelSource, SimilaritySource
 from repsim.similarity.stages import EMBEDDINGS_FILE, SIMILARITY_FILE
-from repsim.similarity.targets import manifest_labels, target_histogram
 from repsim.stage import StageKind, StageOutput, read_record, rebuilding, verifying
 from repsim.tasks.stage import (KINDS, TASKS, current_record, describe, from_prefect_cache, log_stage, planned,
                                 reused, summary_line)

@@ -106,6 +106,14 @@ def shard(spec: DataSpec | str | Path, out_dir: str | Path | None = None, progre
     return ShardResult.from_dir(output.path, cached=output.cached)
 
 
+def manifest_labels(manifest: str | Path) -> np.ndarray:
+    """(N,) int64 labels of a shard manifest, in manifest order (-1 where a row has none)."""
+    import pyarrow.parquet as pq
+
+    column = pq.read_table(manifest, columns=["label"]).column("label").to_numpy(zero_copy_only=False)
+    return np.nan_to_num(column.astype(np.float64), nan=-1).astype(np.int64)
+
+
 def shard_stage(spec: DataSpec) -> Stage:
     """The shard stage of ``spec`` (its key covers the spec and a fingerprint of the source files)."""
     return _stage(spec, open_source(spec))
