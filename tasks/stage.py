@@ -55,11 +55,15 @@ def stage_cache_key(kind: StageKind) -> Callable[[TaskRunContext | None, dict[st
     """
 
     def key(_: TaskRunContext | None, parameters: dict[str, Any]) -> str | None:
-        stage, out = planned(kind, parameters["params"], parameters.get("out_dir"))
-        where = hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:12]
-        return f"{stage.name}-{stage.key}-{where}" if current_record(stage, out) is not None else None
+        return cache_key(*planned(kind, parameters["params"], parameters.get("out_dir")))
 
     return key
+
+
+def cache_key(stage: Stage, out: Path) -> str | None:
+    """The Prefect cache key of ``stage`` built into ``out`` (:func:`stage_cache_key`)."""
+    where = hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:12]
+    return f"{stage.name}-{stage.key}-{where}" if current_record(stage, out) is not None else None
 
 
 def stage_task(kind: StageKind) -> Task:
@@ -68,8 +72,6 @@ def stage_task(kind: StageKind) -> Task:
     ``out_dir`` (default: its own directory) inside a nested run under ``parent_run_id`` named
     ``<stage> <label>`` and tagged with the ``encoder`` it is about (default ``label``); with
     ``register``, the output's encoder is registered as an MLflow model of that name."""
-    key_of = stage_cache_key(kind)
-
     def run(params: dict[str, Any], options: dict[str, Any] | None = None, out_dir: str | None = None,
             parent_run_id: str = "", label: str | None = None, encoder: str | None = None,
             register: str | None = None) -> StageOutput:
@@ -87,13 +89,13 @@ def stage_task(kind: StageKind) -> Task:
             tracked.log_stage_output(output.path, output.cached, artifact_files(kind, output.path), streamed)
             if register:
                 tracked.log_encoder(output.path, register)
-        key = key_of(None, {"params": params, "out_dir": out_dir})
+        key = cache_key(stage, out)  # the stage planned before the build: no second planning
         if key is not None:
             get_result_store().write(output, key=key)
         get_run_logger().info(summary_line(output, task_run.get_name()))
         return output
 
-    return task(name=kind.name, cache_key_fn=key_of, persist_result=True, retries=len(RETRY_DELAYS_S),
+    return task(name=kind.name, cache_key_fn=stage_cache_key(kind), persist_result=True, retries=len(RETRY_DELAYS_S),
                 retry_delay_seconds=RETRY_DELAYS_S, retry_condition_fn=retry_if_transient)(run)
 
 

@@ -171,8 +171,10 @@ def launch_training(config: Config, out_dir: str | Path | None = None, log: LogF
     resolved = repsim_home() / "scratch" / "launch" / f"{train_stage_of(config).key}.json"
     resolved.parent.mkdir(parents=True, exist_ok=True)
     resolved.write_text(config.model_dump_json())  # JSON is YAML: the ranks read the config as resolved here
-    exit_code = subprocess.run(launch.command(resolved, []), check=False).returncode
-    resolved.unlink()
+    try:
+        exit_code = subprocess.run(launch.command(resolved, []), check=False).returncode
+    finally:
+        resolved.unlink()
     if exit_code:
         raise TrainingError(f"torchrun exited with code {exit_code}", "see the ranks' output above")
     output = train(config, out_dir, progress=False)  # complete now: returns the output at once
