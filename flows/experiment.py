@@ -30,7 +30,6 @@ import numpy as np
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.futures import PrefectFuture
-from prefect.logging import get_run_logger
 from prefect.runtime import flow_run as prefect_flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
@@ -50,7 +49,7 @@ from repsim.similarity.sources import ClassMatrixSource, EmbeddingSource, LabelS
 from repsim.similarity.stages import EMBEDDINGS_FILE, SIMILARITY_FILE
 from repsim.stage import StageKind, StageOutput, read_record, rebuilding, verifying
 from repsim.tasks.stage import (KINDS, TASKS, current_record, describe, from_prefect_cache, log_stage, planned,
-                                reused, summary_line)
+                                reused)
 from repsim.tasks.tracking import MODEL_URI, StageRun, Tracker, model_directory, model_name
 
 RESULTS_TABLE = "results.json"  # the result table's file among the parent run's artifacts
@@ -105,9 +104,8 @@ class Stages:
             future.wait()
             kind, call, label, encoder = self._requests[run_id]
             output = self._outputs[run_id] = future.state.result()
-            if from_prefect_cache(future.state):  # the task did not run: its run and summary line are logged here
+            if from_prefect_cache(future.state):  # the task did not run: its MLflow run is logged here
                 log_stage(self.tracker, self.parent, kind, output.path, label, encoder)
-                get_run_logger().info(summary_line(output, f"{kind.name} {label}" if label else kind.name))
             record = read_record(output.path)
             self.summaries.append({"stage": kind.name, "detail": ": ".join(filter(None, [label, describe(record)])),
                                    "key": output.key, "path": str(output.path), "cached": reused(future.state),

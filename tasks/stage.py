@@ -4,13 +4,14 @@
 Prefect's cache key is the stage key; a built output's result is stored under that key at once, so
 the first rerun shows as *Cached*. Each task runs inside a nested MLflow run under the flow's parent
 run, so the curves of a streaming stage reach MLflow while it runs; a task that Prefect serves from
-its cache did not run, and the flow logs its run (:func:`log_stage`). Each task logs one summary line
-through Prefect's run logger; only transient failures (a connection) are retried.
+its cache did not run, and the flow logs its run (:func:`log_stage`). Each task run, cached or not, logs
+one summary line through Prefect's run logger; only transient failures (a connection) are retried.
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,9 @@ import httpx
 import requests
 from prefect import Task, task
 from prefect.context import TaskRunContext
+from prefect.client.schemas.objects import TaskRun
 from prefect.logging import get_run_logger
+from prefect.logging.loggers import task_run_logger
 from prefect.results import get_result_store
 from prefect.runtime import task_run
 from prefect.states import State
@@ -96,7 +99,15 @@ def stage_task(kind: StageKind) -> Task:
         return output
 
     return task(name=kind.name, cache_key_fn=stage_cache_key(kind), persist_result=True, retries=len(RETRY_DELAYS_S),
-                retry_delay_seconds=RETRY_DELAYS_S, retry_condition_fn=retry_if_transient)(run)
+                retry_delay_seconds=RETRY_DELAYS_S, retry_condition_fn=retry_if_transient,
+                on_completion=[summarize_if_cached])(run)
+
+
+def summarize_if_cached(task: Task, run: TaskRun, state: State) -> None:
+    """Prefect's ``on_completion`` hook: the summary line in the log of a task run served from
+    Prefect's cache, whose body (which logs it otherwise) did not run."""
+    if from_prefect_cache(state):
+        task_run_logger(run, task).info(summary_line(replace(state.result(), cached=True), run.name))
 
 
 def artifact_files(kind: StageKind, path: Path) -> list[Path]:

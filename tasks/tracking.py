@@ -27,7 +27,7 @@ from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
-from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
+from mlflow.utils.validation import MAX_METRICS_PER_BATCH, MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
 from prefect.runtime import flow_run
 
 from repsim.errors import RepsimError
@@ -86,8 +86,8 @@ class StageRun:
 
     def refer_to_build(self, key: str, summary: Mapping[str, float], files: Iterable[Path]) -> None:
         """A cached stage's run: a ``repsim.file.<name>`` tag holding each file's path, the run that
-        built the output as ``repsim.built_by`` (a link in the UI's tags), and that run's final
-        values (else the output's ``summary``), so both runs show the same numbers."""
+        built the output as ``repsim.built_by`` (a link in the UI's tags), and that run's metrics,
+        curves included (else the output's ``summary``), so both runs show the same numbers and plots."""
         experiment = self.client.get_run(self.run_id).info.experiment_id
         built = self.client.search_runs([experiment], f"tags.`repsim.stage_key` = '{key}' and tags.`repsim.cached` = "
                                         "'false' and attributes.status = 'FINISHED'",
@@ -95,9 +95,14 @@ class StageRun:
         for file in files:
             if file.is_file():
                 self.client.set_tag(self.run_id, f"repsim.file.{file.name}", str(file.resolve()))
-        if built:
-            self.client.set_tag(self.run_id, "repsim.built_by", built[0].info.run_id)
-        self.log_metrics(built[0].data.metrics if built else summary)
+        if not built:
+            self.log_metrics(summary)
+            return
+        self.client.set_tag(self.run_id, "repsim.built_by", built[0].info.run_id)
+        for name in built[0].data.metrics:
+            history = self.client.get_metric_history(built[0].info.run_id, name)
+            for start in range(0, len(history), MAX_METRICS_PER_BATCH):
+                self.client.log_batch(self.run_id, metrics=history[start:start + MAX_METRICS_PER_BATCH])
 
     def log_artifacts(self, paths: Iterable[Path]) -> None:
         """Every file as an artifact; with an embedded store (a local path, not a server), files over

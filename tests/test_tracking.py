@@ -83,12 +83,12 @@ for run in await client.read_task_runs():
 print(json.dumps(found))""")
 
 
-@pytest.mark.slow
-@pytest.mark.orchestration
 def store_bytes(home: Path) -> int:
     return sum(path.stat().st_size for path in home.rglob("*") if path.is_file())
 
 
+@pytest.mark.slow
+@pytest.mark.orchestration
 def test_runs_models_and_cache_hits_are_what_the_uis_show(make_image_folder, write_spec, tmp_path, monkeypatch):
     experiment = str(tiny_experiment(tmp_path, make_image_folder, write_spec, align=True))
     home = tmp_path / "home"
@@ -115,6 +115,9 @@ def test_runs_models_and_cache_hits_are_what_the_uis_show(make_image_folder, wri
     [cached_train] = [run for run in flow_runs(home, "experiment")[1][1] if run.data.tags["repsim.stage"] == "train"]
     assert cached_train.data.tags["repsim.built_by"] == train.info.run_id
     assert cached_train.data.metrics["loss"] == train.data.metrics["loss"]  # the same final values
+    curve = [(point.step, point.value) for point in client.get_metric_history(train.info.run_id, "loss")]
+    assert len(curve) > 1  # and the same curves
+    assert [(point.step, point.value) for point in client.get_metric_history(cached_train.info.run_id, "loss")] == curve
     assert cached_train.data.tags["repsim.file.encoder.pt"] == str(Path(train.data.tags["repsim.output"]) / "encoder.pt")
     assert not client.list_artifacts(cached_train.info.run_id)
     repsim_id = client.get_experiment_by_name("repsim").experiment_id
@@ -135,9 +138,10 @@ def test_runs_models_and_cache_hits_are_what_the_uis_show(make_image_folder, wri
     ran, rerun = by_flow[first.data.tags["prefect.flow_run_id"]], by_flow[second.data.tags["prefect.flow_run_id"]]
     assert {task["state"] for task in ran} == {"Completed"} and {task["state"] for task in rerun} == {"Cached"}
     assert "train supcon" in {task["name"] for task in ran} and "shard" in {task["name"] for task in ran}
-    for task in ran:
-        [summary] = [line for line in task["logs"] if line.startswith(f"{task['name']}: ")]
-        assert "; built in " in summary and " -> " in summary
+    for tasks_run, how in ((ran, "; built in "), (rerun, "; found complete in the cache -> ")):
+        for task in tasks_run:  # each task run's own log: one summary line, also when Prefect served it
+            [summary] = [line for line in task["logs"] if line.startswith(f"{task['name']}: ")]
+            assert how in summary and " -> " in summary, summary
 
     evaluated = repsim(home, "eval", spec, "--encoder", f"models:/tiny-supcon/{version.version}", "--suite", "knn",
                        "--k", "3")
