@@ -8,14 +8,19 @@ import argparse
 import logging
 import os
 import re
+import shutil
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from repsim import stopping
-from repsim.errors import RepsimError, SpecError
+from repsim.errors import (DISK_FULL_TEXTS, DiskFull, RepsimError, SpecError, disk_full, disk_full_error, mount_point,
+                           require_free_space)
 from repsim.stopping import Stopped
 
 EXIT_USER_ERROR = 2
+MIN_FREE_BYTES = int(float(os.environ.get("REPSIM_MIN_FREE_MB", "100")) * 2**20)  # refused below: a run's records alone
+NEARLY_FULL_BYTES = 2**20  # an error with less free under $REPSIM_HOME is taken for a full disk
 FORCEABLE = ("shard", "captions", "wordnet", "neighbors", "train", "features", "evaluate", "align")
 
 
@@ -322,27 +327,48 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 
 
 class _NoTracebackForUserErrors(logging.Filter):
-    """Keep Prefect's console line for a RepsimError but drop its traceback: the CLI explains it."""
+    """Keep Prefect's console line for a RepsimError but drop its traceback, and drop the records of a
+    full disk (a store's failed writes): the CLI explains both in one line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and isinstance(record.exc_info[1], RepsimError):
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, RepsimError):
             record.exc_info, record.exc_text = None, None
-        return True
+            return True
+        return not (disk_full(error) or any(text in record.getMessage() for text in DISK_FULL_TEXTS))
+
+
+def _filled_a_disk(err: BaseException) -> DiskFull | None:
+    """The one-line error for ``err``, raised outside a stage's build, if a full disk is its cause: it
+    says so (ENOSPC), or it did not but $REPSIM_HOME's file system has (nearly) no space left, as when
+    Prefect's temporary API dies on its full SQLite store. Names the file it was writing, else the run
+    records (MLflow's and Prefect's stores) under $REPSIM_HOME."""
+    from repsim.stage import repsim_home
+
+    if not disk_full(err) and shutil.disk_usage(mount_point(repsim_home())).free >= NEARLY_FULL_BYTES:
+        return None
+    while err is not None and not (isinstance(err, OSError) and err.filename):
+        err = err.__cause__ or err.__context__
+    where = Path(err.filename) if err is not None else repsim_home()
+    what = f"writing {where} failed" if err is not None else f"the run records under {where} could not be written"
+    return disk_full_error(where, what, max(MIN_FREE_BYTES, NEARLY_FULL_BYTES))
 
 
 def _start_orchestration(stop_on_signals: bool = False) -> None:
     """Before a flow starts: stop at once if a configured server does not answer, start the embedded
     stores under their lock, and keep Prefect's console line for a RepsimError but drop its traceback;
     with ``stop_on_signals``, SIGTERM and SIGINT stop the run (:mod:`repsim.stopping`)."""
+    from repsim.stage import repsim_home
     from repsim.tasks.servers import check_servers
     from repsim.tasks.settings import start_embedded_stores
 
     check_servers()
+    require_free_space(repsim_home(), MIN_FREE_BYTES, "a run (its stage outputs and run records)")
     start_embedded_stores()  # created one process at a time on a fresh $REPSIM_HOME
     from prefect.logging.configuration import setup_logging
 
     setup_logging()
-    for handler in logging.getLogger().handlers:
+    for handler in logging.getLogger().handlers + logging.getLogger("mlflow").handlers:
         handler.addFilter(_NoTracebackForUserErrors())
     if stop_on_signals:
         stopping.install()
@@ -466,6 +492,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         stopping.exit_now(err.signum, str(err))
     except RepsimError as err:
         print(f"error: {err}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except Exception as err:
+        full = _filled_a_disk(err)
+        if full is None:
+            raise
+        print(f"error: {full}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("interrupted; run the same command again to resume", file=sys.stderr)

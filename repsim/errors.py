@@ -1,5 +1,14 @@
 """Typed errors whose message says what went wrong and how to fix it, in one line."""
 
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+
+DISK_FULL_TEXTS = ("No space left on device", "database or disk is full")  # ENOSPC rewrapped; SQLite's SQLITE_FULL
+
 
 class RepsimError(Exception):
     """A user-facing error: ``<what>; <how to fix>``. The CLI prints it and exits 2."""
@@ -33,3 +42,41 @@ class EvalError(RepsimError):
 
 class SimilarityError(RepsimError):
     """A similarity source or neighbor list cannot be built from what it was given."""
+
+
+class DiskFull(RepsimError):
+    """A file system ran out of space, or has too little for what is asked of it."""
+
+
+def disk_full(err: BaseException | None) -> bool:
+    """Whether ``err`` or an error it came from says a disk is full: ENOSPC as an OSError or, from
+    libraries that rewrap it (torch.save, SQLAlchemy over SQLite), only in the message."""
+    while err is not None:
+        if getattr(err, "errno", None) == errno.ENOSPC or any(text in str(err) for text in DISK_FULL_TEXTS):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def mount_point(path: Path) -> Path:
+    """The mount point of the file system holding ``path`` (or its nearest existing parent)."""
+    path = path.resolve()
+    while not path.exists() or (not os.path.ismount(path) and path != path.parent):
+        path = path.parent
+    return path
+
+
+def disk_full_error(where: Path, what: str, needed: int) -> DiskFull:
+    """``the file system at /mnt is full: <what> (F of T bytes free)``, to fix by freeing ``needed`` bytes."""
+    space = shutil.disk_usage(mount_point(where))
+    return DiskFull(f"the file system at {mount_point(where)} is full: {what} ({space.free:,} of {space.total:,} "
+                    "bytes free now)",
+                    f"free more than {needed:,} bytes there, or point REPSIM_HOME (or the stage's output) at a larger disk")
+
+
+def require_free_space(where: Path, needed: int, what: str) -> None:
+    """DiskFull, before anything is written, when the file system holding ``where`` has fewer than
+    ``needed`` bytes free for ``what``."""
+    free = shutil.disk_usage(mount_point(where)).free
+    if free < needed:
+        raise disk_full_error(where, f"{what} needs {needed:,} bytes free there", needed - free)

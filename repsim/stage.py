@@ -11,7 +11,6 @@ matches that list returns at once; a damaged one is reported and built again.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import hashlib
 import json
@@ -29,7 +28,7 @@ from typing import Any
 
 import filelock
 
-from repsim.errors import RepsimError, StageError
+from repsim.errors import RepsimError, StageError, disk_full, disk_full_error
 
 STAGE_FILE = "stage.json"
 TRACKED_LIBRARIES = ("repsim", "torch", "torchvision", "numpy", "webdataset", "pyarrow")
@@ -403,35 +402,14 @@ def _build_atomically(stage: Stage, build: Build, out: Path, file_details: FileD
         (tmp / STAGE_FILE).write_text(json.dumps(record, indent=2, sort_keys=True, default=str))
         _move_into_place(tmp, out)
     except BaseException as err:
-        full = _disk_full(err)
+        full = disk_full(err)
         written = sum(file.stat().st_size for file in tmp.rglob("*") if file.is_file()) if full else 0
         shutil.rmtree(tmp, ignore_errors=True)
         if full:
-            raise StageError(*_disk_full_message(stage, out, written)) from None
+            raise disk_full_error(out.parent, f"the {stage.name} stage had written {written:,} bytes into {out.parent} "
+                                  "when it ran out of space, and its partial output is removed", written) from None
         raise
     return record
-
-
-def _disk_full(err: BaseException) -> bool:
-    """Whether ``err`` or an error it came from says the disk is full (ENOSPC, as an OSError or, from
-    libraries that rewrap it, only in the message)."""
-    while err is not None:
-        if getattr(err, "errno", None) == errno.ENOSPC or "No space left on device" in str(err):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
-
-
-def _disk_full_message(stage: Stage, out: Path, written: int) -> tuple[str, str]:
-    """(what, fix) of a stage build that filled its file system, naming the file system and the bytes."""
-    mount = out.parent
-    while not os.path.ismount(mount) and mount != mount.parent:
-        mount = mount.parent
-    space = shutil.disk_usage(out.parent)
-    return (f"the file system at {mount} is full: the {stage.name} stage had written {written:,} bytes into "
-            f"{out.parent} when it ran out of space ({space.free:,} of {space.total:,} bytes free now, after "
-            "removing its partial output)",
-            f"free more than {written:,} bytes there, or point REPSIM_HOME (or the stage's output) at a larger disk")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -177,12 +177,13 @@ class Tracker:
         tags = {MLFLOW_RUN_NAME: name, "prefect.flow_run_id": str(flow_run.get_id() or ""), **tags}
         start, end = (int(1000 * moment) for moment in span) if span else (None, None)
         run = self.client.create_run(self.experiment_id, run_name=name, tags=tags, start_time=start)
-        status = "FAILED"
         try:
             yield StageRun(self.client, run.info.run_id)
-            status = "FINISHED"
-        finally:
-            self.client.set_terminated(run.info.run_id, status, end_time=end)
+        except BaseException:
+            with contextlib.suppress(MlflowException):  # the run's own error says more than a store that fails too
+                self.client.set_terminated(run.info.run_id, "FAILED", end_time=end)
+            raise
+        self.client.set_terminated(run.info.run_id, "FINISHED", end_time=end)
 
     @contextlib.contextmanager
     def flow_run(self, flow_name: str, params: Mapping[str, Any], name: str | None = None) -> Iterator[StageRun]:

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from repsim.errors import StageError
+from repsim.errors import DiskFull, StageError
 from repsim.stage import IN_USE, LOCKED, OutputLock, Stage, read_record, run_stage
 
 
@@ -74,8 +74,8 @@ def test_a_full_disk_is_one_line_naming_the_file_system_and_leaves_nothing(home,
         raise full
 
     message = (r"the file system at /\S* is full: the s stage had written 1,000 bytes into .* when it ran out of "
-               r"space \([\d,]+ of [\d,]+ bytes free now")
-    with pytest.raises(StageError, match=message) as raised:
+               r"space, and its partial output is removed \([\d,]+ of [\d,]+ bytes free now\)")
+    with pytest.raises(DiskFull, match=message) as raised:
         run_stage(stage, fill_the_disk)
     assert "\n" not in str(raised.value) and "free more than 1,000 bytes there" in str(raised.value)
     assert [p.name for p in stage.default_dir().parent.iterdir()] == [f".{stage.key}.lock"]

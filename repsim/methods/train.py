@@ -257,10 +257,14 @@ def save_atomically(payload: dict[str, Any], path: Path) -> None:
     never leaves half a file under ``path``. The file it replaces is kept as :func:`previous_of` ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.partial")
-    with open(partial, "wb") as handle:
-        torch.save(payload, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
+    try:
+        with open(partial, "wb") as handle:
+            torch.save(payload, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except BaseException:
+        partial.unlink(missing_ok=True)  # gives back the space a full disk needs
+        raise
     if path.exists():
         os.replace(path, previous_of(path))
     os.replace(partial, path)
