@@ -33,7 +33,8 @@ from repsim.config_errors import describe
 from repsim.device import TorchrunLaunch
 from repsim.errors import SpecError
 from repsim.eval.linear import DEFAULT_WEIGHT_DECAYS
-from repsim.layering import Strict, as_overrides, inline, parse_override, read_layer, resolve_paths, set_dotted
+from repsim.layering import (SettingsFile, Strict, as_overrides, inline, load_model, parse_override, resolve_paths,
+                             set_dotted)
 from repsim.shipped import locate
 from repsim.similarity.neighbors import METRICS, STAGE_INDEXES
 
@@ -41,6 +42,8 @@ MEASURES = ("wup", "path", "lch", "hops")
 SUITES = ("knn", "linear", "map", "diagnostics", "plots")  # those of repsim.eval that need only image features
 PATH_FIELDS = ("data", "stages.*.methods.*.config", "stages.*.config", "stages.*.out")  # relative to the experiment's folder
 DEPLOYMENT_PATH_FIELDS = ("deployments.*.experiment",)  # relative to the deployments file's folder
+EXPERIMENT_FILE = SettingsFile("experiment", "experiments/default.yaml", "train.settings.optim.lr=0.01", PATH_FIELDS)
+DEPLOYMENTS_FILE = SettingsFile("deployments file", "experiments/deployments.yaml", paths=DEPLOYMENT_PATH_FIELDS)
 Settings = dict[str, Any]
 PIXELS = "pixels"  # the image side that is the raw pixels (repsim.eval.stages.PIXELS)
 AS_CONFIGURED = "config"  # the image side that an alignment config names itself
@@ -288,9 +291,8 @@ def _member(single: Experiment, point: tuple[tuple[str, Any], ...], seed: int | 
 def load_experiment(path: str | Path, overrides: Sequence[str] = ()) -> Experiment:
     """Read the experiment at ``path`` (or the shipped experiment of that name: ``default``) and apply
     ``overrides``; SpecError in one line naming the file (or the overrides), the field and the fix."""
-    path = locate(path, "experiment")
-    layer = read_layer(path, "experiment", "experiments/default.yaml", PATH_FIELDS)
-    return with_overrides(_validate(layer.values, layer.name), overrides, origin=layer.name)
+    experiment = load_model(Experiment, path, EXPERIMENT_FILE)
+    return with_overrides(experiment, overrides, origin=str(locate(path, EXPERIMENT_FILE.kind)))
 
 
 def single_section(name: str, data: str | Path, section: dict[str, Any]) -> Experiment:
@@ -398,10 +400,5 @@ class Deployments(Strict):
 def load_deployments(path: str | Path) -> tuple[list[DeploymentSpec], list[Experiment]]:
     """The deployments at ``path`` (or the shipped deployments file of that name: ``deployments``) and,
     for each, its experiment with its overrides (validated)."""
-    path = locate(path, "deployments file")
-    layer = read_layer(path, "deployments file", "experiments/deployments.yaml", DEPLOYMENT_PATH_FIELDS)
-    try:
-        specs = Deployments.model_validate(layer.values).deployments
-    except ValidationError as err:
-        raise SpecError(*describe(err, layer.name, Deployments)) from None
+    specs = load_model(Deployments, path, DEPLOYMENTS_FILE).deployments
     return specs, [load_experiment(spec.experiment, spec.overrides) for spec in specs]

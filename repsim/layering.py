@@ -6,24 +6,25 @@ Layers merge in order, the later winning key by key (:func:`merge`). Override va
 :func:`as_overrides` writes a nested mapping back as overrides that parse to it. Path fields are
 dotted names (``*`` steps into every item of a list); their relative paths resolve against the
 folder of the file that names them, or, in overrides, against the working directory.
-Pydantic validates the merged mapping into a :class:`Strict` model; the caller names the layer an error
-came from (:func:`origin`).
+Pydantic validates the merged mapping into a :class:`Strict` model (:func:`load_model`, the one way a
+settings file is read), and an error names the layer it came from (:func:`origin`).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
-from repsim.config_errors import read_yaml_mapping
+from repsim.config_errors import describe, model_at, read_yaml_mapping
 from repsim.errors import SpecError
+from repsim.shipped import locate
 
 TAG_FIELDS = ("type", "name")  # a mapping whose tag changes is replaced whole, not merged
 _KEPT = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://|pipe:)")  # URLs and webdataset pipes are no paths to resolve
@@ -33,6 +34,43 @@ class Strict(BaseModel):
     """The base of every config model: an unknown field is an error, and a validated config is frozen."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class SettingsFile:
+    """A kind of settings file: its name in errors (``config``), an example file and override that the
+    fix of an error shows, and its path fields (resolved against the file's folder)."""
+
+    kind: str
+    example: str
+    override_example: str = ""
+    paths: tuple[str, ...] = ()
+
+
+Explain = Callable[[ValidationError, str, type[BaseModel]], tuple[str, str]]
+
+
+def load_model(schema: type[M], path: str | Path, file: SettingsFile, overrides: Sequence[str] = (),
+               explain: Explain = describe, prepare: Callable[[dict[str, Any]], object] | None = None) -> M:
+    """The ``file`` at ``path`` (or the shipped file of that name) with each ``key=value`` override
+    merged over it in order, validated once as ``schema``, whose defaults fill in the rest. A
+    SpecError in one line names the file or override that set the failing field and the fix
+    (``explain``: what and fix of a validation error, given the layer's name). ``prepare`` sees the
+    merged values first (to import what they name)."""
+    path = locate(path, file.kind)
+    layers = [read_layer(path, file.kind, file.example, file.paths)]
+    layers += [override_layer(override, file.override_example, file.paths) for override in overrides]
+    values = merge_layers(layers)
+    if prepare is not None:
+        prepare(values)
+    try:
+        return schema.model_validate(values)
+    except ValidationError as err:
+        _, field = model_at(schema, err.errors()[0]["loc"])
+        raise SpecError(*explain(err, origin(layers, field) or str(path), schema)) from None
 
 
 @dataclass(frozen=True)

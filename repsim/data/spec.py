@@ -16,12 +16,13 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from repsim.config_errors import describe, message, model_at
 from repsim.errors import SpecError
-from repsim.layering import Strict, read_layer
+from repsim.layering import SettingsFile, Strict, load_model
 from repsim.shipped import locate
 
 FASHION_MNIST_ROOT = Path("/usr/share/datasets/fashion-mnist")
 SYNSET_PATTERN = re.compile(r"^.+\.[nvasr]\.\d{2}$")
 PATH_FIELDS = ("source.root", "source.path", "source.urls")  # relative to the spec's folder
+SPEC_FILE = SettingsFile("data spec", "data_specs/fashion-mnist.yaml", paths=PATH_FIELDS)
 
 
 class FashionMnistSource(Strict):
@@ -174,13 +175,8 @@ def load_spec(path: str | Path) -> DataSpec:
 
     Raises SpecError with one line naming the file, the field and the fix.
     """
-    path = locate(path, "data spec")
-    layer = read_layer(path, "data spec", "data_specs/fashion-mnist.yaml", PATH_FIELDS)
-    try:
-        spec = DataSpec.model_validate(layer.values)
-    except ValidationError as err:
-        raise SpecError(*_describe(err, path)) from None
-    _check_paths_exist(spec, path)
+    spec = load_model(DataSpec, path, SPEC_FILE, explain=_describe)
+    _check_paths_exist(spec, locate(path, SPEC_FILE.kind))
     return spec
 
 
@@ -198,7 +194,7 @@ def _missing_path_fix(source: BaseModel) -> str:
     return "correct the path (relative paths start at the spec's folder)"
 
 
-def _describe(err: ValidationError, path: Path) -> tuple[str, str]:
+def _describe(err: ValidationError, path: str, _: type[BaseModel] = DataSpec) -> tuple[str, str]:
     """Turn the first pydantic error into (what, fix) naming the file and the field."""
     _, field = model_at(DataSpec, err.errors()[0]["loc"])
     if field[:1] == ("classes",) and len(field) == 2:

@@ -17,19 +17,19 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args
 
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, model_validator
 
-from repsim.config_errors import describe, model_at
 from repsim.data.augment import PRESETS
 from repsim.errors import SpecError, first_line
-from repsim.layering import Strict, merge_layers, origin, override_layer, read_layer
+from repsim.layering import SettingsFile, Strict, load_model
 from repsim.models.backbones import RESNETS
 from repsim.models.vit import VITS
-from repsim.shipped import locate, packaged
+from repsim.shipped import packaged
 
 DEFAULT_SPEC = "animal-mnist"  # the shipped data spec a config trains on unless it names one
 ENTRY_POINTS = "repsim.methods"  # the entry-point group under which a package names its methods' modules
 PATH_FIELDS = ("data.spec", "method.similarity.path", "model.init_encoder", "image.path")  # image: alignment configs
+CONFIG_FILE = SettingsFile("config", "configs/simclr.yaml", "optim.lr=0.01", PATH_FIELDS)
 
 
 class DataConfig(Strict):
@@ -307,15 +307,11 @@ def load_config(path: str | Path, overrides: Sequence[str] = (), schema: type[Ba
     """Read the config at ``path`` (or the shipped config of that name) and apply ``overrides``
     (``"optim.lr=0.01"``), as a ``schema`` (default: a training :class:`Config`) whose defaults fill
     in the rest. Raises SpecError in one line naming file and field."""
-    path = locate(path, "config")
-    layers = [read_layer(path, "config", "configs/simclr.yaml", PATH_FIELDS)]
-    layers += [override_layer(override, "optim.lr=0.01", PATH_FIELDS) for override in overrides]
-    merged = merge_layers(layers)
-    method = merged.get("method")
-    if schema is Config and isinstance(method, dict) and method.get("name") not in accepted_methods():
+    return load_model(schema, path, CONFIG_FILE, overrides, prepare=_import_method if schema is Config else None)
+
+
+def _import_method(values: dict[str, Any]) -> None:
+    """Import the outside method that ``method.name`` names, if no method of that name is accepted yet."""
+    method = values.get("method")
+    if isinstance(method, dict) and method.get("name") not in accepted_methods():
         import_outside_method(str(method.get("name")))
-    try:
-        return schema.model_validate(merged)
-    except ValidationError as err:
-        _, field = model_at(schema, err.errors()[0]["loc"])
-        raise SpecError(*describe(err, origin(layers, field) or str(path), schema)) from None
