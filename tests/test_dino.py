@@ -127,6 +127,57 @@ def test_ibot_adds_the_weighted_patch_loss_and_trains_the_mask_token():
              Prototypes(16, 12), DINOLoss(12), patch_loss=IBOTPatchLoss(12))
 
 
+def optimizer_steps(method: Dino, steps: int, total: int) -> list[torch.Tensor]:
+    """The prototypes after each of ``steps`` steps of ``total`` with AdamW and weight decay, the hooks
+    called as the Trainer calls them."""
+    optimizer = torch.optim.AdamW([p for p in method.parameters() if p.requires_grad], lr=0.1, weight_decay=0.5)
+    batch = {"views": [torch.randn(4, 1, 16, 16), torch.randn(4, 1, 16, 16)]}
+    seen = []
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        method.training_step(batch)["loss"].backward()
+        method.before_optimizer_step(step, total)
+        optimizer.step()
+        method.after_optimizer_step(step + 1, total)
+        seen.append(method.prototypes.weight.detach().clone())
+    return seen
+
+
+def test_the_prototypes_stay_frozen_for_their_share_of_the_steps_then_train():
+    method = ibot(share=1.0)
+    method.frozen = 0.25  # 2 of 8 steps
+    start = method.prototypes.weight.detach().clone()
+    first, second, third = optimizer_steps(method, 3, total=8)
+    assert torch.equal(first, start) and torch.equal(second, start)  # not even weight decay moved them
+    assert not torch.equal(third, start)
+
+
+def test_the_teacher_temperatures_warm_up_linearly_then_hold_and_a_checkpoint_keeps_them():
+    method = ibot(share=1.0)
+    method.loss.teacher_temperature.fill_(0.04)
+    method.patch_loss.teacher_temperature.fill_(0.04)
+    method.temperatures = [(method.loss, 0.04, 0.07), (method.patch_loss, 0.04, 0.1)]
+    method.warmup = 0.5  # over 2 of 4 steps
+    seen = []
+    for step in range(4):
+        optimizer_steps(method, 0, 4)
+        method.after_optimizer_step(step + 1, 4)
+        seen.append((method.loss.teacher_temperature.item(), method.patch_loss.teacher_temperature.item()))
+    expected = [(0.055, 0.07), (0.07, 0.1), (0.07, 0.1), (0.07, 0.1)]
+    for got, want in zip(seen, expected):
+        assert got == pytest.approx(want)
+    restored = ibot(share=1.0)
+    restored.load_state_dict(method.state_dict())
+    assert restored.loss.teacher_temperature.item() == pytest.approx(0.07)
+
+
+def test_the_shipped_baselines_carry_their_papers_stabilisers():
+    dino_config, ibot_config = (load_config(REPO / "configs" / name).method for name in ("dino.yaml", "ibot.yaml"))
+    assert (dino_config.freeze_prototypes, dino_config.teacher_temperature, dino_config.final_teacher_temperature,
+            dino_config.teacher_warmup) == (0.01, 0.04, 0.07, 0.3)
+    assert (ibot_config.teacher_temperature, ibot_config.patch_teacher_temperature) == (0.04, 0.07)
+
+
 @pytest.mark.parametrize("config_file", ["dino.yaml", "ibot.yaml"])
 def test_dino_and_ibot_train_through_the_train_stage(config_file, make_image_folder, write_spec, tmp_path):
     folder = make_image_folder({"cat": 20, "dog": 20}, size=16)
@@ -137,10 +188,15 @@ def test_dino_and_ibot_train_through_the_train_stage(config_file, make_image_fol
     config = load_config(REPO / "configs" / config_file, [
         f"data.spec={spec}", "data.image_size=16", "model.depth=1", "model.projection_hidden_dim=32",
         "model.projection_dim=16", "optim.batch_size=16", "optim.epochs=2", "optim.num_workers=0", "monitor.k=3",
-        "method.num_prototypes=32", "data.preset_options={local_crops: 2}"])
+        "method.num_prototypes=32", "data.preset_options={local_crops: 2}",
+        f"method.freeze_prototypes={0.9 if config_file == 'dino.yaml' else 0.01}"])  # dino: all 4 steps frozen
     output = train(config, out_dir=tmp_path / "out", shards=shards, device="cpu", progress=False)
     records = [json.loads(line) for line in (output.path / "metrics.jsonl").read_text().splitlines()]
     last_epoch = [record for record in records if "epoch" in record][-1]
     assert {"knn_top1_k3", "effective_rank", "embedding_std", "prototype_entropy"} <= set(last_epoch)
     assert output.metrics["steps"] == 4
     assert any("patch_loss" in record for record in records) == (config_file == "ibot.yaml")
+    state = torch.load(output.path / "checkpoint.pt", weights_only=True)["model"]
+    assert state["loss.teacher_temperature"].item() == pytest.approx(0.04 + 0.03 * min(4 / (0.3 * 4), 1))
+    frozen_throughout = torch.equal(state["head.1.weight"], state["teacher_head.1.weight"])  # the EMA of a constant
+    assert frozen_throughout == (config_file == "dino.yaml")

@@ -35,8 +35,8 @@ class DINOLoss(nn.Module):
     """Cross-view cross-entropy of centred, sharpened teacher logits and student logits.
 
     ``forward(student, teacher)``: lists of (B, K) logits, the student's views (global ones first)
-    and the teacher's global views. The centre (a buffer, so it is checkpointed) moves after each
-    call made in training mode.
+    and the teacher's global views. The centre moves after each call made in training mode; it and
+    ``teacher_temperature`` (which a warm-up moves) are buffers, so a checkpoint holds them.
 
     >>> loss = DINOLoss(num_prototypes=16)
     >>> student, teacher = list(torch.randn(3, 4, 16)), list(torch.randn(2, 4, 16))  # views of (B, K) = (4, 16)
@@ -47,9 +47,9 @@ class DINOLoss(nn.Module):
     def __init__(self, num_prototypes: int, student_temperature: float = 0.1, teacher_temperature: float = 0.04,
                  center_momentum: float = 0.9):
         super().__init__()
-        self.student_temperature, self.teacher_temperature = student_temperature, teacher_temperature
-        self.center_momentum = center_momentum
+        self.student_temperature, self.center_momentum = student_temperature, center_momentum
         self.register_buffer("center", torch.zeros(num_prototypes))
+        self.register_buffer("teacher_temperature", torch.tensor(float(teacher_temperature)))  # a schedule may move it
 
     def teacher_probabilities(self, teacher: torch.Tensor) -> torch.Tensor:
         """softmax((t − c) / τ_t) of teacher logits (B, K)."""

@@ -52,6 +52,10 @@ class Method(nn.Module, ABC):
     def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
         return self.training_step(batch)
 
+    def before_optimizer_step(self, step: int, total_steps: int) -> None:
+        """Called with the gradients of step ``step`` + 1 of ``total_steps`` (clipped), before the
+        optimizer applies them, e.g. to drop those of a layer kept frozen."""
+
     def after_optimizer_step(self, step: int, total_steps: int) -> None:
         """Called after optimizer step ``step`` (1-based) of ``total_steps``, e.g. to update an EMA teacher."""
 

@@ -227,16 +227,25 @@ class SOPConfig(_SelfDistillationConfig, _MaskedPatchesConfig):
 
 class DinoConfig(_SelfDistillationConfig):
     """The DINO-style baseline: ``num_prototypes`` learnable prototypes (a weight-normalised last
-    layer), the teacher centred by an EMA of momentum ``center_momentum`` and sharpened."""
+    layer), the teacher centred by an EMA of momentum ``center_momentum`` and sharpened.
+
+    DINO's stabilisers, scaled to the run: the prototypes stay frozen for the first
+    ``freeze_prototypes`` share of the steps (DINO's ``freeze_last_layer``, 1 epoch of 100), and the
+    teacher temperature warms up linearly from ``teacher_temperature`` to ``final_teacher_temperature``
+    over the first ``teacher_warmup`` share (0.04 to 0.07 over 30 epochs of 100)."""
 
     name: Literal["dino"]
     num_prototypes: int = Field(4096, gt=1)
     center_momentum: float = Field(0.9, ge=0, lt=1)
+    freeze_prototypes: float = Field(0.01, ge=0, lt=1)
+    final_teacher_temperature: float = Field(0.07, gt=0)
+    teacher_warmup: float = Field(0.3, ge=0, le=1)
 
 
 class IBOTConfig(DinoConfig, _MaskedPatchesConfig):
     """The iBOT-style baseline: DINO plus a masked-patch loss of weight ``patch_weight`` over the same
-    prototypes, its teacher centred apart from the [CLS] one."""
+    prototypes, its teacher centred apart from the [CLS] one and its temperature warmed up as the
+    [CLS] one, from ``teacher_temperature`` to ``patch_teacher_temperature``."""
 
     name: Literal["ibot"]  # type: ignore[assignment]
     patch_weight: float = Field(1.0, gt=0)

@@ -47,6 +47,10 @@ class Dino(SelfDistillation):
     With ``patch_loss`` (iBOT), ``masking`` block-masks the student's global views and the loss adds
     ``patch_weight`` × the patch loss of the masked patches through the same head and prototypes;
     ``training_step`` then also returns ``cls_loss`` and ``patch_loss``.
+
+    ``warmup``: each loss's teacher temperature moves linearly from its initial value to its
+    ``final_temperatures`` entry ([CLS], then patches) over that share of the steps; ``frozen``: the
+    prototypes take no update in that first share of the steps.
     """
 
     entropy_metric = "prototype_entropy"
@@ -54,16 +58,32 @@ class Dino(SelfDistillation):
     def __init__(self, encoder: MaskableViT, head: nn.Module, prototypes: Prototypes, loss: DINOLoss,
                  momentum: float = 0.996, memory_size: int = DIAGNOSTIC_MEMORY, *,
                  patch_loss: IBOTPatchLoss | None = None, patch_weight: float = 1.0,
-                 masking: BlockMasking | None = None):
+                 masking: BlockMasking | None = None, final_temperatures: tuple[float, ...] = (),
+                 warmup: float = 0.0, frozen: float = 0.0):
         if (patch_loss is None) != (masking is None):
             raise ValueError("a patch loss needs masking, and masking needs a patch loss")
         super().__init__(encoder, nn.Sequential(head, prototypes), momentum, masking=masking)
         self.loss, self.patch_loss, self.patch_weight = loss, patch_loss, patch_weight
         self.memory = Memory(memory_size, prototypes.weight.shape[1])
+        self.prototypes, self.frozen, self.warmup = prototypes, frozen, warmup
+        losses = [loss, patch_loss] if patch_loss is not None else [loss]
+        self.temperatures = [(found, float(found.teacher_temperature), final)
+                             for found, final in zip(losses, final_temperatures)]
 
     @property
     def embeddings(self) -> Memory:
         return self.memory
+
+    def before_optimizer_step(self, step: int, total_steps: int) -> None:
+        if step < self.frozen * total_steps:
+            for weight in self.prototypes.parameters():
+                weight.grad = None  # no update at all, weight decay and momentum included
+
+    def after_optimizer_step(self, step: int, total_steps: int) -> None:
+        super().after_optimizer_step(step, total_steps)
+        progress = min(step / (self.warmup * total_steps), 1.0) if self.warmup > 0 else 1.0
+        for loss, start, final in self.temperatures:
+            loss.teacher_temperature.fill_(start + (final - start) * progress)
 
     def training_step(self, batch: Batch) -> dict[str, torch.Tensor]:
         globals_ = self.global_views(batch)
@@ -85,10 +105,13 @@ class Dino(SelfDistillation):
 
 @register("dino")
 def build(config: Config, data: TrainingData, **patch_options: object) -> Dino:
-    """DINO from ``config``; ``patch_options`` (patch_loss, patch_weight, masking) make it iBOT."""
+    """DINO from ``config``; ``patch_options`` (patch_loss, patch_weight, masking and both losses'
+    final_temperatures) make it iBOT."""
     method = config.method
+    patch_options.setdefault("final_temperatures", (method.final_teacher_temperature,))
     encoder = vit_backbone(config, data)
     return Dino(encoder, projection_head(encoder.feature_dim, config.model),
                 Prototypes(config.model.projection_dim, method.num_prototypes),
                 DINOLoss(method.num_prototypes, method.student_temperature, method.teacher_temperature,
-                         method.center_momentum), momentum=method.teacher_momentum, **patch_options)
+                         method.center_momentum), momentum=method.teacher_momentum, frozen=method.freeze_prototypes,
+                warmup=method.teacher_warmup, **patch_options)

@@ -16,7 +16,8 @@ from repsim.methods.base import TrainingData, register
 @register("ibot")
 def build(config: Config, data: TrainingData) -> dino.Dino:
     method = config.method
-    patch_loss = IBOTPatchLoss(method.num_prototypes, method.student_temperature, method.patch_teacher_temperature,
+    patch_loss = IBOTPatchLoss(method.num_prototypes, method.student_temperature, method.teacher_temperature,
                                method.center_momentum)
     return dino.build(config, data, patch_loss=patch_loss, patch_weight=method.patch_weight,
-                      masking=BlockMasking(method.mask_ratio, method.mask_share))
+                      masking=BlockMasking(method.mask_ratio, method.mask_share),
+                      final_temperatures=(method.final_teacher_temperature, method.patch_teacher_temperature))

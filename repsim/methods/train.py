@@ -399,6 +399,7 @@ class Trainer:
         outputs["loss"].backward()
         if self.settings.grad_clip is not None:
             nn.utils.clip_grad_norm_(self.method.parameters(), self.settings.grad_clip)
+        self.method.before_optimizer_step(progress.step, self.total_steps)
         self.optimizer.step()
         progress.step += 1
         progress.position += 1
