@@ -145,7 +145,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from repsim.methods.base import Method, TrainingData, method_spec, register
-from repsim.methods.config import SimCLRConfig
+from repsim.methods.simclr import SimCLRConfig
 
 
 class TinyConfig(BaseModel):

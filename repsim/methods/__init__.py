@@ -6,8 +6,12 @@ A method module registers its ``build(config, data) -> Method`` under its name
 (:class:`~repsim.methods.base.MethodSpec`). The train stage (:func:`repsim.methods.stage.train`;
 not exported here, where ``train`` is the Trainer's module) wires config, data, method and Trainer.
 
-Exports resolve on first use, so reading a config does not start the Trainer's imports.
+Importing the package imports every method module in it, so their settings are registered before
+any config is read: a shipped method is one file here. Other exports resolve on first use.
 """
+
+import importlib
+import pkgutil
 
 from repsim._lazy import lazy_exports
 
@@ -19,3 +23,6 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 __getattr__ = lazy_exports(__name__, _EXPORTS)
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")

@@ -2,24 +2,20 @@
 (:class:`TrainingData`, :class:`Upstream`), and how it is registered and found by name
 (:func:`register`, :func:`method_spec`).
 
-A method is one module that registers its ``build`` under its name, with what else it provides::
+A method is one module that registers its ``build`` under its name with its settings model
+(``name: Literal["simclr"]``), so that a config naming it validates, and with what else it provides::
 
-    @register("simclr")
+    @register("simclr", settings=SimCLRConfig)
     def build(config: Config, data: TrainingData) -> SimCLR: ...
 
-A method outside the library registers its settings model too (``name: Literal["mymethod"]``), so
-that a config naming it validates: ``@register("mymethod", settings=MyMethodConfig)``. Its package
-names the module under the entry-point group ``repsim.methods`` (``mymethod = "mypackage.method"``),
-so that ``repsim train``, ``repsim run`` and torchrun's ranks import it when a config names it.
-
-A shipped method (a name the config accepts) lives in the module ``repsim.methods.<name>``, imported
-on the first lookup of that name, so no caller imports a method by hand and reading a config
-imports none.
+A shipped method is such a module in ``repsim.methods``, which imports them all. A method outside
+the library is one in a package that names the module under the entry-point group ``repsim.methods``
+(``mymethod = "mypackage.method"``), so that ``repsim train``, ``repsim run`` and torchrun's ranks
+import it when a config names it.
 """
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,7 +29,7 @@ from repsim.data.loader import Batch
 from repsim.data.sharding import ShardResult
 from repsim.data.spec import DataSpec
 from repsim.errors import SpecError
-from repsim.methods.config import Config, accept_method, accepted_methods, import_outside_method, shipped
+from repsim.methods.config import Config, accept_method, accepted_methods, import_outside_method
 from repsim.stage import StageOutput
 
 
@@ -127,9 +123,9 @@ _methods: dict[str, MethodSpec] = {}
 def register(name: str, *, upstream: Callable[[Config, TrainingData], Upstream | None] = no_upstream,
              write_figures: Callable[[Method, Path], None] = no_figures,
              settings: type[BaseModel] | None = None) -> Callable[[Build], Build]:
-    """Decorator registering ``build`` as method ``name``, with its ``upstream`` and ``write_figures``,
-    and, for a method outside the library, the ``settings`` model the config reads ``method`` into
-    (see :func:`~repsim.methods.config.accept_method`)."""
+    """Decorator registering ``build`` as method ``name``, with its ``upstream``, ``write_figures`` and
+    the ``settings`` model the config reads ``method`` into (see
+    :func:`~repsim.methods.config.accept_method`)."""
     def decorate(build: Build) -> Build:
         taken = _methods.get(name)
         if taken is not None and taken.build.__module__ != build.__module__:
@@ -142,13 +138,10 @@ def register(name: str, *, upstream: Callable[[Config, TrainingData], Upstream |
 
 
 def method_spec(name: str) -> MethodSpec:
-    """The method registered as ``name``: a shipped one's module imported first, an outside one's
-    through its ``repsim.methods`` entry point; SpecError naming the known methods for any other name."""
+    """The method registered as ``name`` (an outside one's module imported first, through its
+    ``repsim.methods`` entry point); SpecError naming the known methods for any other name."""
     if name not in _methods:
-        if name in shipped():
-            importlib.import_module(f"repsim.methods.{name}")
-        else:
-            import_outside_method(name)
+        import_outside_method(name)
     if name not in _methods:
         known = ", ".join(repr(known) for known in dict.fromkeys([*accepted_methods(), *_methods]))
         raise SpecError(f"method.name is {name!r}, which is not known", f"use one of {known}")

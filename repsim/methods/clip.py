@@ -10,18 +10,33 @@ so a step reads B rows instead of running the text model.
 from __future__ import annotations
 
 from functools import partial
+from typing import Literal
 
 import numpy as np
 import torch
+from pydantic import Field
 from torch import nn
 
 from repsim.losses import ClipLoss
+from repsim.layering import Strict
 from repsim.methods.config import Config
 from repsim.methods.contrastive import backbone_and_projection
 from repsim.methods.base import Method, TrainingData, Upstream, register
 from repsim.methods.train import Batch
 from repsim.models import ProjectionMLP
 from repsim.similarity.stages import EMBEDDINGS_FILE, embed_captions_stage, embed_captions_stage_of
+
+
+class ClipConfig(Strict):
+    """Image tower against a frozen sentence-transformer's caption embeddings and a trainable projection."""
+
+    name: Literal["clip"]
+    temperature: float = Field(0.07, gt=0)
+    learn_temperature: bool = True
+    text_model: str | None = None
+    text_hidden_dim: int | None = Field(None, gt=0, description="hidden width of the text projection; "
+                                        "default: a linear projection")
+
 
 
 class CLIP(Method):
@@ -56,7 +71,7 @@ def upstream(config: Config, data: TrainingData) -> Upstream:
     return Upstream(embed_captions_stage_of(data.shards, model).key, partial(embed_captions_stage, data.shards, model))
 
 
-@register("clip", upstream=upstream)
+@register("clip", upstream=upstream, settings=ClipConfig)
 def build(config: Config, data: TrainingData) -> CLIP:
     method = config.method
     text_embeddings = np.load(data.upstream.path / EMBEDDINGS_FILE, mmap_mode="r")

@@ -10,7 +10,10 @@ masking, the same class is the iBOT-style baseline of :mod:`repsim.methods.ibot`
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+from pydantic import Field
 import torch.nn.functional as F
 from torch import nn
 
@@ -19,11 +22,30 @@ from repsim.losses.dino import DINOLoss
 from repsim.losses.ibot import IBOTPatchLoss
 from repsim.methods.config import Config
 from repsim.methods.base import TrainingData, register
-from repsim.methods.self_distillation import Memory, SelfDistillation, projection_head, vit_backbone
+from repsim.methods.self_distillation import (Memory, SelfDistillation, SelfDistillationSettings, projection_head,
+                                             vit_backbone)
 from repsim.methods.train import Batch
 from repsim.models.vit import MaskableViT
 
 DIAGNOSTIC_MEMORY = 4096
+
+
+class DinoConfig(SelfDistillationSettings):
+    """The DINO-style baseline: ``num_prototypes`` learnable prototypes (a weight-normalised last
+    layer), the teacher centred by an EMA of momentum ``center_momentum`` and sharpened.
+
+    DINO's stabilisers, scaled to the run: the prototypes stay frozen for the first
+    ``freeze_prototypes`` share of the steps (DINO's ``freeze_last_layer``, 1 epoch of 100), and the
+    teacher temperature warms up linearly from ``teacher_temperature`` to ``final_teacher_temperature``
+    over the first ``teacher_warmup`` share (0.04 to 0.07 over 30 epochs of 100)."""
+
+    name: Literal["dino"]
+    num_prototypes: int = Field(4096, gt=1)
+    center_momentum: float = Field(0.9, ge=0, lt=1)
+    freeze_prototypes: float = Field(0.01, ge=0, lt=1)
+    final_teacher_temperature: float = Field(0.07, gt=0)
+    teacher_warmup: float = Field(0.3, ge=0, le=1)
+
 
 
 class Prototypes(nn.Module):
@@ -103,7 +125,7 @@ class Dino(SelfDistillation):
                 "prototype_entropy": entropy}
 
 
-@register("dino")
+@register("dino", settings=DinoConfig)
 def build(config: Config, data: TrainingData, **patch_options: object) -> Dino:
     """DINO from ``config``; ``patch_options`` (patch_loss, patch_weight, masking and both losses'
     final_temperatures) make it iBOT."""

@@ -6,14 +6,29 @@ teacher are those of :mod:`repsim.methods.self_distillation` and :mod:`repsim.me
 
 from __future__ import annotations
 
+from typing import Literal
+
+from pydantic import Field
+
 from repsim.data.masking import BlockMasking
 from repsim.losses.ibot import IBOTPatchLoss
 from repsim.methods import dino
 from repsim.methods.config import Config
 from repsim.methods.base import TrainingData, register
+from repsim.methods.self_distillation import MaskedPatchesSettings
 
 
-@register("ibot")
+class IBOTConfig(dino.DinoConfig, MaskedPatchesSettings):
+    """The iBOT-style baseline: DINO plus a masked-patch loss of weight ``patch_weight`` over the same
+    prototypes, its teacher centred apart from the [CLS] one and its temperature warmed up as the
+    [CLS] one, from ``teacher_temperature`` to ``patch_teacher_temperature``."""
+
+    name: Literal["ibot"]  # type: ignore[assignment]
+    patch_weight: float = Field(1.0, gt=0)
+
+
+
+@register("ibot", settings=IBOTConfig)
 def build(config: Config, data: TrainingData) -> dino.Dino:
     method = config.method
     patch_loss = IBOTPatchLoss(method.num_prototypes, method.student_temperature, method.teacher_temperature,

@@ -18,6 +18,7 @@ from abc import abstractmethod
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from torch import nn
 
 from repsim.data.masking import BlockMasking
@@ -25,10 +26,30 @@ from repsim.errors import SpecError
 from repsim.eval.diagnostics import effective_rank, embedding_std
 from repsim.losses._pairs import gather_no_grad
 from repsim.losses.sop import mean_assignment_entropy, mean_sample_entropy
+from repsim.layering import Strict
 from repsim.methods.config import Config, ModelConfig
 from repsim.methods.base import Method, TrainingData
 from repsim.methods.train import Batch
 from repsim.models import VITS, MaskableViT, backbone
+
+
+class SelfDistillationSettings(Strict):
+    """A student and its EMA teacher (momentum cosine from ``teacher_momentum`` to 1) on multi-crop views."""
+
+    student_temperature: float = Field(0.1, gt=0)
+    teacher_temperature: float = Field(0.04, gt=0)
+    teacher_momentum: float = Field(0.996, ge=0, le=1)
+
+
+class MaskedPatchesSettings(Strict):
+    """Block masking of the student's global views for a masked-patch loss: ``mask_ratio`` is the
+    range of each masked view's ratio, ``mask_share`` the share of global views masked; the teacher's
+    patch distributions are sharpened with ``patch_teacher_temperature``."""
+
+    patch_teacher_temperature: float = Field(0.07, gt=0)
+    mask_ratio: tuple[float, float] = (0.1, 0.5)
+    mask_share: float = Field(0.5, ge=0, le=1)
+
 
 
 class Memory(nn.Module):

@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+from pydantic import Field
 from torch import nn
 
 from repsim.losses import NTXentLoss
+from repsim.layering import Strict
 from repsim.methods.config import Config
 from repsim.methods.contrastive import TwoViewMethod, backbone_and_projection
 from repsim.methods.base import TrainingData, register
 from repsim.methods.train import Batch
+
+
+class SimCLRConfig(Strict):
+    """SimCLR's NT-Xent at ``temperature``."""
+
+    name: Literal["simclr"]
+    temperature: float = Field(0.1, gt=0)
+
 
 
 class SimCLR(TwoViewMethod):
@@ -23,6 +35,6 @@ class SimCLR(TwoViewMethod):
         return {"loss": self.loss(*self.project_views(batch))}
 
 
-@register("simclr")
+@register("simclr", settings=SimCLRConfig)
 def build(config: Config, data: TrainingData) -> SimCLR:
     return SimCLR(*backbone_and_projection(config.model, data.channels, data.image_size), config.method.temperature)

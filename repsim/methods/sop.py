@@ -23,7 +23,10 @@ index, 1.3-2.2x faster there (:func:`~repsim.losses.sop.nearest_supports`, ``ben
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+from pydantic import Field, model_validator
 from torch import nn
 
 from repsim.data.masking import BlockMasking
@@ -31,9 +34,47 @@ from repsim.losses import KoLeoLoss
 from repsim.losses.sop import MaskedSOPLoss, SOPLoss, SOPs, Supports, assemble_sops, draw_supports
 from repsim.methods.config import Config
 from repsim.methods.base import TrainingData, register
-from repsim.methods.self_distillation import Memory, SelfDistillation, projection_head, vit_backbone
+from repsim.methods.self_distillation import (MaskedPatchesSettings, Memory, SelfDistillation, SelfDistillationSettings,
+                                             projection_head, vit_backbone)
 from repsim.methods.train import Batch
 from repsim.models.vit import MaskableViT
+
+
+class SOPConfig(SelfDistillationSettings, MaskedPatchesSettings):
+    """SOP: distributions over self-organizing prototypes drawn from memories of teacher outputs.
+
+    Each step ``num_anchors`` anchors (at most the filled entries) with ``support_size`` nearest
+    neighbors each; ``one_hot`` labels instead of the soft ones; ``fixed_anchors``: draw the anchors
+    once, when the memory is full, and keep them (an ablation), and with ``fixed_supports`` their
+    supports of that draw too (the SOPs fixed after the initial selection, as the paper words the
+    ablation); ``shared_supports: false``: a memory entry supports one SOP at most (the non-shared
+    ablation). ``cls_weight`` λ1 and ``mim_weight``
+    λ2 (0: no masking, no MIM) weight the [CLS] and the masked-patch losses; ``koleo_weight`` > 0
+    adds that times the KoLeo loss of the student's global [CLS] embeddings (an option, not the paper's
+    SOP). ``patches_per_view`` teacher patch tokens of each global view enter the patch memory per step.
+    """
+
+    name: Literal["sop"]
+    num_anchors: int = Field(4096, gt=1)
+    support_size: int = Field(8, gt=0)
+    epsilon: float = Field(0.1, ge=0, lt=1)
+    one_hot: bool = False
+    fixed_anchors: bool = False
+    fixed_supports: bool = False
+    shared_supports: bool = True
+    cls_memory: int = Field(65536, gt=1)
+    patch_memory: int = Field(8192, gt=1)
+    patches_per_view: int = Field(1, gt=0)
+    cls_weight: float = Field(1.0, ge=0)
+    mim_weight: float = Field(1.0, ge=0)
+    koleo_weight: float = Field(0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _supports_fixed_with_their_anchors(self) -> SOPConfig:
+        if self.fixed_supports and not self.fixed_anchors:
+            raise ValueError("fixed_supports keeps the supports of fixed anchors; set fixed_anchors=true too")
+        return self
+
 
 
 SOP_DRAWING = ("num_anchors", "support_size", "epsilon", "one_hot", "fixed_anchors", "shared_supports",
@@ -164,7 +205,7 @@ def project_masked(head: nn.Module, tokens: torch.Tensor, mask: torch.Tensor) ->
     return projected.new_zeros(*mask.shape, projected.shape[-1]).index_put((mask,), projected)
 
 
-@register("sop")
+@register("sop", settings=SOPConfig)
 def build(config: Config, data: TrainingData) -> SOP:
     method, dim = config.method, config.model.projection_dim
     encoder = vit_backbone(config, data)

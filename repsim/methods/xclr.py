@@ -11,17 +11,20 @@ from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
+from typing import Annotated, Literal
 
 import numpy as np
 import pyarrow.parquet as pq
 import torch
+from pydantic import Field
 from torch import nn
 
 from repsim.losses import XCLRLoss
 from repsim.errors import SimilarityError
 from repsim.losses._pairs import gather_no_grad
 from repsim.losses.xclr import target_mass
-from repsim.methods.config import Config, Similarity
+from repsim.layering import Strict
+from repsim.methods.config import Config
 from repsim.methods.contrastive import TwoViewMethod, backbone_and_projection, require_labels
 from repsim.methods.base import TrainingData, Upstream, register
 from repsim.methods.stage import file_digest
@@ -36,6 +39,61 @@ RESIDENT_EMBEDDING_BYTES = 1 << 30  # caption tables up to 1 GiB are copied to t
 CLASS_LEVEL = ("wordnet", "labels", "matrix")
 TARGET_HISTOGRAM_FILE = "target_similarity.png"
 TARGET_HISTOGRAM_BATCHES = 10
+
+
+class CaptionsSimilarity(Strict):
+    """Cosine similarity of caption embeddings from a frozen sentence-transformer (default all-MiniLM-L6-v2)."""
+
+    type: Literal["captions"]
+    model: str | None = None
+
+
+class WordnetSimilarity(Strict):
+    """WordNet similarity of the classes' synsets."""
+
+    type: Literal["wordnet"]
+    measure: Literal["wup", "path", "lch", "hops"] = "wup"
+
+
+class LabelsSimilarity(Strict):
+    """1 for the same label, else 0."""
+
+    type: Literal["labels"]
+
+
+class IdentitySimilarity(Strict):
+    """1 for a sample with itself, else 0: X-CLR's loss towards SimCLR's targets (an ablation of the
+    soft graph, NT-Xent as ``target_temperature`` -> 0)."""
+
+    type: Literal["identity"]
+
+
+class MatrixSimilarity(Strict):
+    """A user's (C, C) class similarity, CSV or Parquet (see ``load_class_matrix``)."""
+
+    type: Literal["matrix"]
+    path: Path
+
+
+class GraphSimilarity(Strict):
+    """A user's sparse sample graph with columns key_i, key_j, s (manifest keys), CSV or Parquet."""
+
+    type: Literal["graph"]
+    path: Path
+
+
+Similarity = Annotated[CaptionsSimilarity | WordnetSimilarity | LabelsSimilarity | IdentitySimilarity |
+                       MatrixSimilarity | GraphSimilarity, Field(discriminator="type")]
+
+
+class XCLRConfig(Strict):
+    """X-CLR: ``temperature`` of the prediction, ``target_temperature`` of the similarity targets."""
+
+    name: Literal["xclr"]
+    temperature: float = Field(0.1, gt=0)
+    target_temperature: float = Field(0.1, gt=0)
+    similarity: Similarity = CaptionsSimilarity(type="captions")
+
 
 
 class XCLR(TwoViewMethod):
@@ -112,7 +170,7 @@ def similarity_source(similarity: Similarity, data: TrainingData) -> SimilarityS
     return LabelSource()
 
 
-@register("xclr", upstream=upstream, write_figures=write_figures)
+@register("xclr", upstream=upstream, write_figures=write_figures, settings=XCLRConfig)
 def build(config: Config, data: TrainingData) -> XCLR:
     method = config.method
     encoder, projector = backbone_and_projection(config.model, data.channels, data.image_size)
