@@ -24,7 +24,7 @@ from _report import markdown, write_report
 
 from repsim.align.config import AlignConfig
 from repsim.align.train import AlignmentMethod, PairedBatches
-from repsim.asif import relative_representation
+from repsim.align.asif import relative_representation
 from repsim.methods.train import Trainer
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gera_cost.md"

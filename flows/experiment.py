@@ -48,7 +48,7 @@ from repsim.results import Row, Score, aggregate, as_records, headline_metrics, 
 from repsim.similarity.sources import ClassMatrixSource, EmbeddingSource, LabelSource, SimilaritySource
 from repsim.similarity.stages import EMBEDDINGS_FILE, SIMILARITY_FILE
 from repsim.stage import StageKind, StageOutput, read_record, rebuilding, verifying
-from repsim.tasks.stage import (KINDS, TASKS, current_record, describe, from_prefect_cache, log_stage, planned,
+from repsim.tasks.stage import (KINDS, TASKS, current_record, from_prefect_cache, log_stage, planned, produced,
                                 reused)
 from repsim.tasks.tracking import MODEL_URI, StageRun, Tracker, model_directory, model_name
 
@@ -107,7 +107,7 @@ class Stages:
             if from_prefect_cache(future.state):  # the task did not run: its MLflow run is logged here
                 log_stage(self.tracker, self.parent, kind, output.path, label, encoder)
             record = read_record(output.path)
-            self.summaries.append({"stage": kind.name, "detail": ": ".join(filter(None, [label, describe(record)])),
+            self.summaries.append({"stage": kind.name, "detail": ": ".join(filter(None, [label, produced(record)])),
                                    "key": output.key, "path": str(output.path), "cached": reused(future.state),
                                    "members": self._uses[call]})
         return self._outputs[run_id]

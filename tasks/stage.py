@@ -135,7 +135,7 @@ def summary_line(output: StageOutput, name: str | None = None) -> str:
     ``name`` (default: the stage's name) did."""
     record = read_record(output.path)
     how = "found complete in the cache" if output.cached else f"built in {record.get('seconds', 0):.1f} s"
-    return f"{name or record['stage']}: {describe(record)}; {how} -> {output.path}"
+    return f"{name or record['stage']}: {produced(record)}; {how} -> {output.path}"
 
 
 def current_record(stage: Stage, out: Path) -> dict[str, Any] | None:
@@ -165,7 +165,7 @@ def log_stage(tracker: Tracker, parent: StageRun, kind: StageKind, path: Path, l
         run.log_stage_output(path, True, artifact_files(kind, path))
 
 
-def describe(record: dict) -> str:
+def produced(record: dict) -> str:
     """One line on what a stage produced, for summary tables."""
     stage, config, metrics = record["stage"], record["config"], record["metrics"]
     if stage == "captions":

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from repsim.asif import ASIF, relative_representation
+from repsim.align.asif import ASIF, relative_representation
 from repsim.errors import EvalError
 
 

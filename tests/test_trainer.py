@@ -18,7 +18,7 @@ from repsim.data.loader import make_loader
 from repsim.data.sharding import ShardResult, shard
 from repsim.methods.config import OptimConfig
 from repsim.methods.simclr import SimCLR
-from repsim.methods.train import (LARS, KnnMonitor, Trainer, TrainingError, autocast_dtype, extract_features,
+from repsim.methods.train import (LARS, KnnMonitor, Trainer, TrainingError, autocast_dtype, embed_batches,
                                   parameter_groups, previous_of, seed_everything, warmup_cosine)
 from repsim.models import ProjectionMLP
 
@@ -176,7 +176,7 @@ def test_a_finished_checkpoint_resumes_to_nothing(tiny_shards, tmp_path):
 def test_features_come_in_loader_order_in_eval_mode(tiny_shards):
     encoder = tiny_encoder().train()
     loader = make_loader(tiny_shards.path, "eval", 16, split="test", shuffle=False, drop_last=False)
-    features, labels = extract_features(encoder, loader, CPU)
+    features, labels = embed_batches(encoder, loader, CPU)
     assert features.shape == (8, 8) and labels.tolist() == [y for batch in loader for y in batch["label"].tolist()]
     assert encoder.training
     torch.testing.assert_close(features, encoder.eval()(torch.cat([b["views"][0] for b in loader])))

@@ -5,5 +5,6 @@
 - :mod:`~repsim.align.pairing`: the seeded pairing and the neighbors among unpaired points.
 - :mod:`~repsim.align.train`: neighbor sampling, batches and the alignment method.
 - :mod:`~repsim.align.evaluate`: zero-shot and retrieval scores of a shared space.
+- :mod:`~repsim.align.asif`: ASIF, the training-free baseline of relative representations.
 - :mod:`~repsim.align.stage`: the align stage, ``align(config)`` and ``align_stage_of(config)``.
 """

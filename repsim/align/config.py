@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from repsim.asif import BACKENDS
+from repsim.align.asif import BACKENDS
 from repsim.losses.gera import KERNELS
 from repsim.layering import Strict
 from repsim.methods.config import OptimConfig, load_config

@@ -38,7 +38,7 @@ from repsim.align.evaluate import SharedSpace, networks_space, score_space
 from repsim.align.pairing import NEIGHBOUR_FILES, draw_pairing, neighbor_lists
 from repsim.align.tables import EmbeddingTables, embedding_tables, embedding_tables_stage_of, hold_out, load_tables
 from repsim.align.train import ALIGNMENT_FILE, AlignmentMethod, PairedBatches, save_alignment
-from repsim.asif import ASIF
+from repsim.align.asif import ASIF
 from repsim.data.sharding import ShardResult, sharded, sharded_already
 from repsim.data.spec import DataSpec, load_spec
 from repsim.device import resolve_device

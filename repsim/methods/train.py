@@ -186,7 +186,7 @@ def to_device(batch: Batch, device: torch.device, channels_last: bool = False) -
 # Features and the kNN monitor
 
 @torch.no_grad()
-def extract_features(encoder: nn.Module, loader: Iterable[Batch], device: torch.device,
+def embed_batches(encoder: nn.Module, loader: Iterable[Batch], device: torch.device,
                      dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(features (N, F) float32 on the CPU, labels (N,)) of the first view of every batch, in eval mode."""
     was_training = encoder.training
@@ -215,8 +215,8 @@ class KnnMonitor:
     k: int = 20
 
     def __call__(self, encoder: nn.Module, device: torch.device, dtype: torch.dtype | None = None) -> dict[str, float]:
-        train_x, train_y = extract_features(encoder, self.train, device, dtype)
-        test_x, test_y = extract_features(encoder, self.test, device, dtype)
+        train_x, train_y = embed_batches(encoder, self.train, device, dtype)
+        test_x, test_y = embed_batches(encoder, self.test, device, dtype)
         k = min(self.k, len(train_x))
         return knn_accuracy(train_x, train_y, test_x, test_y, k=k, device=device)
 
