@@ -206,6 +206,89 @@ def test_fixed_supports_keep_the_sops_of_the_first_full_draw_whole():
         load_config(REPO / "configs" / "sop.yaml", ["method.fixed_supports=true"])
 
 
+def test_supports_kept_from_anchors_are_drawn_among_the_other_entries_only():
+    torch.manual_seed(0)
+    bank = SOPBank(size=64, dim=16, num_anchors=16, support_size=3, supports_from_anchors=False)
+    bank.memory.enqueue(clustered(64))
+    sops = bank.sops()
+    anchors, supports = sops.elements[:16], sops.elements[16:]
+    assert len(supports) == 16 * 3 and not (supports @ anchors.T > 1 - 1e-6).any()
+    torch.manual_seed(0)
+    shared = SOPBank(size=64, dim=16, num_anchors=16, support_size=3)
+    shared.memory.enqueue(clustered(64))
+    drawn = shared.sops().elements
+    assert (drawn[16:] @ drawn[:16].T > 1 - 1e-6).any()  # by default another anchor may support
+
+
+def test_sops_of_anchors_alone_have_no_supports_and_a_random_memory_is_full_from_the_start():
+    torch.manual_seed(0)
+    bank = SOPBank(size=32, dim=16, num_anchors=8, support_size=0, random_start=True)
+    assert bank.memory.filled == 32
+    torch.testing.assert_close(bank.memory.entries.norm(dim=1), torch.ones(32))
+    sops = bank.sops()  # before anything was enqueued
+    assert sops.count == 8 and len(sops.elements) == 8 and torch.equal(sops.sop_of, torch.arange(8))
+    bank.memory.enqueue(clustered(4))
+    assert bank.memory.filled == 32 and torch.equal(bank.memory.ids[:4], torch.arange(32, 36))  # the oldest replaced
+    assert (bank.memory.ids[4:] < -1).all()
+
+
+def test_the_horizon_sets_the_teacher_momentum_from_the_run_length():
+    torch.manual_seed(0)
+    method = tiny_sop()
+    method.horizon = 0.1  # an EMA over 10 of 100 steps: base momentum 0.9
+    before = [p.detach().clone() for p in method.teacher_encoder.parameters()]
+    with torch.no_grad():
+        for p in method.encoder.parameters():
+            p.add_(1.0)
+    method.after_optimizer_step(0, 100)
+    for old, new, p in zip(before, method.teacher_encoder.parameters(), method.encoder.parameters()):
+        torch.testing.assert_close(new, 0.9 * old + 0.1 * p)
+
+
+def test_the_cls_loss_is_the_mean_over_independent_anchor_draws():
+    torch.manual_seed(0)
+    method = tiny_sop()
+    method.training_step(views(seed=1))
+    first, second = method.cls_bank.sops(), method.cls_bank.sops()
+    draws = iter([first, second])
+    method.cls_bank.sops = lambda: next(draws)
+    method.anchor_draws = 2
+    state = torch.get_rng_state()
+    both = method.training_step(views(seed=2))["cls_loss"]
+    singles = []
+    for sops in (first, second):
+        method.cls_bank.sops = lambda sops=sops: sops
+        method.anchor_draws = 1
+        torch.set_rng_state(state)
+        singles.append(method.training_step(views(seed=2))["cls_loss"])
+    torch.testing.assert_close(both, (singles[0] + singles[1]) / 2)
+
+
+def test_only_the_second_global_views_teacher_embeddings_enter_the_memories_when_asked():
+    for second_only, per_step in ((False, 16), (True, 8)):
+        torch.manual_seed(0)
+        method = tiny_sop()
+        method.enqueue_second_only = second_only
+        method.training_step(views(batch=8, seed=1))
+        assert int(method.cls_bank.memory.count) == per_step and int(method.patch_bank.memory.count) == 2 * per_step
+    globals_ = torch.cat(views(batch=8, seed=1)["views"][:2])
+    teacher = method.teacher_head(method.teacher_tokens(globals_)[0])
+    torch.testing.assert_close(method.cls_bank.memory.contents()[0], teacher[8:])
+
+
+def test_the_authors_preset_sets_every_option_the_config_does_not_set_itself():
+    from repsim.methods.sop import AUTHORS
+
+    path = REPO / "configs" / "sop.yaml"
+    assert load_config(path).method.anchor_share is None  # the paper's SOP by default
+    authors = load_config(path, ["method.preset=authors", "method.anchor_draws=3"]).method
+    assert authors.anchor_draws == 3
+    assert authors.patches_per_view == 4  # configs/sop.yaml sets it: the file wins over the preset
+    mine = {name for name in ("anchor_draws", "patches_per_view")}
+    assert {name: getattr(authors, name) for name in AUTHORS if name not in mine} == {
+        name: value for name, value in AUTHORS.items() if name not in mine}
+
+
 # ---------------------------------------------------------------------------------------------
 # Masks and losses
 

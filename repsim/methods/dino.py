@@ -81,10 +81,10 @@ class Dino(SelfDistillation):
                  momentum: float = 0.996, memory_size: int = DIAGNOSTIC_MEMORY, *,
                  patch_loss: IBOTPatchLoss | None = None, patch_weight: float = 1.0,
                  masking: BlockMasking | None = None, final_temperatures: tuple[float, ...] = (),
-                 warmup: float = 0.0, frozen: float = 0.0):
+                 warmup: float = 0.0, frozen: float = 0.0, horizon: float | None = None):
         if (patch_loss is None) != (masking is None):
             raise ValueError("a patch loss needs masking, and masking needs a patch loss")
-        super().__init__(encoder, nn.Sequential(head, prototypes), momentum, masking=masking)
+        super().__init__(encoder, nn.Sequential(head, prototypes), momentum, masking=masking, horizon=horizon)
         self.loss, self.patch_loss, self.patch_weight = loss, patch_loss, patch_weight
         self.memory = Memory(memory_size, prototypes.weight.shape[1])
         self.prototypes, self.frozen, self.warmup = prototypes, frozen, warmup
@@ -136,4 +136,4 @@ def build(config: Config, data: TrainingData, **patch_options: object) -> Dino:
                 Prototypes(config.model.projection_dim, method.num_prototypes),
                 DINOLoss(method.num_prototypes, method.student_temperature, method.teacher_temperature,
                          method.center_momentum), momentum=method.teacher_momentum, frozen=method.freeze_prototypes,
-                warmup=method.teacher_warmup, **patch_options)
+                warmup=method.teacher_warmup, horizon=method.teacher_horizon, **patch_options)

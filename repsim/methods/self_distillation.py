@@ -34,11 +34,14 @@ from repsim.models import VITS, MaskableViT, backbone
 
 
 class SelfDistillationSettings(Strict):
-    """A student and its EMA teacher (momentum cosine from ``teacher_momentum`` to 1) on multi-crop views."""
+    """A student and its EMA teacher (momentum cosine from ``teacher_momentum`` to 1) on multi-crop
+    views. With ``teacher_horizon`` h, the base momentum is instead 1 − 1/(h·steps): the EMA averages
+    over that share of the run, as 0.996 averages over 0.2 % of the papers' 125k steps."""
 
     student_temperature: float = Field(0.1, gt=0)
     teacher_temperature: float = Field(0.04, gt=0)
     teacher_momentum: float = Field(0.996, ge=0, le=1)
+    teacher_horizon: float | None = Field(None, gt=0, le=1)
 
 
 class MaskedPatchesSettings(Strict):
@@ -49,7 +52,6 @@ class MaskedPatchesSettings(Strict):
     patch_teacher_temperature: float = Field(0.07, gt=0)
     mask_ratio: tuple[float, float] = (0.1, 0.5)
     mask_share: float = Field(0.5, ge=0, le=1)
-
 
 
 class Memory(nn.Module):
@@ -77,6 +79,14 @@ class Memory(nn.Module):
     def contents(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(embeddings (filled, D), their ids (filled,))."""
         return self.entries[:self.filled], self.ids[:self.filled]
+
+    @torch.no_grad()
+    def fill_random(self) -> None:
+        """Every slot a random unit vector, counted as filled (ids -2, -3, ...: no real embedding's),
+        so that the queue is full from the first step and real embeddings replace these oldest first."""
+        self.entries.copy_(F.normalize(torch.randn_like(self.entries), dim=1))
+        self.ids.copy_(-2 - torch.arange(self.size, device=self.ids.device))
+        self.count.fill_(self.size)
 
     @torch.no_grad()
     def enqueue(self, embeddings: torch.Tensor, gather: bool = True) -> None:
@@ -114,7 +124,8 @@ def projection_head(in_dim: int, model: ModelConfig) -> nn.Sequential:
 
 class SelfDistillation(Method):
     """A student (``encoder`` and ``head``), its EMA teacher (``teacher_encoder``, ``teacher_head``,
-    without gradients) and block masking of the student's global views (None: no masking).
+    without gradients, of base ``momentum``, or one averaging over the ``horizon`` share of the run)
+    and block masking of the student's global views (None: no masking).
 
     ``embeddings`` is a memory of teacher embeddings whose effective rank and per-dimension std
     :meth:`epoch_metrics` reports, with the epoch's means of the entropies of the teacher's targets
@@ -124,9 +135,11 @@ class SelfDistillation(Method):
 
     entropy_metric = "assignment_entropy"
 
-    def __init__(self, encoder: MaskableViT, head: nn.Module, momentum: float, masking: BlockMasking | None):
+    def __init__(self, encoder: MaskableViT, head: nn.Module, momentum: float, masking: BlockMasking | None,
+                 horizon: float | None = None):
         super().__init__()
         self.encoder, self.head, self.base_momentum, self.masking = encoder, head, momentum, masking
+        self.horizon = horizon
         self.teacher_encoder = copy.deepcopy(encoder).requires_grad_(False)
         self.teacher_head = copy.deepcopy(head).requires_grad_(False)
         if masking is None:
@@ -169,7 +182,8 @@ class SelfDistillation(Method):
 
     @torch.no_grad()
     def after_optimizer_step(self, step: int, total_steps: int) -> None:
-        momentum = teacher_momentum(step, total_steps, self.base_momentum)
+        base = 1 - 1 / max(self.horizon * total_steps, 1) if self.horizon else self.base_momentum
+        momentum = teacher_momentum(step, total_steps, base)
         for student, teacher in ((self.encoder, self.teacher_encoder), (self.head, self.teacher_head)):
             torch._foreach_lerp_(list(teacher.parameters()), list(student.parameters()), 1 - momentum)
 

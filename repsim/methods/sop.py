@@ -23,7 +23,7 @@ index, 1.3-2.2x faster there (:func:`~repsim.losses.sop.nearest_supports`, ``ben
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -52,6 +52,15 @@ class SOPConfig(SelfDistillationSettings, MaskedPatchesSettings):
     λ2 (0: no masking, no MIM) weight the [CLS] and the masked-patch losses; ``koleo_weight`` > 0
     adds that times the KoLeo loss of the student's global [CLS] embeddings (an option, not the paper's
     SOP). ``patches_per_view`` teacher patch tokens of each global view enter the patch memory per step.
+
+    Options that keep the paper's ratios, or the authors' code, at small scale (defaults: off):
+    ``anchor_share``: the [CLS] anchors as that share of the [CLS] memory (the paper's 4096 of 65536,
+    1/16) instead of ``num_anchors``; ``supports_from_anchors: false``: supports only among entries
+    that are no anchor; ``patch_support_size``: the patch SOPs' supports (0: anchors alone); ``enqueue:
+    second``: only the second global view's teacher embeddings enter the memories; ``memory_init:
+    random``: the memories start full of random unit vectors; ``anchor_draws``: independent anchor
+    draws per step, the [CLS] loss averaged over them. ``preset: authors`` sets all of these and the
+    teacher's horizon as :data:`AUTHORS` does, where the config does not set them itself.
     """
 
     name: Literal["sop"]
@@ -68,6 +77,20 @@ class SOPConfig(SelfDistillationSettings, MaskedPatchesSettings):
     cls_weight: float = Field(1.0, ge=0)
     mim_weight: float = Field(1.0, ge=0)
     koleo_weight: float = Field(0.0, ge=0)
+    anchor_share: float | None = Field(None, gt=0, lt=1)
+    supports_from_anchors: bool = True
+    patch_support_size: int | None = Field(None, ge=0)
+    enqueue: Literal["both", "second"] = "both"
+    memory_init: Literal["empty", "random"] = "empty"
+    anchor_draws: int = Field(1, gt=0)
+    preset: Literal["paper", "authors"] = "paper"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset(cls, values: Any) -> Any:
+        if isinstance(values, dict) and values.get("preset") == "authors":
+            return {**AUTHORS, **values}
+        return values
 
     @model_validator(mode="after")
     def _supports_fixed_with_their_anchors(self) -> SOPConfig:
@@ -76,9 +99,13 @@ class SOPConfig(SelfDistillationSettings, MaskedPatchesSettings):
         return self
 
 
+AUTHORS = {"anchor_share": 1 / 16, "supports_from_anchors": False, "patch_support_size": 0, "patches_per_view": 1,
+           "patch_teacher_temperature": 0.04, "enqueue": "second", "memory_init": "random", "anchor_draws": 2,
+           "teacher_horizon": 0.002}  # preset: authors; the horizon: 0.996 over the papers' 125k steps
 
-SOP_DRAWING = ("num_anchors", "support_size", "epsilon", "one_hot", "fixed_anchors", "shared_supports",
-               "fixed_supports")  # the settings of how a bank draws its SOPs
+
+SOP_DRAWING = ("epsilon", "one_hot", "fixed_anchors", "shared_supports", "fixed_supports",
+               "supports_from_anchors")  # the settings of how both banks draw their SOPs
 
 
 class SOPBank(nn.Module):
@@ -86,20 +113,26 @@ class SOPBank(nn.Module):
     step, ``memory.enqueue`` after.
 
     ``num_anchors`` anchors (at most the filled entries) with ``support_size`` supports each; no SOPs
-    until the memory holds more than ``support_size`` entries. With ``fixed_anchors`` the anchors
-    are drawn once the memory is full and then kept (their embeddings, in buffers), and with
-    ``fixed_supports`` their supports of that draw too; without ``shared_supports`` an entry
-    supports one SOP at most (:func:`~repsim.losses.sop.draw_supports`).
+    until the memory holds more than ``support_size`` entries (two, for SOPs of anchors alone:
+    ``support_size`` 0). With ``fixed_anchors`` the anchors are drawn once the memory is full and
+    then kept (their embeddings, in buffers), and with ``fixed_supports`` their supports of that draw
+    too; without ``shared_supports`` an entry supports one SOP at most
+    (:func:`~repsim.losses.sop.draw_supports`); without ``supports_from_anchors`` the supports are
+    drawn among the entries that are no anchor (none while every entry is one). ``random_start``: the
+    memory starts full of random unit vectors (:meth:`Memory.fill_random`).
     """
 
     def __init__(self, size: int, dim: int, num_anchors: int = 4096, support_size: int = 8, epsilon: float = 0.1,
                  one_hot: bool = False, fixed_anchors: bool = False, shared_supports: bool = True,
-                 fixed_supports: bool = False):
+                 fixed_supports: bool = False, supports_from_anchors: bool = True, random_start: bool = False):
         super().__init__()
         self.memory = Memory(size, dim)
+        if random_start:
+            self.memory.fill_random()
         self.num_anchors, self.support_size = min(num_anchors, size), support_size
         self.epsilon, self.one_hot, self.fixed_anchors = epsilon, one_hot, fixed_anchors
         self.shared_supports, self.fixed_supports = shared_supports, fixed_supports
+        self.supports_from_anchors = supports_from_anchors
         self.register_buffer("anchors", torch.zeros(self.num_anchors, dim))
         self.register_buffer("anchor_ids", torch.full((self.num_anchors,), -1, dtype=torch.long))
         self.register_buffer("anchors_drawn", torch.zeros((), dtype=torch.bool))
@@ -122,10 +155,20 @@ class SOPBank(nn.Module):
         if kept and self.fixed_supports:
             supports = Supports(self.supports, self.support_scores, self.support_kept)
         else:
-            supports = draw_supports(anchors, anchor_ids, entries, ids, self.support_size, self.shared_supports)
+            supports = self._draw_supports(anchors, anchor_ids, entries, ids)
         if self.fixed_anchors and not kept and len(entries) == self.memory.size:
             self._keep(anchors, anchor_ids, supports)
         return assemble_sops(anchors, supports, self.epsilon, self.one_hot)
+
+    def _draw_supports(self, anchors: torch.Tensor, anchor_ids: torch.Tensor, entries: torch.Tensor,
+                       ids: torch.Tensor) -> Supports:
+        if not self.supports_from_anchors:
+            pool = ~torch.isin(ids, anchor_ids)
+            entries, ids = entries[pool], ids[pool]
+        if self.support_size == 0 or len(entries) <= self.support_size:
+            empty = anchors[:0]
+            return Supports(empty, empty[:, 0], empty[:, 0].bool())
+        return draw_supports(anchors, anchor_ids, entries, ids, self.support_size, self.shared_supports)
 
     def _keep(self, anchors: torch.Tensor, anchor_ids: torch.Tensor, supports: Supports) -> None:
         """Keep the anchors (and with ``fixed_supports`` their supports) of the first full-memory draw."""
@@ -142,19 +185,23 @@ class SOP(SelfDistillation):
     """SOP on a ViT (see the module docstring). ``training_step`` returns ``loss`` = λ1·``cls_loss``
     + λ2·``mim_loss`` + ``koleo_weight``·``koleo`` (the KoLeo loss of the student's two global [CLS]
     embeddings, their mean; 0 unless set), ``sop_entropy`` (of the teacher's [CLS] embeddings over
-    [CLS] SOPs) and the number of [CLS] SOPs, ``sops``."""
+    [CLS] SOPs) and the number of [CLS] SOPs, ``sops``. ``anchor_draws``: the [CLS] loss is the mean
+    over that many independent draws of SOPs; ``enqueue_second_only``: only the second global view's
+    teacher embeddings enter the memories."""
 
     entropy_metric = "sop_entropy"
 
     def __init__(self, encoder: MaskableViT, head: nn.Module, cls_bank: SOPBank, patch_bank: SOPBank, *,
                  cls_loss: SOPLoss, mim_loss: MaskedSOPLoss, cls_weight: float = 1.0, mim_weight: float = 1.0,
                  momentum: float = 0.996, masking: BlockMasking | None = None, patches_per_view: int = 1,
-                 koleo_weight: float = 0.0):
-        super().__init__(encoder, head, momentum, masking if mim_weight > 0 else None)
+                 koleo_weight: float = 0.0, horizon: float | None = None, anchor_draws: int = 1,
+                 enqueue_second_only: bool = False):
+        super().__init__(encoder, head, momentum, masking if mim_weight > 0 else None, horizon)
         self.cls_bank, self.patch_bank = cls_bank, patch_bank
         self.cls_loss, self.mim_loss = cls_loss, mim_loss
         self.cls_weight, self.mim_weight, self.patches_per_view = cls_weight, mim_weight, patches_per_view
         self.koleo_weight, self.koleo = koleo_weight, KoLeoLoss()
+        self.anchor_draws, self.enqueue_second_only = anchor_draws, enqueue_second_only
 
     @property
     def embeddings(self) -> Memory:
@@ -167,14 +214,16 @@ class SOP(SelfDistillation):
         teacher_cls = self.teacher_head(teacher_cls)
         student_cls, student_patches = self.student_tokens(batch, globals_, mask)
         student = [self.head(view) for view in student_cls]
-        cls_sops, zero = self.cls_bank.sops(), sum(view.sum() for view in student) * 0.0
-        cls_loss, entropy = zero, zero.detach()
+        draws, zero = [self.cls_bank.sops() for _ in range(self.anchor_draws)], sum(view.sum() for view in student) * 0.0
+        cls_sops, cls_loss, entropy = draws[0], zero, zero.detach()
         if cls_sops is not None:
-            cls_loss = self.cls_loss(student, list(teacher_cls.chunk(2)), cls_sops)
+            teacher = list(teacher_cls.chunk(2))
+            cls_loss = torch.stack([self.cls_loss(student, teacher, sops) for sops in draws]).mean()
             entropy = self.record_targets(cls_sops.distribution(teacher_cls, self.cls_loss.teacher_temperature))
         mim_loss = self._mim_loss(student_patches, teacher_patches, mask, zero)
-        self.cls_bank.memory.enqueue(teacher_cls)
-        self.patch_bank.memory.enqueue(self._sample_patches(teacher_patches))
+        enqueued = slice(len(teacher_cls) // 2, None) if self.enqueue_second_only else slice(None)
+        self.cls_bank.memory.enqueue(teacher_cls[enqueued])
+        self.patch_bank.memory.enqueue(self._sample_patches(teacher_patches[enqueued]))
         koleo = torch.stack([self.koleo(view) for view in student[:2]]).mean() if self.koleo_weight else zero
         count = torch.tensor(float(cls_sops.count if cls_sops is not None else 0), device=zero.device)
         loss = self.cls_weight * cls_loss + self.mim_weight * mim_loss + self.koleo_weight * koleo
@@ -209,11 +258,15 @@ def project_masked(head: nn.Module, tokens: torch.Tensor, mask: torch.Tensor) ->
 def build(config: Config, data: TrainingData) -> SOP:
     method, dim = config.method, config.model.projection_dim
     encoder = vit_backbone(config, data)
-    drawing = {name: getattr(method, name) for name in SOP_DRAWING}
-    banks = (SOPBank(size, dim, **drawing) for size in (method.cls_memory, method.patch_memory))
-    return SOP(encoder, projection_head(encoder.feature_dim, config.model), *banks,
+    drawing = {name: getattr(method, name) for name in SOP_DRAWING} | {"random_start": method.memory_init == "random"}
+    cls_anchors = round(method.anchor_share * method.cls_memory) if method.anchor_share else method.num_anchors
+    patch_supports = method.support_size if method.patch_support_size is None else method.patch_support_size
+    cls_bank = SOPBank(method.cls_memory, dim, max(cls_anchors, 2), method.support_size, **drawing)
+    patch_bank = SOPBank(method.patch_memory, dim, method.num_anchors, patch_supports, **drawing)
+    return SOP(encoder, projection_head(encoder.feature_dim, config.model), cls_bank, patch_bank,
                cls_loss=SOPLoss(method.student_temperature, method.teacher_temperature),
                mim_loss=MaskedSOPLoss(method.student_temperature, method.patch_teacher_temperature),
                cls_weight=method.cls_weight, mim_weight=method.mim_weight, momentum=method.teacher_momentum,
                masking=BlockMasking(method.mask_ratio, method.mask_share), patches_per_view=method.patches_per_view,
-               koleo_weight=method.koleo_weight)
+               koleo_weight=method.koleo_weight, horizon=method.teacher_horizon, anchor_draws=method.anchor_draws,
+               enqueue_second_only=method.enqueue == "second")
