@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from repsim.config_errors import describe, model_at, read_yaml_mapping
 from repsim.errors import SpecError
-from repsim.shipped import locate
+from repsim.shipped import FOLDERS, SUFFIX, locate, shipped
 
 TAG_FIELDS = ("type", "name")  # a mapping whose tag changes is replaced whole, not merged
 _KEPT = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://|pipe:)")  # URLs and webdataset pipes are no paths to resolve
@@ -197,8 +197,12 @@ def _resolve_at(node: Any, keys: list[str], base: Path) -> Any:
 
 
 def resolve_path(path: str, base: Path) -> str:
-    """``path`` (``~`` expanded) made absolute against ``base`` and normalised; URLs
+    """``path`` (``~`` expanded) made absolute against ``base`` and normalised, or, for the bare name
+    of a shipped file (``animal-mnist``) that names no file at ``base``, that shipped file; URLs
     (``scheme://...``) and ``pipe:`` commands unchanged."""
     if _KEPT.match(path):
         return path
+    found = [files[path.removesuffix(SUFFIX)] for files in map(shipped, FOLDERS) if path.removesuffix(SUFFIX) in files]
+    if Path(path).name == path and len(set(found)) == 1 and not (base / path).exists():
+        return str(found[0])
     return os.path.normpath(base / os.path.expanduser(path))

@@ -102,6 +102,20 @@ def test_relative_paths_start_at_the_folder_of_their_file(tmp_path, monkeypatch)
     assert overridden.values == {"data": {"spec": str(tmp_path / "s.yaml")}}  # the working directory
 
 
+def test_the_bare_name_of_a_shipped_file_is_that_file_unless_one_lies_beside(tmp_path, monkeypatch):
+    from repsim.shipped import shipped
+
+    spec = shipped("data spec")["animal-mnist-2000"]
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"method": {"name": "simclr"}, "data": {"spec": "animal-mnist-2000"}}))
+    monkeypatch.chdir(tmp_path)
+    assert load_config(config).data.spec == spec
+    assert load_config(config, ["data.spec=fashion-mnist-2000.yaml"]).data.spec == shipped("data spec")["fashion-mnist-2000"]
+    (tmp_path / "animal-mnist-2000").write_text("name: mine\n")
+    assert load_config(config).data.spec == tmp_path / "animal-mnist-2000"  # a file of that name beside wins
+    assert resolve_path("nothing-shipped", Path("/base")) == "/base/nothing-shipped"
+
+
 def test_a_star_steps_into_every_item_and_urls_stay():
     tree = {"stages": [{"methods": [{"config": "a.yaml"}, {"config": 3}]}, {"config": "b/./c.yaml"}, "text"]}
     resolved = resolve_paths(tree, ["stages.*.methods.*.config", "stages.*.config"], Path("/base"))

@@ -117,6 +117,9 @@ SIMCLR = {"method": {"name": "simclr"}}
     (SIMCLR, ["optim.lr"], "override 'optim.lr' is not of the form key=value"),
     ({"method": {"name": "xclr", "similarity": {"type": "wordnet", "measure": "wupp"}}}, [],
      "{config}: field 'method.similarity.measure': Input should be 'wup'"),
+    (SIMCLR, ["data.preset_options={local_crops:4}"],  # YAML without a space after the colon: a key, no value
+     "override 'data.preset_options={{local_crops:4}}': field 'data': preset_options 'local_crops:4' is no option of "
+     "the simclr preset, whose options are crop_scale,"),
 ])
 def test_config_errors_are_one_line_naming_file_and_field(tmp_path, content, overrides, expected):
     config = tmp_path / "experiment.yaml"

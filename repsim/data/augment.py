@@ -28,6 +28,8 @@ is picklable, so it can travel to DataLoader workers.
 
 from __future__ import annotations
 
+import inspect
+
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -96,6 +98,12 @@ class EvalView:
 
 
 ViewRecipe = RandomView | EvalView
+
+
+def preset_options(preset: str) -> tuple[str, ...]:
+    """The options a preset's recipe takes (its keyword-only parameters)."""
+    parameters = inspect.signature(PRESETS[preset]).parameters.values()
+    return tuple(parameter.name for parameter in parameters if parameter.kind is parameter.KEYWORD_ONLY)
 
 
 def preset_recipes(preset: str, image_size: int, channels: int = 3, **options) -> list[ViewRecipe]:

@@ -17,9 +17,9 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Literal, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from repsim.data.augment import PRESETS
+from repsim.data.augment import PRESETS, preset_options
 from repsim.errors import SpecError, first_line
 from repsim.layering import SettingsFile, Strict, load_model
 from repsim.models.backbones import RESNETS
@@ -45,6 +45,14 @@ class DataConfig(Strict):
                                                 "workers (torchvision); batch: a batch's views in one call on the "
                                                 "training device (kornia)")
     image_size: int | None = Field(28, gt=0, description="side of the views; None: the images' own")
+
+    @model_validator(mode="after")
+    def _known_preset_options(self) -> DataConfig:
+        unknown = sorted(set(self.preset_options) - set(preset_options(self.preset)))
+        if unknown:
+            raise ValueError(f"preset_options {', '.join(map(repr, unknown))} is no option of the {self.preset} preset, "
+                             f"whose options are {', '.join(preset_options(self.preset))} (write each as 'name: value')")
+        return self
 
 
 class ModelConfig(Strict):
