@@ -11,6 +11,7 @@ import threading
 import uuid
 from pathlib import Path
 
+import fsspec
 import pytest
 import requests
 import s3fs
@@ -143,6 +144,16 @@ def test_an_upload_cut_short_leaves_no_manifest_vouching_for_the_objects(animals
     assert not s3().exists(f"{prefix}{MANIFEST}")
 
 
+def test_an_upload_to_a_store_without_etags_compares_contents(animals):
+    _, shards = animals
+    prefix = f"memory://copies-{uuid.uuid4().hex[:8]}/animals/"
+    assert len(upload(shards.path, prefix, last=MANIFEST)) == len(list(shards.path.iterdir()))
+    assert upload(shards.path, prefix, last=MANIFEST) == []
+    memory = fsspec.filesystem("memory")
+    memory.pipe(f"{prefix}train-00000.tar", memory.cat(f"{prefix}train-00000.tar")[::-1])  # same size
+    assert upload(shards.path, prefix, last=MANIFEST) == ["train-00000.tar", MANIFEST]
+
+
 def test_the_etag_of_a_multipart_upload_is_computed_as_s3_computes_it(tmp_path, bucket):
     big = tmp_path / "big.bin"
     big.write_bytes(bytes(range(256)) * (105 * 2**20 // 256))  # 105 MiB: three parts of 50 MiB
@@ -242,10 +253,16 @@ def test_a_missing_bucket_is_one_line(animals, bucket, tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.orchestration
-def test_sharding_to_a_missing_bucket_is_one_line(animals, bucket, capsys):
-    spec, _ = animals
+def test_the_shard_command_uploads_to_a_bucket_and_refuses_a_missing_one(animals, bucket, repsim_home, capsys):
+    spec, shards = animals
+    prefix = f"s3://{bucket}/animals/"
+    for uploaded in (len(list(shards.path.iterdir())), 0):
+        assert main(["shard", str(spec), "--out", prefix]) == 0
+        assert f"{prefix} {uploaded} files uploaded" in capsys.readouterr().out
+    assert s3().cat(f"{prefix}{MANIFEST}") == shards.manifest.read_bytes()
     assert main(["shard", str(spec), "--out", "s3://no-such-bucket-4a1f/animals/"]) == 2
     assert "no-such-bucket-4a1f" in one_error_line(capsys)
+    assert not any(SECRET.encode() in file.read_bytes() for file in repsim_home.rglob("*") if file.is_file())
 
 
 def test_wrong_credentials_are_one_line_and_never_shown(uploaded, forbidden, capsys):

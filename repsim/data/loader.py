@@ -66,7 +66,7 @@ from torchvision.transforms.v2 import functional as TF
 
 from repsim.data.augment import Views, make_views
 from repsim.data.batch_augment import BatchViews, forked_rng, make_batch_views
-from repsim.data.remote import beside, is_url, open_stream, reaching, remote_file
+from repsim.data.remote import beside, exists, is_url, open_stream, reaching
 from repsim.data.sharding import INDEX, MANIFEST, ShardResult, shard_sizes
 from repsim.device import rank_and_world, torch_threads
 from repsim.errors import DataError, RepsimError, SpecError
@@ -168,7 +168,7 @@ def _listed_urls(folder: Path, split: str) -> list[str]:
 
 def _existing(path: str | Path) -> str | Path | None:
     if is_url(path):
-        return path if remote_file(path) else None
+        return path if exists(path) else None
     return Path(path) if Path(path).is_file() else None
 
 
@@ -228,9 +228,7 @@ def read_samples(url: str, expected: int | None = None) -> Iterator[dict[str, An
     count), e.g. when it was cut short at a block boundary.
     """
     count = 0
-    remote = is_url(url)
-    with contextlib.closing(open_stream(url) if remote else wds.gopen(url, "rb")) as stream, \
-            reaching(url) if remote else contextlib.nullcontext():
+    with contextlib.closing(open_stream(url) if is_url(url) else wds.gopen(url, "rb")) as stream, reaching(url):
         try:
             files = ({**member, "__url__": url} for member in wds.tariterators.tar_file_iterator(stream))
             for sample in wds.tariterators.group_by_keys(files):

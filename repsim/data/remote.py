@@ -9,11 +9,12 @@ records them. A failed access is a DataError naming the URL and what to check.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import fsspec
 
@@ -21,7 +22,7 @@ from repsim.errors import DataError
 
 URL = re.compile(r"^[a-z][a-z0-9+.-]*://", re.IGNORECASE)
 VERSION_FIELDS = ("ETag", "md5Hash", "Content-MD5", "Digest", "checksum", "Last-Modified", "mtime")
-STREAMED = {"http": {"block_size": 0}, "https": {"block_size": 0}}  # no range requests: read straight through
+BLOCK_SIZES = {"http": 0, "https": 0}  # bytes fetched per request; 0: one request read straight through
 ACCESS_FIX = ("check the URL, and for object storage the AWS credentials (AWS_PROFILE or AWS_ACCESS_KEY_ID/"
               "AWS_SECRET_ACCESS_KEY) and endpoint (AWS_ENDPOINT_URL)")
 
@@ -29,6 +30,20 @@ ACCESS_FIX = ("check the URL, and for object storage the AWS credentials (AWS_PR
 def is_url(location: str | Path) -> bool:
     """Whether ``location`` is a URL (``scheme://...``) rather than a local path."""
     return isinstance(location, str) and bool(URL.match(location))
+
+
+def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """(file system, path in it) of ``url``. S3 clients share one botocore session per process, inherited by
+    forked DataLoader workers: a new session parses botocore's service models again (about 0.3 s a worker)."""
+    protocol = url.split("://", 1)[0].lower()
+    return fsspec.core.url_to_fs(url, **({"session": _aws_session()} if protocol in ("s3", "s3a") else {}))
+
+
+@functools.cache
+def _aws_session() -> Any:
+    import aiobotocore.session
+
+    return aiobotocore.session.AioSession()
 
 
 def join(base: str, name: str) -> str:
@@ -42,8 +57,12 @@ def beside(location: str | Path, name: str) -> str | Path:
 
 
 @contextlib.contextmanager
-def reaching(url: str) -> Iterator[None]:
-    """Turn a failure to reach ``url`` (missing, forbidden, unreachable) into one DataError line."""
+def reaching(url: str | Path) -> Iterator[None]:
+    """Turn a failure to reach the URL ``url`` (missing, forbidden, unreachable) into one DataError line;
+    a local path's errors pass as they are."""
+    if not is_url(url):
+        yield
+        return
     try:
         yield
     except FileNotFoundError:
@@ -68,13 +87,14 @@ def _first_line(err: BaseException) -> str:
 
 def open_stream(url: str) -> IO[bytes]:
     """The object at ``url`` open for reading front to back (a DataError if it cannot be opened)."""
+    fs, path = filesystem(url)
     with reaching(url):
-        return fsspec.open(url, "rb", **STREAMED.get(url.split("://", 1)[0].lower(), {})).open()
+        return fs.open(path, "rb", block_size=BLOCK_SIZES.get(url.split("://", 1)[0].lower()))
 
 
-def remote_file(url: str) -> bool:
+def exists(url: str) -> bool:
     """Whether an object exists at ``url``."""
-    fs, path = fsspec.core.url_to_fs(url)
+    fs, path = filesystem(url)
     with reaching(url):
         return fs.isfile(path)
 
@@ -88,7 +108,7 @@ def read_bytes(url: str) -> bytes:
 def info(url: str) -> tuple[int, str]:
     """(size in bytes, version) of the object at ``url``, the version being its ETag or checksum (or,
     where the store gives neither, its modification time), fetched afresh."""
-    fs, path = fsspec.core.url_to_fs(url)
+    fs, path = filesystem(url)
     with reaching(url):
         fs.invalidate_cache(path)
         found = fs.info(path)
@@ -115,7 +135,8 @@ def upload(folder: Path, url: str, last: str) -> list[str]:
     """Upload every file under ``folder`` to the folder URL ``url``, the file named ``last`` after all
     the others (and removed first when anything changes), so that while ``last`` is there the rest is
     complete. Objects whose size and checksum already match are left alone. Returns the names uploaded."""
-    fs, root = fsspec.core.url_to_fs(url)
+    fs, root = filesystem(url)
+    fs.invalidate_cache(root)  # sizes and ETags as they are now, not as listed earlier in this process
     files = sorted(file.relative_to(folder).as_posix() for file in folder.rglob("*") if file.is_file() and file.name != last)
     with reaching(url):
         changed = [name for name in files if not _same(folder / name, fs, join(root, name))]

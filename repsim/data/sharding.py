@@ -338,11 +338,10 @@ def _write_index(out: Path, spec: DataSpec, manifest: _ManifestWriter, errors: l
 
 def shard_sizes(manifest: Path | str) -> dict[str, int]:
     """Samples per tar name, counted from the manifest's ``shard`` column (a path or URL) by pyarrow (no row objects)."""
-    import fsspec
     import pyarrow.parquet as pq
 
-    filesystem, path = fsspec.core.url_to_fs(str(manifest))
-    with remote.reaching(str(manifest)):
+    filesystem, path = remote.filesystem(str(manifest))
+    with remote.reaching(manifest):
         counts = pq.read_table(path, columns=["shard"], filesystem=filesystem).column("shard").value_counts()
     return dict(zip(counts.field("values").to_pylist(), counts.field("counts").to_pylist()))
 
