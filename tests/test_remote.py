@@ -309,3 +309,11 @@ def test_an_incomplete_upload_is_refused_as_incomplete(animals, bucket, tmp_path
         s3().put_file(str(shards.path / name), f"{prefix}{name}")
     assert main(["shard", str(in_place_spec(tmp_path, prefix))]) == 2
     assert f"{prefix}{MANIFEST} does not exist" in one_error_line(capsys)
+
+
+def test_an_experiment_shard_section_refuses_a_bucket_and_names_the_command(tmp_path, capsys):
+    experiment = tmp_path / "upload.yaml"
+    experiment.write_text(yaml.safe_dump({"name": "upload", "data": "animal-mnist",
+                                          "stages": [{"kind": "shard", "out": "s3://bucket/prefix/"}]}))
+    assert main(["run", str(experiment)]) == 2
+    assert "repsim shard SPEC --out URL" in one_error_line(capsys)
