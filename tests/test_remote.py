@@ -173,10 +173,19 @@ def test_shards_in_a_bucket_are_read_in_place_and_keyed_by_their_etags(animals, 
     assert found.shards == {"train": [f"{prefix}train-0000{n}.tar" for n in range(4)], "test": [f"{prefix}test-00000.tar"]}
     assert found.splits == shards.splits and found.image_format == shards.image_format
     assert (found.path / MANIFEST).read_bytes() == shards.manifest.read_bytes()
-    batches = [make_loader(where, "eval", 16, split="test") for where in (shards.path, found.path)]
-    for local, remote in zip(*batches, strict=True):
-        assert torch.equal(local["views"][0], remote["views"][0]) and torch.equal(local["index"], remote["index"])
+    for workers in (0, 2):  # forked workers open the bucket themselves
+        batches = [make_loader(where, "simclr", 16, num_workers=workers) for where in (shards.path, found.path)]
+        for local, remote in zip(*batches, strict=True):
+            assert torch.equal(local["views"][1], remote["views"][1]) and torch.equal(local["index"], remote["index"])
     assert shard(spec, progress=False).cached
+
+
+def test_local_shards_named_with_their_manifest_are_read_in_place(animals, tmp_path):
+    _, shards = animals
+    found = shard(in_place_spec(tmp_path, f"{shards.path}/"), progress=False)
+    assert found.shards["test"] == [shards.path / "test-00000.tar"] and not list(found.path.glob("*.tar"))
+    local, in_place = (make_loader(where, "eval", 32, split="test") for where in (shards.path, found.path))
+    assert all(torch.equal(a["views"][0], b["views"][0]) for a, b in zip(local, in_place, strict=True))
 
 
 def test_a_loader_finds_the_manifest_beside_tar_urls(animals, uploaded):

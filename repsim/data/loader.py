@@ -151,7 +151,7 @@ def resolve_shards(shards: str | Path | ShardResult | Sequence[str | Path], spli
 
 def _split_tars(folder: Path, split: str) -> list[str]:
     """The tars of ``split`` in the shard directory ``folder``: its own, or the URLs its shards.json lists."""
-    tars = [str(path) for path in sorted(folder.glob(f"{split}-{SHARD_NUMBER}.tar"))] or _listed_urls(folder, split)
+    tars = [str(path) for path in sorted(folder.glob(f"{split}-{SHARD_NUMBER}.tar"))] or _listed_elsewhere(folder, split)
     if not tars:
         found = sorted({path.name.rsplit("-", 1)[0] for path in folder.glob(f"*-{SHARD_NUMBER}.tar")})
         raise DataError(f"{folder} holds no shards of split {split!r}",
@@ -159,11 +159,12 @@ def _split_tars(folder: Path, split: str) -> list[str]:
     return tars
 
 
-def _listed_urls(folder: Path, split: str) -> list[str]:
-    """The URLs of ``split``'s shards read in place, as ``folder``'s shards.json lists them (none when it lists names)."""
+def _listed_elsewhere(folder: Path, split: str) -> list[str]:
+    """The URLs or absolute paths of ``split``'s shards read in place, as ``folder``'s shards.json lists
+    them (none when it lists names of tars beside it)."""
     index = folder / INDEX
     listed = json.loads(index.read_text())["splits"].get(split, {}).get("shards", []) if index.is_file() else []
-    return [url for url in listed if is_url(url)]
+    return [tar for tar in listed if is_url(tar) or Path(tar).is_absolute()]
 
 
 def _existing(path: str | Path) -> str | Path | None:

@@ -32,11 +32,11 @@ def is_url(location: str | Path) -> bool:
     return isinstance(location, str) and bool(URL.match(location))
 
 
-def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """(file system, path in it) of ``url``. S3 clients share one botocore session per process, inherited by
-    forked DataLoader workers: a new session parses botocore's service models again (about 0.3 s a worker)."""
-    protocol = url.split("://", 1)[0].lower()
-    return fsspec.core.url_to_fs(url, **({"session": _aws_session()} if protocol in ("s3", "s3a") else {}))
+def filesystem(url: str | Path) -> tuple[fsspec.AbstractFileSystem, str]:
+    """(file system, path in it) of ``url`` (or a local path). S3 clients share one botocore session per process,
+    inherited by forked DataLoader workers: a new session parses botocore's service models again (0.3 s a worker)."""
+    protocol = str(url).split("://", 1)[0].lower()
+    return fsspec.core.url_to_fs(str(url), **({"session": _aws_session()} if protocol in ("s3", "s3a") else {}))
 
 
 @functools.cache
@@ -105,7 +105,7 @@ def read_bytes(url: str) -> bytes:
         return stream.read()
 
 
-def info(url: str) -> tuple[int, str]:
+def info(url: str | Path) -> tuple[int, str]:
     """(size in bytes, version) of the object at ``url``, the version being its ETag or checksum (or,
     where the store gives neither, its modification time), fetched afresh."""
     fs, path = filesystem(url)
@@ -118,7 +118,7 @@ def info(url: str) -> tuple[int, str]:
     return int(found["size"]), version.strip('"')
 
 
-def fingerprint(urls: Iterable[str]) -> str:
+def fingerprint(urls: Iterable[str | Path]) -> str:
     """An input key for objects: a digest of each URL with its size and version (see :func:`info`), so
     that a replaced object gives a new key."""
     digest = hashlib.sha256()
