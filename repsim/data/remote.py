@@ -2,8 +2,8 @@
 
 Object stores are reached through fsspec and s3fs. Credentials and the endpoint come from the
 environment as boto reads them (``AWS_PROFILE`` or ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``;
-``AWS_ENDPOINT_URL`` or ``AWS_ENDPOINT_URL_S3`` for MinIO, Ceph, R2...): nothing here reads, logs or
-records them. A failed access is a DataError naming the URL and what to check.
+``AWS_ENDPOINT_URL`` or ``AWS_ENDPOINT_URL_S3`` for MinIO, Ceph, R2...), resolved once per process;
+nothing here reads, logs or records them. A failed access is a DataError naming the URL and what to check.
 """
 
 from __future__ import annotations
