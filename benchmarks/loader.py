@@ -11,6 +11,10 @@ decoding, seeding, augmentation per image and per batch) follows. The tables go 
 
     python benchmarks/loader.py [--spec data_specs/animal-mnist.yaml] [--images 8000] [--rounds 2]
 
+With ``--s3`` it times instead, side by side, the loader reading the shards from local disk and
+reading them in place from S3 (moto's server, started on 127.0.0.1 in its own process, the shards
+uploaded to it with ``repsim.data.remote.upload``), and reports the ratio in ``benchmarks/results/loader_s3.md``.
+
 Shards come from ``$REPSIM_HOME`` (sharded there if missing) or a temporary home when it is unset.
 """
 
@@ -18,10 +22,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import platform
 import resource
 import shlex
+import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,14 +48,17 @@ from repsim.data.loader import (
     derive_seed,
     make_batch,
     make_loader,
+    peek_image,
     read_image,
     read_parts,
     seeded_rng,
     targets,
 )
-from repsim.data.sharding import shard
+from repsim.data.remote import upload
+from repsim.data.sharding import MANIFEST, ShardResult, shard
 
 RESULTS = Path(__file__).parent / "results" / "loader.md"
+S3_RESULTS = Path(__file__).parent / "results" / "loader_s3.md"
 PIPELINES = {"sample": "per image (torchvision v2)", "batch": "batched (kornia, CPU)"}
 T = TypeVar("T")
 
@@ -214,6 +224,93 @@ def speedup(pipelines: dict[str, tuple[Throughput, Throughput]], field: str) -> 
     return getattr(pipelines["batch"][0], field) / getattr(pipelines["sample"][0], field)
 
 
+# ---------------------------------------------------------------------------------------------
+# Local disk against S3
+
+@contextlib.contextmanager
+def local_s3() -> Iterator[None]:
+    """moto's S3 server on a free port of 127.0.0.1, in its own process, with boto pointed at it."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
+                      AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}")
+    try:
+        for _ in range(100):
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.1):
+                break
+            time.sleep(0.1)
+        yield
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def in_bucket(shards: ShardResult, folder: Path) -> Path:
+    """The in-place shard output of ``shards`` uploaded to a new bucket of the local S3 server."""
+    import s3fs
+    import yaml
+
+    s3fs.S3FileSystem().mkdir("bench")
+    upload(shards.path, "s3://bench/shards/", last=MANIFEST)
+    names = ",".join(path.stem for split in shards.shards.values() for path in split)
+    spec = folder / "in-bucket.yaml"
+    spec.write_text(yaml.safe_dump({"name": "in-bucket", "source": {
+        "type": "webdataset", "urls": f"s3://bench/shards/{{{names}}}.tar", "manifest": f"s3://bench/shards/{MANIFEST}"}}))
+    return shard(spec, progress=False).path
+
+
+def measure_s3(local: Path, remote: Path, workers: int, images: int, batch_size: int,
+               rounds: int) -> dict[str, tuple[Throughput, Throughput]]:
+    """Per pipeline (see PIPELINES), (local disk, S3): each the best of ``rounds`` runs, the four alternating.
+    The loaders are given the image size and channels, as the train stage gives them."""
+    channels, size = peek_image(str(sorted(local.glob("train-*.tar"))[0]))
+    paths = {(pipeline, where): functools.partial(make_loader, shards, "simclr", batch_size, num_workers=workers,
+                                                  augment=pipeline, image_size=size, channels=channels)
+             for pipeline in PIPELINES for where, shards in (("local", local), ("s3", remote))}
+    runs: dict[tuple[str, str], list[Throughput]] = {path: [] for path in paths}
+    for _ in range(rounds):
+        for path, batches in paths.items():
+            runs[path].append(throughput(batches, images))
+    best = {path: Throughput(max(run.views_per_second for run in found), min(run.cpu_micros for run in found))
+            for path, found in runs.items()}
+    return {pipeline: (best[pipeline, "local"], best[pipeline, "s3"]) for pipeline in PIPELINES}
+
+
+def report_s3(command: str, spec: str, images: int, batch_size: int,
+              rows: list[tuple[int, dict[str, tuple[Throughput, Throughput]]]]) -> str:
+    lines = [
+        "# Shard loader throughput: local disk against S3", "",
+        f"Command: `{command}`", "",
+        (f"Data: {spec}, train split, first {images} images; `simclr` preset (2 views), batch size {batch_size}; "
+         f"torch {torch.__version__}, {os.cpu_count()} CPU cores. The same `make_loader` over the same shards, read "
+         "from local disk and read in place from S3 (moto's server on 127.0.0.1, in its own process, sharing the "
+         "machine's cores), each pipeline as in `loader.md`. Best of the rounds, the four runs alternating within a "
+         "round, DataLoader start-up included; the loaders are given the image size and channels, as the train stage "
+         "gives them."), "",
+        "| workers | pipeline | local views/s | S3 views/s | S3 / local | local CPU µs/view | S3 CPU µs/view |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+        *[f"| {workers} | {PIPELINES[pipeline]} | {local.views_per_second:,.0f} | {remote.views_per_second:,.0f} "
+          f"| {remote.views_per_second / local.views_per_second:.2f} | {local.cpu_micros:,.0f} | {remote.cpu_micros:,.0f} |"
+          for workers, pipelines in rows for pipeline, (local, remote) in pipelines.items()], "",
+    ]
+    return "\n".join(lines)
+
+
+def compare_s3(args: argparse.Namespace, shards: ShardResult) -> str:
+    """The local-disk against S3 report (:func:`report_s3`) of ``shards``."""
+    with local_s3(), tempfile.TemporaryDirectory() as folder:
+        remote = in_bucket(shards, Path(folder))
+        rows = []
+        for workers in args.workers:
+            rows.append((workers, measure_s3(shards.path, remote, workers, args.images, args.batch_size, args.rounds)))
+            print(f"workers={workers}: {rows[-1][1]}", flush=True)
+    return report_s3(shlex.join(["python", "benchmarks/loader.py", *sys.argv[1:]]), Path(args.spec).name,
+                     args.images, args.batch_size, rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--spec", default=str(Path(__file__).parents[1] / "data_specs" / "animal-mnist.yaml"))
@@ -221,9 +318,16 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--s3", action="store_true", help="time local disk against S3 instead (see above)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # as the loader's augmentations and DataLoader workers run
     with artifact_home():
+        if args.s3:
+            text = compare_s3(args, shard(args.spec, progress=False))
+            S3_RESULTS.parent.mkdir(parents=True, exist_ok=True)
+            S3_RESULTS.write_text(text)
+            print(text)
+            return
         shards = shard(args.spec, progress=False).path
         rows = []
         for workers in args.workers:

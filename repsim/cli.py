@@ -27,17 +27,22 @@ FORCEABLE = ("shard", "captions", "wordnet", "neighbors", "train", "features", "
 def cmd_shard(args: argparse.Namespace) -> None:
     from repsim.data import ShardResult, load_spec
 
+    from repsim.data.remote import is_url, upload
+    from repsim.data.sharding import MANIFEST
+
     specs = [load_spec(spec) for spec in args.specs]  # validate every spec before starting any orchestration
     if args.out and len(args.specs) != 1:
         raise RepsimError("--out names one directory but several specs were given", "shard one spec at a time")
     if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
         raise RepsimError(f"--out {args.out} is a file, not a directory", "name a new or existing directory")
+    bucket = args.out if args.out and is_url(args.out) else None  # built in $REPSIM_HOME, then uploaded there
     rows = []
     for path, spec in zip(args.specs, specs):
-        [shards] = _run_section(spec.name, path, {"kind": "shard", "out": args.out})["stages"]
+        [shards] = _run_section(spec.name, path, {"kind": "shard", "out": None if bucket else args.out})["stages"]
         found = ShardResult.from_dir(shards["path"])
+        uploaded = f"{len(upload(found.path, bucket, last=MANIFEST))} files uploaded" if bucket else ""
         rows.append([path, found.num_samples, " ".join(f"{k}={v}" for k, v in found.splits.items()), found.errors,
-                     "yes" if shards["cached"] else "no", shards["path"]])
+                     "yes" if shards["cached"] else "no", " ".join(filter(None, [bucket or shards["path"], uploaded]))])
     print(_table(["spec", "samples", "splits", "errors", "cached", "output"], rows))
 
 
@@ -388,7 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
     shard = commands.add_parser("shard", help="shard data specs into WebDataset tars + manifest (cached)")
     shard.add_argument("specs", nargs="+", metavar="SPEC",
                        help="data spec YAML file(s) or shipped name(s), e.g. animal-mnist")
-    shard.add_argument("--out", metavar="DIR", help="output directory (default: $REPSIM_HOME/artifacts/shard/<key>)")
+    shard.add_argument("--out", metavar="DIR", help="output directory (default: $REPSIM_HOME/artifacts/shard/<key>), "
+                       "or a folder URL (s3://bucket/prefix/) to upload the output to, its manifest last")
     shard.set_defaults(run=cmd_shard)
     precompute = commands.add_parser(
         "precompute", help="shard a data spec, then embed captions, WordNet similarities, neighbors (cached)")

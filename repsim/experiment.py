@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from repsim.config_errors import describe
+from repsim.data.remote import is_url
 from repsim.device import TorchrunLaunch
 from repsim.errors import SpecError
 from repsim.eval.linear import DEFAULT_WEIGHT_DECAYS
@@ -60,6 +61,13 @@ class ShardSection(_Section):
 
     kind: Literal["shard"] = "shard"
     out: Path | None = Field(None, description="output folder; default: the stage's own under $REPSIM_HOME")
+
+    @field_validator("out", mode="before")
+    @classmethod
+    def _out_is_a_folder(cls, out: Any) -> Any:
+        if is_url(out):
+            raise ValueError("out is a local folder; to put the shards in a bucket run 'repsim shard SPEC --out URL'")
+        return out
 
 
 class PrecomputeSection(_Section):

@@ -21,7 +21,8 @@ after the last full round (all of them when there are fewer shards than consumer
 sample by sample, consumer i of n keeping every n-th sample from the i-th. So ranks read disjoint
 shards when there are at least as many shards as ranks, every sample goes to exactly one consumer,
 and no worker sits idle. Samples are shuffled in a buffer of ``shuffle_buffer`` per worker and
-batched inside the worker. Tars are opened and read with webdataset (paths, ``pipe:``, http).
+batched inside the worker. Tars are read with webdataset, paths and ``pipe:`` opened by it and URLs
+(``s3://``, ``https://``, any fsspec scheme) streamed through fsspec (repsim.data.remote).
 
 Determinism. Shard order, sample buffer and augmentations are all seeded: shard order by (seed,
 epoch), the buffer by (seed, epoch, rank, worker), and, per sample, each sample's augmentation by
@@ -34,7 +35,7 @@ workers; the global torch RNG is left untouched. Augmentations run on one torch 
 main process too (restored after each sample or batch).
 Each pass over the loader uses ``loader.epoch`` and then advances it; ``set_epoch`` picks the next.
 
-Length. Counted from ``manifest.parquet`` (found beside the shards). Without ``drop_last`` it is
+Length. Counted from ``manifest.parquet`` (found beside the shards, at a path or URL). Without ``drop_last`` it is
 this rank's exact number of batches. With ``drop_last`` (the default when shuffling) every rank
 stops after the same number of batches, so DDP ranks step together; when shuffling, that number is
 a bound that holds for every epoch (on one rank with equal-size shards, at most ``num_workers - 1``
@@ -65,7 +66,8 @@ from torchvision.transforms.v2 import functional as TF
 
 from repsim.data.augment import Views, make_views
 from repsim.data.batch_augment import BatchViews, forked_rng, make_batch_views
-from repsim.data.sharding import MANIFEST, ShardResult, shard_sizes
+from repsim.data.remote import beside, exists, is_url, open_stream, reaching
+from repsim.data.sharding import INDEX, MANIFEST, ShardResult, shard_sizes
 from repsim.device import rank_and_world, torch_threads
 from repsim.errors import DataError, RepsimError, SpecError
 
@@ -144,19 +146,30 @@ def resolve_shards(shards: str | Path | ShardResult | Sequence[str | Path], spli
     urls = wds.shardlists.expand_urls(str(shards)) if isinstance(shards, (str, Path)) else [str(u) for u in shards]
     if not urls:
         raise DataError("no shards were given", "pass a shard directory or a list of tar files")
-    return urls, _existing(manifest or Path(urls[0]).parent / MANIFEST)
+    return urls, _existing(manifest or beside(urls[0], MANIFEST))
 
 
 def _split_tars(folder: Path, split: str) -> list[str]:
-    tars = sorted(folder.glob(f"{split}-{SHARD_NUMBER}.tar"))
+    """The tars of ``split`` in the shard directory ``folder``: its own, or the URLs its shards.json lists."""
+    tars = [str(path) for path in sorted(folder.glob(f"{split}-{SHARD_NUMBER}.tar"))] or _listed_elsewhere(folder, split)
     if not tars:
         found = sorted({path.name.rsplit("-", 1)[0] for path in folder.glob(f"*-{SHARD_NUMBER}.tar")})
         raise DataError(f"{folder} holds no shards of split {split!r}",
                         f"choose one of the splits it holds: {', '.join(found) or 'none'}")
-    return [str(path) for path in tars]
+    return tars
 
 
-def _existing(path: str | Path) -> Path | None:
+def _listed_elsewhere(folder: Path, split: str) -> list[str]:
+    """The URLs or absolute paths of ``split``'s shards read in place, as ``folder``'s shards.json lists
+    them (none when it lists names of tars beside it)."""
+    index = folder / INDEX
+    listed = json.loads(index.read_text())["splits"].get(split, {}).get("shards", []) if index.is_file() else []
+    return [tar for tar in listed if is_url(tar) or Path(tar).is_absolute()]
+
+
+def _existing(path: str | Path) -> str | Path | None:
+    if is_url(path):
+        return path if exists(path) else None
     return Path(path) if Path(path).is_file() else None
 
 
@@ -216,7 +229,7 @@ def read_samples(url: str, expected: int | None = None) -> Iterator[dict[str, An
     count), e.g. when it was cut short at a block boundary.
     """
     count = 0
-    with contextlib.closing(wds.gopen(url, "rb")) as stream:
+    with contextlib.closing(open_stream(url) if is_url(url) else wds.gopen(url, "rb")) as stream, reaching(url):
         try:
             files = ({**member, "__url__": url} for member in wds.tariterators.tar_file_iterator(stream))
             for sample in wds.tariterators.group_by_keys(files):

@@ -12,6 +12,10 @@ Output directory (``$REPSIM_HOME/artifacts/shard/<key>/`` unless given):
   ``{"source_id", "reason"}``; ``stage.json``: the stage record, whose file list gives each tar's
   size, sha256 and sample count.
 
+Shards that this stage wrote before, named by a ``webdataset`` source with a ``manifest`` (at paths or
+URLs: ``s3://``, ``https://``), are read in place: the output then holds the manifest and the
+``errors.json`` fetched through fsspec, and a ``shards.json`` that lists the tars by their URLs.
+
 Samples are grouped by split; within a split they keep the source order, permuted by
 ``shuffle_seed`` when set. Keys are the zero-padded global index. Every image is decoded and
 encoded again with Pillow (which validates it and drops metadata): 1-channel images stay 8-bit
@@ -36,6 +40,8 @@ import webdataset as wds
 from PIL import Image, ImageOps, UnidentifiedImageError
 from tqdm.auto import tqdm
 
+from repsim.data import remote
+from repsim.data.remote import beside, is_url
 from repsim.data.sources import Entry, Reader, assign_splits, open_source, split_order
 from repsim.data.spec import DataSpec, load_spec
 from repsim.errors import DataError, StageError
@@ -59,7 +65,7 @@ class ShardResult:
     cached: bool
     num_samples: int
     splits: dict[str, int]
-    shards: dict[str, list[Path]]
+    shards: dict[str, list[Path | str]]  # tar paths, or URLs of shards read in place
     manifest: Path
     errors: int
     image_format: str
@@ -71,7 +77,8 @@ class ShardResult:
         index = json.loads((path / INDEX).read_text())
         return cls(path=path, key=record["key"], cached=cached, num_samples=index["num_samples"],
                    splits={split: info["samples"] for split, info in index["splits"].items()},
-                   shards={split: [path / name for name in info["shards"]] for split, info in index["splits"].items()},
+                   shards={split: [name if is_url(name) else path / name for name in info["shards"]]
+                           for split, info in index["splits"].items()},
                    manifest=path / MANIFEST, errors=index["errors"], image_format=index["image_format"])
 
     @classmethod
@@ -101,7 +108,8 @@ def shard(spec: DataSpec | str | Path, out_dir: str | Path | None = None, progre
     """
     spec = spec if isinstance(spec, DataSpec) else load_spec(spec)
     reader = open_source(spec)
-    output = run_stage(_stage(spec, reader), lambda tmp: _build(spec, reader, tmp, progress), out_dir,
+    build = _in_place if getattr(spec.source, "manifest", None) else _build
+    output = run_stage(_stage(spec, reader), lambda tmp: build(spec, reader, tmp, progress), out_dir,
                        file_details=_tar_samples)
     return ShardResult.from_dir(output.path, cached=output.cached)
 
@@ -149,6 +157,27 @@ def _build(spec: DataSpec, reader: Reader, out: Path, progress: bool) -> dict[st
                         f"see the first failure: {errors[0]['source_id']}: {errors[0]['reason']}")
     _write_index(out, spec, manifest, errors, tars.names)
     return _metrics(manifest, errors, out, started)
+
+
+def _in_place(spec: DataSpec, reader: Reader, out: Path, progress: bool) -> dict[str, float]:
+    """The output of shards read in place: their manifest and errors.json fetched, and a shards.json
+    that lists the tars of ``source.urls`` by URL under the split their name starts with."""
+    started, manifest = time.time(), spec.source.manifest
+    (out / MANIFEST).write_bytes(remote.read_bytes(str(manifest)))
+    (out / ERRORS).write_bytes(remote.read_bytes(str(beside(manifest, ERRORS))))
+    index, sizes, splits = json.loads(remote.read_bytes(str(beside(manifest, INDEX)))), shard_sizes(out / MANIFEST), {}
+    for tar in map(str, reader.tars):
+        name = tar.rsplit("/", 1)[-1]
+        if name not in sizes:
+            raise DataError(f"{tar} is not among the shards its manifest {manifest} lists", "correct source.urls")
+        split = splits.setdefault(name.rsplit("-", 1)[0], {"samples": 0, "shards": []})
+        split["samples"] += sizes[name]
+        split["shards"].append(tar)
+    index |= {"name": spec.name, "num_samples": sum(split["samples"] for split in splits.values()), "splits": splits}
+    (out / INDEX).write_text(json.dumps(index, indent=2))
+    per_split = {f"samples/{name}": split["samples"] for name, split in splits.items()}
+    return {"samples": index["num_samples"], "errors": index["errors"], **per_split,
+            "seconds": round(time.time() - started, 3)}
 
 
 def _write_order(splits: list[str], spec: DataSpec) -> list[tuple[str, np.ndarray]]:
@@ -307,11 +336,13 @@ def _write_index(out: Path, spec: DataSpec, manifest: _ManifestWriter, errors: l
     (out / ERRORS).write_text(json.dumps(errors, indent=2))
 
 
-def shard_sizes(manifest: Path) -> dict[str, int]:
-    """Samples per tar name, counted from the manifest's ``shard`` column by pyarrow (no row objects)."""
+def shard_sizes(manifest: Path | str) -> dict[str, int]:
+    """Samples per tar name, counted from the manifest's ``shard`` column (a path or URL) by pyarrow (no row objects)."""
     import pyarrow.parquet as pq
 
-    counts = pq.read_table(manifest, columns=["shard"]).column("shard").value_counts()
+    filesystem, path = remote.filesystem(str(manifest))
+    with remote.reaching(manifest):
+        counts = pq.read_table(path, columns=["shard"], filesystem=filesystem).column("shard").value_counts()
     return dict(zip(counts.field("values").to_pylist(), counts.field("counts").to_pylist()))
 
 

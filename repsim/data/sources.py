@@ -33,6 +33,8 @@ import braceexpand
 import numpy as np
 import pyarrow as pa
 
+from repsim.data import remote
+from repsim.data.remote import beside, is_url
 from repsim.data.spec import (AnimalMnistSource, DataSpec, FashionMnistSource, ImageFolderSource,
                               ManifestSource, RandomSplit, WebDatasetSource)
 from repsim.errors import DataError
@@ -521,14 +523,22 @@ def _end_block_at(tar: Path, offset: int) -> bool:
 
 
 class WebDatasetReader(Reader):
-    """Samples of existing tars: ``{key}.{image_ext}``, caption ``{key}.txt``, metadata ``{key}.json``."""
+    """Samples of existing tars: ``{key}.{image_ext}``, caption ``{key}.txt``, metadata ``{key}.json``.
+
+    Shards read in place (``source.manifest`` set) are keyed by the size and ETag or checksum of each
+    tar, the manifest and ``shards.json`` (:func:`repsim.data.remote.fingerprint`).
+    """
 
     @cached_property
-    def tars(self) -> list[Path]:
-        return expand_urls(self.spec.source.urls)
+    def tars(self) -> list[Path] | list[str]:
+        urls = self.spec.source.urls
+        return list(braceexpand.braceexpand(urls)) if is_url(urls) else expand_urls(urls)
 
     def fingerprint(self) -> str:
-        return self.fingerprint_of(self.tars)
+        manifest = self.spec.source.manifest
+        if manifest is None:
+            return self.fingerprint_of(self.tars)
+        return remote.fingerprint([*map(str, self.tars), manifest, beside(manifest, "shards.json")])
 
     def entries(self) -> Listing:
         return self._entries

@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, Field, SerializerFunctionWrapHandler, ValidationError, field_validator,
+                      model_serializer, model_validator)
 
 from repsim.config_errors import describe, message, model_at
+from repsim.data.remote import info, is_url
 from repsim.errors import SpecError
 from repsim.layering import SettingsFile, Strict, load_model
 from repsim.shipped import locate
 
 FASHION_MNIST_ROOT = Path("/usr/share/datasets/fashion-mnist")
 SYNSET_PATTERN = re.compile(r"^.+\.[nvasr]\.\d{2}$")
-PATH_FIELDS = ("source.root", "source.path", "source.urls")  # relative to the spec's folder
+PATH_FIELDS = ("source.root", "source.path", "source.urls", "source.manifest")  # relative to the spec's folder
 SPEC_FILE = SettingsFile("data spec", "data_specs/fashion-mnist.yaml", paths=PATH_FIELDS)
 
 
@@ -63,13 +65,30 @@ class WebDatasetSource(Strict):
     """Existing WebDataset shards as img2dataset writes them (``jpg`` + ``txt`` + ``json``).
 
     ``urls`` is a brace pattern or glob, e.g. ``cc3m/{00000..00331}.tar``; ``label_field`` names a
-    key of each sample's json that holds its class name, if any.
+    key of each sample's json that holds its class name, if any. With ``manifest`` (the
+    ``manifest.parquet`` that the shard stage wrote beside them) the tars are shards this stage wrote
+    before, read where they are: paths or URLs (``s3://bucket/shards/train-{00000..00009}.tar``,
+    ``https://...``), never copied.
     """
 
     type: Literal["webdataset"]
     urls: str
     image_ext: str = "jpg"
     label_field: str | None = None
+    manifest: str | None = None
+
+    @model_validator(mode="after")
+    def _urls_need_a_manifest(self) -> WebDatasetSource:
+        if is_url(self.urls) and self.manifest is None:
+            raise ValueError("shards at a URL are read in place, which needs the manifest.parquet the shard stage "
+                             "wrote beside them: set source.manifest")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _without_unset_manifest(self, dump: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The fields, ``manifest`` only when set: specs without one keep the shard keys they had."""
+        fields = dump(self)
+        return fields if self.manifest is not None else {k: v for k, v in fields.items() if k != "manifest"}
 
 
 Source = Annotated[
@@ -181,9 +200,11 @@ def load_spec(path: str | Path) -> DataSpec:
 
 
 def _check_paths_exist(spec: DataSpec, spec_path: Path) -> None:
-    for field in ("root", "path"):
+    for field in ("root", "path", "manifest"):
         value = getattr(spec.source, field, None)
-        if value is not None and not Path(value).exists():
+        if is_url(value):
+            info(value)  # reachable with these credentials (a DataError says what to check)
+        elif value is not None and not Path(value).exists():
             raise SpecError(f"{spec_path}: field 'source.{field}' points at {value}, which does not exist",
                             _missing_path_fix(spec.source))
 
