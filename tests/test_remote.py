@@ -18,6 +18,7 @@ import s3fs
 import torch
 import yaml
 from animals import CLASSES, animal_shards
+from e2e import repsim
 from moto.server import ThreadedMotoServer
 
 from repsim.cli import main
@@ -262,16 +263,19 @@ def test_a_missing_bucket_is_one_line(animals, bucket, tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.orchestration
-def test_the_shard_command_uploads_to_a_bucket_and_refuses_a_missing_one(animals, bucket, repsim_home, capsys):
+def test_the_shard_command_uploads_to_a_bucket_and_refuses_a_missing_one(animals, bucket, tmp_path):
     spec, shards = animals
-    prefix = f"s3://{bucket}/animals/"
+    home, prefix = tmp_path / "home", f"s3://{bucket}/animals/"
     for uploaded in (len(list(shards.path.iterdir())), 0):
-        assert main(["shard", str(spec), "--out", prefix]) == 0
-        assert f"{prefix} {uploaded} files uploaded" in capsys.readouterr().out
+        done = repsim(home, "shard", str(spec), "--out", prefix)  # the bucket's settings pass on in the environment
+        assert done.returncode == 0, done.stderr
+        assert f"{prefix} {uploaded} files uploaded" in done.stdout
     assert s3().cat(f"{prefix}{MANIFEST}") == shards.manifest.read_bytes()
-    assert main(["shard", str(spec), "--out", "s3://no-such-bucket-4a1f/animals/"]) == 2
-    assert "no-such-bucket-4a1f" in one_error_line(capsys)
-    assert not any(SECRET.encode() in file.read_bytes() for file in repsim_home.rglob("*") if file.is_file())
+    refused = repsim(home, "shard", str(spec), "--out", "s3://no-such-bucket-4a1f/animals/")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    [line] = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
+    assert "no-such-bucket-4a1f" in line
+    assert not any(SECRET.encode() in file.read_bytes() for file in home.rglob("*") if file.is_file())
 
 
 def test_wrong_credentials_are_one_line_and_never_shown(uploaded, forbidden, capsys):
