@@ -179,13 +179,18 @@ def measure(shards: Path, workers: int, images: int, batch_size: int,
         ("sample", "memory"): lambda: in_memory(per_image.stream.views),
         ("batch", "memory"): lambda: with_batch_views(in_memory(None), batch_views),
     }
+    best = best_of(paths, images, rounds)
+    return {pipeline: (best[pipeline, "loader"], best[pipeline, "memory"]) for pipeline in PIPELINES}
+
+
+def best_of(paths: dict[tuple[str, str], Callable], images: int, rounds: int) -> dict[tuple[str, str], Throughput]:
+    """Each path's best throughput over ``rounds`` rounds, the paths alternating within a round."""
     runs: dict[tuple[str, str], list[Throughput]] = {path: [] for path in paths}
     for _ in range(rounds):
         for path, batches in paths.items():
             runs[path].append(throughput(batches, images))
-    best = {path: Throughput(max(run.views_per_second for run in found), min(run.cpu_micros for run in found))
+    return {path: Throughput(max(run.views_per_second for run in found), min(run.cpu_micros for run in found))
             for path, found in runs.items()}
-    return {pipeline: (best[pipeline, "loader"], best[pipeline, "memory"]) for pipeline in PIPELINES}
 
 
 def report(command: str, spec: str, images: int, batch_size: int,
@@ -270,12 +275,7 @@ def measure_s3(local: Path, remote: Path, workers: int, images: int, batch_size:
     paths = {(pipeline, where): functools.partial(make_loader, shards, "simclr", batch_size, num_workers=workers,
                                                   augment=pipeline, image_size=size, channels=channels)
              for pipeline in PIPELINES for where, shards in (("local", local), ("s3", remote))}
-    runs: dict[tuple[str, str], list[Throughput]] = {path: [] for path in paths}
-    for _ in range(rounds):
-        for path, batches in paths.items():
-            runs[path].append(throughput(batches, images))
-    best = {path: Throughput(max(run.views_per_second for run in found), min(run.cpu_micros for run in found))
-            for path, found in runs.items()}
+    best = best_of(paths, images, rounds)
     return {pipeline: (best[pipeline, "local"], best[pipeline, "s3"]) for pipeline in PIPELINES}
 
 
