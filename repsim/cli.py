@@ -26,7 +26,6 @@ FORCEABLE = ("shard", "captions", "wordnet", "neighbors", "train", "features", "
 
 def cmd_shard(args: argparse.Namespace) -> None:
     from repsim.data import ShardResult, load_spec
-
     from repsim.data.remote import is_url, upload
     from repsim.data.sharding import MANIFEST
 

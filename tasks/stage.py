@@ -11,16 +11,16 @@ one summary line through Prefect's run logger; only transient failures (a connec
 from __future__ import annotations
 
 import hashlib
-from dataclasses import replace
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 import requests
 from prefect import Task, task
-from prefect.context import TaskRunContext
 from prefect.client.schemas.objects import TaskRun
+from prefect.context import TaskRunContext
 from prefect.logging import get_run_logger
 from prefect.logging.loggers import task_run_logger
 from prefect.results import get_result_store
