@@ -12,6 +12,7 @@ settings file is read), and an error names the layer it came from (:func:`origin
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -202,7 +203,17 @@ def resolve_path(path: str, base: Path) -> str:
     (``scheme://...``) and ``pipe:`` commands unchanged."""
     if _KEPT.match(path):
         return path
-    found = [files[path.removesuffix(SUFFIX)] for files in map(shipped, FOLDERS) if path.removesuffix(SUFFIX) in files]
-    if Path(path).name == path and len(set(found)) == 1 and not (base / path).exists():
-        return str(found[0])
+    found = _shipped_files().get(path.removesuffix(SUFFIX), set())
+    if Path(path).name == path and len(found) == 1 and not (base / path).exists():
+        return str(next(iter(found)))
     return os.path.normpath(base / os.path.expanduser(path))
+
+
+@functools.cache
+def _shipped_files() -> dict[str, set[Path]]:
+    """Every shipped file by name, over all kinds (listed once: the installed folders do not change)."""
+    files: dict[str, set[Path]] = {}
+    for kind in FOLDERS:
+        for name, path in shipped(kind).items():
+            files.setdefault(name, set()).add(path)
+    return files
