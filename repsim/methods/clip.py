@@ -38,7 +38,6 @@ class ClipConfig(Strict):
                                         "default: a linear projection")
 
 
-
 class CLIP(Method):
     """Image tower ``projector(encoder(view))`` against text tower ``text_projection(E[index])``.
 

@@ -47,7 +47,6 @@ class DinoConfig(SelfDistillationSettings):
     teacher_warmup: float = Field(0.3, ge=0, le=1)
 
 
-
 class Prototypes(nn.Module):
     """Logits (..., K) of unit embeddings (..., D) against K prototypes of unit length: a linear
     layer weight-normalised with the norm fixed at 1 (DINO's ``norm_last_layer``)."""

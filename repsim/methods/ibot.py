@@ -27,7 +27,6 @@ class IBOTConfig(dino.DinoConfig, MaskedPatchesSettings):
     patch_weight: float = Field(1.0, gt=0)
 
 
-
 @register("ibot", settings=IBOTConfig)
 def build(config: Config, data: TrainingData) -> dino.Dino:
     method = config.method

@@ -23,7 +23,6 @@ class SimCLRConfig(Strict):
     temperature: float = Field(0.1, gt=0)
 
 
-
 class SimCLR(TwoViewMethod):
     """Backbone + projection trained with NT-Xent over all ranks' views."""
 

@@ -23,7 +23,6 @@ class SupConConfig(Strict):
     temperature: float = Field(0.1, gt=0)
 
 
-
 class SupCon(TwoViewMethod):
     """Backbone + projection trained with the supervised contrastive loss over all ranks' views."""
 

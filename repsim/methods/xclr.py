@@ -95,7 +95,6 @@ class XCLRConfig(Strict):
     similarity: Similarity = CaptionsSimilarity(type="captions")
 
 
-
 class XCLR(TwoViewMethod):
     """Backbone + projection trained with :class:`XCLRLoss` towards ``source``'s similarities.
 
