@@ -165,6 +165,9 @@ def test_the_teacher_temperatures_warm_up_linearly_then_hold_and_a_checkpoint_ke
     expected = [(0.055, 0.07), (0.07, 0.1), (0.07, 0.1), (0.07, 0.1)]
     for got, want in zip(seen, expected):
         assert got == pytest.approx(want)
+    held = Dino(method.encoder, method.head[0], method.prototypes, DINOLoss(12, teacher_temperature=0.04),
+                final_temperatures=(0.07,))  # no warm-up: the final temperature from the first step
+    assert held.loss.teacher_temperature.item() == pytest.approx(0.07)
     restored = ibot(share=1.0)
     restored.load_state_dict(method.state_dict())
     assert restored.loss.teacher_temperature.item() == pytest.approx(0.07)

@@ -90,6 +90,7 @@ class Dino(SelfDistillation):
         losses = [loss, patch_loss] if patch_loss is not None else [loss]
         self.temperatures = [(found, float(found.teacher_temperature), final)
                              for found, final in zip(losses, final_temperatures)]
+        self.warm_up(0.0 if warmup > 0 else 1.0)  # without a warm-up, the final temperatures from step 1
 
     @property
     def embeddings(self) -> Memory:
@@ -102,7 +103,10 @@ class Dino(SelfDistillation):
 
     def after_optimizer_step(self, step: int, total_steps: int) -> None:
         super().after_optimizer_step(step, total_steps)
-        progress = min(step / (self.warmup * total_steps), 1.0) if self.warmup > 0 else 1.0
+        self.warm_up(min(step / (self.warmup * total_steps), 1.0) if self.warmup > 0 else 1.0)
+
+    def warm_up(self, progress: float) -> None:
+        """Each teacher temperature that share of the way from its start to its final value."""
         for loss, start, final in self.temperatures:
             loss.teacher_temperature.fill_(start + (final - start) * progress)
 
