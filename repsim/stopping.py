@@ -17,11 +17,13 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from repsim.errors import RepsimError
 
 GRACE_S = 8.0  # from the signal to the forced exit: within a 10 s grace period, with room to exit
+CHILDREN_S = 1.0  # how long the child processes get to end on SIGTERM before they are killed
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _requested: list[signal.Signals] = []
 
@@ -72,15 +74,37 @@ def exit_now(signum: signal.Signals, message: str) -> None:
     """End the child processes (the temporary Prefect API among them), print ``error: <message>``, and
     exit with 128 + ``signum`` at once, without waiting on clean-ups that talk to servers the signal
     may have stopped too."""
-    for pid in _descendants(os.getpid()):
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+    _end(_descendants(os.getpid()))
     sys.stdout.flush()
     sys.stderr.write(f"error: {message}\n")
     sys.stderr.flush()
     os._exit(128 + signum)
+
+
+def _end(pids: list[int]) -> None:
+    """Ask ``pids`` to terminate, wait up to ``CHILDREN_S`` for them to go, then kill those left, so
+    that none outlives this process."""
+    _send(pids, signal.SIGTERM)
+    deadline = time.monotonic() + CHILDREN_S
+    while (left := [pid for pid in pids if _alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    _send(left, signal.SIGKILL)
+
+
+def _send(pids: list[int], signum: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _descendants(pid: int) -> list[int]:

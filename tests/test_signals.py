@@ -4,15 +4,26 @@ encoder an uninterrupted run trains, bit for bit."""
 
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
 import torch
 from e2e import REPSIM, isolated_env
 
-from repsim.stopping import GRACE_S, _descendants
+from repsim.stopping import CHILDREN_S, GRACE_S, _alive, _descendants, _end
 
-pytestmark = [pytest.mark.slow, pytest.mark.orchestration]
+
+def test_children_that_ignore_sigterm_are_killed_once_their_time_is_up():
+    ignoring = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                                 "signal.SIG_IGN); print(flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
+    obeying = subprocess.Popen(["sleep", "60"])
+    ignoring.stdout.readline()  # its handler is in place
+    started = time.monotonic()
+    _end([ignoring.pid, obeying.pid])
+    assert ignoring.wait(timeout=5) == -signal.SIGKILL and obeying.wait(timeout=5) == -signal.SIGTERM
+    assert CHILDREN_S <= time.monotonic() - started < CHILDREN_S + 1
+
 
 SETTINGS = ["optim.epochs=150", "optim.batch_size=4", "optim.num_workers=0", "optim.warmup_epochs=0",
             "optim.checkpoint_every=0", "monitor.knn=false", "model.small_images=false", "model.projection_dim=8",
@@ -28,14 +39,8 @@ def steps_logged(home) -> int:
     return sum(len(path.read_text().splitlines()) for path in home.glob("scratch/train/*/metrics.jsonl"))
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
+@pytest.mark.slow
+@pytest.mark.orchestration
 def test_sigterm_during_training_checkpoints_stops_and_resumes_bitwise(make_image_folder, write_spec, tmp_path):
     root = make_image_folder({"cat": 6, "dog": 6}, size=16)
     spec = write_spec({"name": "pets", "source": {"type": "image_folder", "root": str(root)},
@@ -56,12 +61,12 @@ def test_sigterm_during_training_checkpoints_stops_and_resumes_bitwise(make_imag
     sent = time.time()
     running.send_signal(signal.SIGTERM)
     _, err = running.communicate(timeout=60)
-    assert time.time() - sent < GRACE_S + 2 and running.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert time.time() - sent < GRACE_S + CHILDREN_S + 1 and running.returncode == 128 + signal.SIGTERM, err[-3000:]
     [error] = [line for line in err.splitlines() if line.startswith("error: ")]
     assert error.startswith("error: stopped by SIGTERM at step ") and error.endswith(
         "its checkpoint written; run the same command again to resume from there"), error
     assert "Traceback" not in err, err[-3000:]
-    assert children and not [pid for pid in children if alive(pid)]  # the temporary Prefect API went too
+    assert children and not [pid for pid in children if _alive(pid)]  # the temporary Prefect API went too
 
     for where in (home, reference):
         done = subprocess.run(command, env=isolated_env(where), capture_output=True, text=True, timeout=600)
