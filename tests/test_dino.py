@@ -18,7 +18,8 @@ from repsim.methods.config import ModelConfig, load_config
 from repsim.methods.dino import Dino, Prototypes
 from repsim.methods.self_distillation import projection_head
 from repsim.methods.stage import train
-from repsim.models import vit
+from repsim.errors import SpecError
+from repsim.models import load_encoder, vit
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -180,19 +181,32 @@ def test_the_shipped_baselines_carry_their_papers_stabilisers():
     assert (ibot_config.teacher_temperature, ibot_config.patch_teacher_temperature) == (0.04, 0.07)
 
 
-@pytest.mark.parametrize("config_file", ["dino.yaml", "ibot.yaml"])
-def test_dino_and_ibot_train_through_the_train_stage(config_file, make_image_folder, write_spec, tmp_path):
+@pytest.fixture
+def tiny_spec(make_image_folder, write_spec) -> Path:
+    """40 grayscale 16×16 images of two classes: 32 train samples in 8 tars, 8 test samples."""
     folder = make_image_folder({"cat": 20, "dog": 20}, size=16)
-    spec = write_spec({"name": "tiny", "source": {"type": "image_folder", "root": str(folder)},
+    return write_spec({"name": "tiny", "source": {"type": "image_folder", "root": str(folder)},
                        "classes": {"cat": "cat.n.01", "dog": "dog.n.01"},
                        "split": {"type": "random", "fractions": {"train": 0.8, "test": 0.2}}, "shard_size": 4})
-    shards = shard(spec, out_dir=tmp_path / "shards", progress=False)
-    config = load_config(REPO / "configs" / config_file, [
+
+
+@pytest.fixture
+def tiny_shards(tiny_spec, tmp_path):
+    return shard(tiny_spec, out_dir=tmp_path / "shards", progress=False)
+
+
+def tiny_config(config_file: str, spec: Path, *settings: str):
+    return load_config(REPO / "configs" / config_file, [
         f"data.spec={spec}", "data.image_size=16", "model.depth=1", "model.projection_hidden_dim=32",
         "model.projection_dim=16", "optim.batch_size=16", "optim.epochs=2", "optim.num_workers=0", "monitor.k=3",
-        "method.num_prototypes=32", "data.preset_options={local_crops: 2}",
-        f"method.freeze_prototypes={0.9 if config_file == 'dino.yaml' else 0.01}"])  # dino: all 4 steps frozen
-    output = train(config, out_dir=tmp_path / "out", shards=shards, device="cpu", progress=False)
+        "method.num_prototypes=32", "data.preset_options={local_crops: 2}", *settings])
+
+
+@pytest.mark.parametrize("config_file", ["dino.yaml", "ibot.yaml"])
+def test_dino_and_ibot_train_through_the_train_stage(config_file, tiny_spec, tiny_shards, tmp_path):
+    config = tiny_config(config_file, tiny_spec,
+                         f"method.freeze_prototypes={0.9 if config_file == 'dino.yaml' else 0.01}")  # dino: all 4 frozen
+    output = train(config, out_dir=tmp_path / "out", shards=tiny_shards, device="cpu", progress=False)
     records = [json.loads(line) for line in (output.path / "metrics.jsonl").read_text().splitlines()]
     last_epoch = [record for record in records if "epoch" in record][-1]
     assert {"knn_top1_k3", "effective_rank", "embedding_std", "prototype_entropy"} <= set(last_epoch)
@@ -202,3 +216,12 @@ def test_dino_and_ibot_train_through_the_train_stage(config_file, make_image_fol
     assert state["loss.teacher_temperature"].item() == pytest.approx(0.04 + 0.03 * min(4 / (0.3 * 4), 1))
     frozen_throughout = torch.equal(state["head.1.weight"], state["teacher_head.1.weight"])  # the EMA of a constant
     assert frozen_throughout == (config_file == "dino.yaml")
+
+
+def test_dino_trains_a_resnet_on_its_pooled_features_and_ibot_needs_patch_tokens(tiny_spec, tiny_shards, tmp_path):
+    config = tiny_config("dino.yaml", tiny_spec, "model.backbone=resnet18", "monitor.knn=false")
+    output = train(config, out_dir=tmp_path / "out", shards=tiny_shards, device="cpu", progress=False)
+    assert output.metrics["steps"] == 4 and load_encoder(output.path)(torch.randn(2, 1, 16, 16)).shape == (2, 512)
+    ibot = tiny_config("ibot.yaml", tiny_spec, "model.backbone=resnet18")
+    with pytest.raises(SpecError, match="method 'ibot' with a patch loss needs a ViT, but model.backbone is 'resnet18'"):
+        train(ibot, out_dir=tmp_path / "ibot", shards=tiny_shards, device="cpu", progress=False)

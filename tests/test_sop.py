@@ -23,7 +23,7 @@ from repsim.methods.self_distillation import Memory, projection_head, teacher_mo
 from repsim.methods.sop import SOP, SOPBank
 from repsim.methods.stage import train
 from repsim.methods.train import Trainer, seed_everything
-from repsim.models import load_encoder, vit
+from repsim.models import load_encoder, resnet, vit
 
 REPO = Path(__file__).resolve().parents[1]
 HEAD = ModelConfig(projection_hidden_dim=32, projection_dim=16, projection_layers=3)
@@ -506,7 +506,30 @@ def test_sop_trains_through_the_train_stage(tiny_spec, tiny_shards, tmp_path):
     assert load_encoder(output.path)(torch.randn(2, 1, 16, 16)).shape == (2, 192)
 
 
-def test_a_resnet_backbone_is_refused_in_one_line(tiny_spec, tiny_shards):
-    config = Config.model_validate({"method": {"name": "sop"}, "data": {"spec": str(tiny_spec)}})
-    with pytest.raises(SpecError, match="method 'sop' needs a ViT, but model.backbone is 'resnet18'"):
-        train(config, shards=tiny_shards, device="cpu", progress=False)
+def test_without_mim_a_resnet_stands_in_for_the_vit_and_the_patch_memory_stays_empty():
+    torch.manual_seed(0)
+    encoder = resnet("resnet18", small_images=True, in_channels=1)
+    banks = (SOPBank(size=64, dim=16, num_anchors=16, support_size=4) for _ in range(2))
+    method = SOP(encoder, projection_head(encoder.feature_dim, HEAD), *banks, cls_loss=SOPLoss(),
+                 mim_loss=MaskedSOPLoss(), mim_weight=0.0, masking=BlockMasking((0.2, 0.5), 1.0))
+    method.training_step(views(seed=1))  # fills the [CLS] memory: the first step has no SOPs
+    outputs = method.training_step(views(seed=2))
+    assert outputs["cls_loss"] > 0 and outputs["mim_loss"] == 0 and outputs["sops"] == 16
+    outputs["loss"].backward()
+    assert all(parameter.grad is not None for parameter in encoder.parameters())
+    assert int(method.cls_bank.memory.count) == 2 * 2 * 8 and int(method.patch_bank.memory.count) == 0
+
+
+def test_a_resnet_trains_through_the_train_stage_without_mim_and_is_refused_with_it(tiny_spec, tiny_shards,
+                                                                                     tmp_path):
+    settings = {"method": {"name": "sop", "num_anchors": 8, "cls_memory": 64, "patch_memory": 64, "support_size": 3},
+                "data": {"spec": str(tiny_spec), "image_size": 16, "preset": "multicrop",
+                         "preset_options": {"local_crops": 2}},
+                "model": {"backbone": "resnet18", "projection_hidden_dim": 32, "projection_dim": 16},
+                "optim": {"batch_size": 16, "epochs": 1, "num_workers": 0}, "monitor": {"knn": False}}
+    with pytest.raises(SpecError, match="method 'sop' with a patch loss needs a ViT, but model.backbone is 'resnet18'"):
+        train(Config.model_validate(settings), shards=tiny_shards, device="cpu", progress=False)
+    settings["method"]["mim_weight"] = 0
+    output = train(Config.model_validate(settings), out_dir=tmp_path / "out", shards=tiny_shards, device="cpu",
+                   progress=False)
+    assert output.metrics["steps"] == 2 and load_encoder(output.path)(torch.randn(2, 1, 16, 16)).shape == (2, 512)

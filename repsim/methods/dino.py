@@ -23,9 +23,8 @@ from repsim.losses.ibot import IBOTPatchLoss
 from repsim.methods.config import Config
 from repsim.methods.base import TrainingData, register
 from repsim.methods.self_distillation import (Memory, SelfDistillation, SelfDistillationSettings, projection_head,
-                                             vit_backbone)
+                                             token_backbone)
 from repsim.methods.train import Batch
-from repsim.models.vit import MaskableViT
 
 DIAGNOSTIC_MEMORY = 4096
 
@@ -76,7 +75,7 @@ class Dino(SelfDistillation):
 
     entropy_metric = "prototype_entropy"
 
-    def __init__(self, encoder: MaskableViT, head: nn.Module, prototypes: Prototypes, loss: DINOLoss,
+    def __init__(self, encoder: nn.Module, head: nn.Module, prototypes: Prototypes, loss: DINOLoss,
                  momentum: float = 0.996, memory_size: int = DIAGNOSTIC_MEMORY, *,
                  patch_loss: IBOTPatchLoss | None = None, patch_weight: float = 1.0,
                  masking: BlockMasking | None = None, final_temperatures: tuple[float, ...] = (),
@@ -134,7 +133,7 @@ def build(config: Config, data: TrainingData, **patch_options: object) -> Dino:
     final_temperatures) make it iBOT."""
     method = config.method
     patch_options.setdefault("final_temperatures", (method.final_teacher_temperature,))
-    encoder = vit_backbone(config, data)
+    encoder = token_backbone(config, data, patches=patch_options.get("patch_loss") is not None)
     return Dino(encoder, projection_head(encoder.feature_dim, config.model),
                 Prototypes(config.model.projection_dim, method.num_prototypes),
                 DINOLoss(method.num_prototypes, method.student_temperature, method.teacher_temperature,

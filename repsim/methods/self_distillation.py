@@ -1,6 +1,7 @@
 """What the self-distillation methods share (SOP, and the DINO- and iBOT-style baselines): a student
 ViT with a projection head and its EMA teacher on multi-crop views, block masking of the student's
-global views, and a FIFO :class:`Memory` of teacher embeddings.
+global views, and a FIFO :class:`Memory` of teacher embeddings. Without a patch loss the backbone may
+be a ResNet too: its pooled features stand for the [CLS] token, and it has no patch tokens.
 
 Each epoch, :meth:`SelfDistillation.epoch_metrics` reports the effective rank and per-dimension std
 of the memory of teacher embeddings and, averaged over the epoch's steps, the normalised entropy of
@@ -135,14 +136,14 @@ class SelfDistillation(Method):
 
     entropy_metric = "assignment_entropy"
 
-    def __init__(self, encoder: MaskableViT, head: nn.Module, momentum: float, masking: BlockMasking | None,
+    def __init__(self, encoder: nn.Module, head: nn.Module, momentum: float, masking: BlockMasking | None,
                  horizon: float | None = None):
         super().__init__()
         self.encoder, self.head, self.base_momentum, self.masking = encoder, head, momentum, masking
         self.horizon = horizon
         self.teacher_encoder = copy.deepcopy(encoder).requires_grad_(False)
         self.teacher_head = copy.deepcopy(head).requires_grad_(False)
-        if masking is None:
+        if masking is None and isinstance(encoder, MaskableViT):
             encoder.mask_token.requires_grad_(False)
         self.register_buffer("entropy_sums", torch.zeros(2, dtype=torch.float64))  # of the mean, per sample
         self.register_buffer("entropy_steps", torch.zeros((), dtype=torch.long))
@@ -166,15 +167,15 @@ class SelfDistillation(Method):
         return self.masking(len(images), self.encoder.patch_grid(*images.shape[-2:])).to(images.device)
 
     @torch.no_grad()
-    def teacher_tokens(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def teacher_tokens(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The teacher's ([CLS] (N, D), patches (N, P, D)) backbone tokens of images (N, C, H, W)."""
-        return self.teacher_encoder.forward_tokens(images)
+        return tokens(self.teacher_encoder, images)
 
     def student_tokens(self, batch: Batch, globals_: torch.Tensor,
-                       mask: torch.Tensor | None) -> tuple[list[torch.Tensor], torch.Tensor]:
+                       mask: torch.Tensor | None) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """The student's [CLS] tokens, one (B, D) per view (global views masked by ``mask``), and the
         patch tokens (2B, P, D) of the global views; views of one size go through in one pass."""
-        cls, patches = self.encoder.forward_tokens(globals_, mask)
+        cls, patches = tokens(self.encoder, globals_, mask)
         local = batch["views"][2:]
         if local:
             cls = torch.cat([cls, self.encoder(torch.cat(local))])
@@ -216,11 +217,22 @@ class SelfDistillation(Method):
         return metrics
 
 
-def vit_backbone(config: Config, data: TrainingData) -> MaskableViT:
-    """The configured ViT for the data's channels and view size; SpecError for a ResNet."""
+def tokens(encoder: nn.Module, images: torch.Tensor,
+           mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An encoder's [CLS] (N, D) and patch tokens (N, P, D) of images (N, C, H, W), masked by ``mask``;
+    a backbone without tokens (a ResNet) gives its pooled features (N, D) and None."""
+    if isinstance(encoder, MaskableViT):
+        return encoder.forward_tokens(images, mask)
+    return encoder(images), None
+
+
+def token_backbone(config: Config, data: TrainingData, patches: bool) -> nn.Module:
+    """The configured backbone for the data's channels and view size: a ViT, or with no ``patches``
+    needed a ResNet too; SpecError for a ResNet where a patch loss needs a ViT's patch tokens."""
     model = config.model
-    if model.backbone not in VITS:
-        raise SpecError(f"method {config.method.name!r} needs a ViT, but model.backbone is {model.backbone!r}",
-                        f"set model.backbone to one of {', '.join(VITS)}")
-    return backbone(model.backbone, data.channels, data.image_size, patch_size=model.patch_size, depth=model.depth,
-                    init=model.init_encoder)
+    if patches and model.backbone not in VITS:
+        raise SpecError(f"method {config.method.name!r} with a patch loss needs a ViT, but model.backbone is "
+                        f"{model.backbone!r}", f"set model.backbone to one of {', '.join(VITS)}, or turn the "
+                        "patch loss off (SOP: method.mim_weight=0; DINO has none)")
+    return backbone(model.backbone, data.channels, data.image_size, model.small_images, model.patch_size,
+                    model.depth, model.init_encoder)

@@ -10,6 +10,8 @@ teacher's outputs then enter the memories (gathered from every rank under DDP, s
 the same memories). Anchors are drawn anew every step with torch's global RNG, as are the masks,
 and the memories are buffers, so checkpoints resume exactly.
 
+With ``mim_weight`` 0 the backbone may be a ResNet, its pooled features in the [CLS] token's place.
+
 The student and teacher machinery (:class:`~repsim.methods.self_distillation.SelfDistillation`,
 with its collapse diagnostics each epoch) is shared with the DINO- and iBOT-style baselines.
 
@@ -35,9 +37,8 @@ from repsim.losses.sop import MaskedSOPLoss, SOPLoss, SOPs, Supports, assemble_s
 from repsim.methods.config import Config
 from repsim.methods.base import TrainingData, register
 from repsim.methods.self_distillation import (MaskedPatchesSettings, Memory, SelfDistillation, SelfDistillationSettings,
-                                             projection_head, vit_backbone)
+                                             projection_head, token_backbone)
 from repsim.methods.train import Batch
-from repsim.models.vit import MaskableViT
 
 
 class SOPConfig(SelfDistillationSettings, MaskedPatchesSettings):
@@ -191,7 +192,7 @@ class SOP(SelfDistillation):
 
     entropy_metric = "sop_entropy"
 
-    def __init__(self, encoder: MaskableViT, head: nn.Module, cls_bank: SOPBank, patch_bank: SOPBank, *,
+    def __init__(self, encoder: nn.Module, head: nn.Module, cls_bank: SOPBank, patch_bank: SOPBank, *,
                  cls_loss: SOPLoss, mim_loss: MaskedSOPLoss, cls_weight: float = 1.0, mim_weight: float = 1.0,
                  momentum: float = 0.996, masking: BlockMasking | None = None, patches_per_view: int = 1,
                  koleo_weight: float = 0.0, horizon: float | None = None, anchor_draws: int = 1,
@@ -223,7 +224,8 @@ class SOP(SelfDistillation):
         mim_loss = self._mim_loss(student_patches, teacher_patches, mask, zero)
         enqueued = slice(len(teacher_cls) // 2, None) if self.enqueue_second_only else slice(None)
         self.cls_bank.memory.enqueue(teacher_cls[enqueued])
-        self.patch_bank.memory.enqueue(self._sample_patches(teacher_patches[enqueued]))
+        if teacher_patches is not None:
+            self.patch_bank.memory.enqueue(self._sample_patches(teacher_patches[enqueued]))
         koleo = torch.stack([self.koleo(view) for view in student[:2]]).mean() if self.koleo_weight else zero
         count = torch.tensor(float(cls_sops.count if cls_sops is not None else 0), device=zero.device)
         loss = self.cls_weight * cls_loss + self.mim_weight * mim_loss + self.koleo_weight * koleo
@@ -257,7 +259,7 @@ def project_masked(head: nn.Module, tokens: torch.Tensor, mask: torch.Tensor) ->
 @register("sop", settings=SOPConfig)
 def build(config: Config, data: TrainingData) -> SOP:
     method, dim = config.method, config.model.projection_dim
-    encoder = vit_backbone(config, data)
+    encoder = token_backbone(config, data, patches=method.mim_weight > 0)
     drawing = {name: getattr(method, name) for name in SOP_DRAWING} | {"random_start": method.memory_init == "random"}
     cls_anchors = round(method.anchor_share * method.cls_memory) if method.anchor_share else method.num_anchors
     patch_supports = method.support_size if method.patch_support_size is None else method.patch_support_size
