@@ -119,6 +119,27 @@ def test_large_outputs_are_tagged_by_path_small_ones_logged(tmp_path, monkeypatc
     assert logged.data.tags["repsim.file.checkpoint.pt"] == str(large.resolve())
 
 
+def test_the_printed_runs_link_opens_a_saved_view_wide_enough_for_stage_names(tmp_path, monkeypatch):
+    import repsim.tasks  # noqa: F401 (embedded defaults)
+    from repsim.tasks import tracking
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    tracker = tracking.Tracker()
+    experiment = tracker.client.get_experiment(tracker.experiment_id)
+    tracker.client.delete_experiment_tag(tracker.experiment_id, f"mlflow.sharedViewState.{tracking.RUNS_VIEW}")
+    assert tracking.Tracker().experiment_id == experiment.experiment_id  # an experiment made before the view
+
+    link = tracking.runs_page("http://127.0.0.1:5000", experiment.experiment_id)
+    key = link.partition("viewStateShareKey=")[2]
+    tags = tracker.client.get_experiment(experiment.experiment_id).tags
+    envelope = json.loads(tags[f"mlflow.sharedViewState.{key}"])
+    state = json.loads(envelope["state"])
+    assert envelope["createdAt"] == experiment.creation_time and isinstance(envelope["name"], str)
+    assert state["columnOrder"] == ["attributes.`Run Name`"]  # MLflow applies the widths of ordered columns only
+    width = state["columnWidths"]["attributes.`Run Name`"]
+    assert width >= 7 * len("features xclr-wordnet seed=1 train") + 80  # ~7 px a character, and the row's icons
+
+
 def test_prefect_cache_key_names_the_output_directory(make_image_folder, write_spec, tmp_path, monkeypatch):
     """One Prefect store shared by two REPSIM_HOMEs never serves one home's output to the other."""
     from repsim.data import load_spec, shard

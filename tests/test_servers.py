@@ -206,8 +206,8 @@ def test_triggered_runs_are_tracked_and_then_cached(served, tmp_path):
 
 def screenshots(servers: dict[str, str], flow_run: FlowRun, parent: dict, train: dict, default_folder: Path) -> None:
     """Headless Chromium opens, in the Prefect UI, the flow run and its results artifact and, in the MLflow
-    UI, the runs page repsim links to (in its model-training view), the parent run, its results table
-    and the encoder the train run registered; waits until each
+    UI, the runs page repsim links to (in its model-training view, its Run Name column widened), the
+    parent run, its results table and the encoder the train run registered; waits until each
     page shows what it is about (the run's name or id, the results artifact, a metric column, the
     model's first version), and saves a screenshot of each."""
     chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
@@ -244,11 +244,30 @@ def screenshots(servers: dict[str, str], flow_run: FlowRun, parent: dict, train:
             deadline = time.time() + 120
             while expected not in browser.find_element("tag name", "body").text and time.time() < deadline:
                 time.sleep(1)
+            cut_off = stage_names_cut_off(browser, deadline) if name == "mlflow-runs.png" else []
             browser.save_screenshot(str(folder / name))
             assert expected in browser.find_element("tag name", "body").text, f"{url} does not show {expected!r}"
+            assert not cut_off, f"{url} cuts off the run names {cut_off}"
     finally:
         browser.quit()
     print(f"screenshots of the Prefect and MLflow pages of the run: {folder}")
+
+
+def stage_names_cut_off(browser, deadline: float) -> list[str]:
+    """On the MLflow runs page open in ``browser``: once the saved view has widened the Run Name column,
+    open the newest parent run's stage runs; the run names that do not fit their cells."""
+    from repsim.tasks.tracking import RUN_NAME_COLUMN, RUN_NAME_WIDTH
+
+    cells = f"[col-id='{RUN_NAME_COLUMN}']"
+    widths = f"return [...document.querySelectorAll(\"{cells}\")].map(cell => cell.offsetWidth)"
+    while set(browser.execute_script(widths)) != {RUN_NAME_WIDTH} and time.time() < deadline:
+        time.sleep(1)  # the view's width applies once the table is drawn
+    browser.execute_script(f"document.querySelector(\"{cells} button\").click()")  # the first parent's expander
+    names = f"return [...document.querySelectorAll(\"{cells} a\")]"
+    while len(browser.execute_script(names)) < 3 and time.time() < deadline:
+        time.sleep(1)
+    return browser.execute_script(f"{names}.filter(name => name.getBoundingClientRect().right > "
+                                  "name.closest('[col-id]').getBoundingClientRect().right).map(name => name.textContent)")
 
 
 def test_sweep_members_run_on_the_deployments_workers_and_the_table_collects_them(served, tmp_path):
