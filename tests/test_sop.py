@@ -346,6 +346,16 @@ def tiny_sop(fixed_anchors: bool = False, mim_weight: float = 1.0, koleo_weight:
                patches_per_view=2, koleo_weight=koleo_weight)
 
 
+def test_a_batchnorm_head_ignores_a_shift_the_whole_batch_shares():
+    torch.manual_seed(0)
+    normed, plain = projection_head(32, HEAD, batchnorm=True), projection_head(32, HEAD)
+    features, shift = torch.randn(16, 32), 5 * torch.rand(32)  # pooled ResNet features share such a mean
+    torch.testing.assert_close(normed(features + shift), normed(features), atol=1e-5, rtol=0)
+    assert not torch.allclose(plain(features + shift), plain(features), atol=1e-2)
+    assert [type(layer) for layer in normed] == [torch.nn.Linear, torch.nn.BatchNorm1d, torch.nn.GELU] * (
+        HEAD.projection_layers - 1) + [torch.nn.Linear, type(normed[-1])]
+
+
 def views(batch: int = 8, seed: int = 0) -> dict:
     generator = torch.Generator().manual_seed(seed)
     return {"views": [torch.randn(batch, 1, 16, 16, generator=generator) for _ in range(2)] +

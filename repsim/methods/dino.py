@@ -134,7 +134,7 @@ def build(config: Config, data: TrainingData, **patch_options: object) -> Dino:
     method = config.method
     patch_options.setdefault("final_temperatures", (method.final_teacher_temperature,))
     encoder = token_backbone(config, data, patches=patch_options.get("patch_loss") is not None)
-    return Dino(encoder, projection_head(encoder.feature_dim, config.model),
+    return Dino(encoder, projection_head(encoder.feature_dim, config.model, method.head_batchnorm),
                 Prototypes(config.model.projection_dim, method.num_prototypes),
                 DINOLoss(method.num_prototypes, method.student_temperature, method.teacher_temperature,
                          method.center_momentum), momentum=method.teacher_momentum, frozen=method.freeze_prototypes,

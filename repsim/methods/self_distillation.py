@@ -37,12 +37,15 @@ from repsim.models import VITS, MaskableViT, backbone
 class SelfDistillationSettings(Strict):
     """A student and its EMA teacher (momentum cosine from ``teacher_momentum`` to 1) on multi-crop
     views. With ``teacher_horizon`` h, the base momentum is instead 1 − 1/(h·steps): the EMA averages
-    over that share of the run, as 0.996 averages over 0.2 % of the papers' 125k steps."""
+    over that share of the run, as 0.996 averages over 0.2 % of the papers' 125k steps.
+    ``head_batchnorm``: BatchNorm in the projection head (:func:`projection_head`; an option, off in
+    the papers' ViT runs)."""
 
     student_temperature: float = Field(0.1, gt=0)
     teacher_temperature: float = Field(0.04, gt=0)
     teacher_momentum: float = Field(0.996, ge=0, le=1)
     teacher_horizon: float | None = Field(None, gt=0, le=1)
+    head_batchnorm: bool = False
 
 
 class MaskedPatchesSettings(Strict):
@@ -113,14 +116,15 @@ class Normalize(nn.Module):
         return F.normalize(x, dim=-1)
 
 
-def projection_head(in_dim: int, model: ModelConfig) -> nn.Sequential:
+def projection_head(in_dim: int, model: ModelConfig, batchnorm: bool = False) -> nn.Sequential:
     """DINO's head: ``projection_layers`` linear maps with GELU between them, to ``projection_dim``,
-    then L2 normalisation. No BatchNorm, so each token is projected on its own."""
+    then L2 normalisation. No BatchNorm by default, so each token is projected on its own; with
+    ``batchnorm`` (DINO's ``use_bn_in_head``) a BatchNorm after each hidden linear map."""
     widths = [in_dim] + [model.projection_hidden_dim] * (model.projection_layers - 1) + [model.projection_dim]
     layers: list[nn.Module] = []
-    for width_in, width_out in zip(widths, widths[1:]):
-        layers += [nn.Linear(width_in, width_out), nn.GELU()]
-    return nn.Sequential(*layers[:-1], Normalize())
+    for width_in, width_out in zip(widths[:-2], widths[1:-1]):
+        layers += [nn.Linear(width_in, width_out), *([nn.BatchNorm1d(width_out)] if batchnorm else []), nn.GELU()]
+    return nn.Sequential(*layers, nn.Linear(widths[-2], widths[-1]), Normalize())
 
 
 class SelfDistillation(Method):

@@ -265,7 +265,7 @@ def build(config: Config, data: TrainingData) -> SOP:
     patch_supports = method.support_size if method.patch_support_size is None else method.patch_support_size
     cls_bank = SOPBank(method.cls_memory, dim, max(cls_anchors, 2), method.support_size, **drawing)
     patch_bank = SOPBank(method.patch_memory, dim, method.num_anchors, patch_supports, **drawing)
-    return SOP(encoder, projection_head(encoder.feature_dim, config.model), cls_bank, patch_bank,
+    return SOP(encoder, projection_head(encoder.feature_dim, config.model, method.head_batchnorm), cls_bank, patch_bank,
                cls_loss=SOPLoss(method.student_temperature, method.teacher_temperature),
                mim_loss=MaskedSOPLoss(method.student_temperature, method.patch_teacher_temperature),
                cls_weight=method.cls_weight, mim_weight=method.mim_weight, momentum=method.teacher_momentum,
