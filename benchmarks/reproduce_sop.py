@@ -34,7 +34,7 @@ NAMES = {"pixels": "raw pixels (floor)", "sop": "SOP", "sop-no-mim": "SOP withou
          "simclr": "SimCLR on the same ViT (no labels: the contrastive reference)"}
 METRICS = {"kNN top-1 (k = 20)": "knn_top1_k20", "linear top-1": "linear_top1"}
 DIAGNOSTICS = {"effective rank": ("effective_rank", 1), "per-dim std": ("embedding_std", 4),
-               "assignment entropy": ("sop_entropy", 3),
+               "mean cosine": ("mean_cosine", 3), "assignment entropy": ("sop_entropy", 3),
                "target entropy": ("target_entropy", 3)}  # title: (metrics.jsonl name, digits)
 ENTROPIES = ("sop_entropy", "prototype_entropy")  # SOP's and the learned prototypes' assignment entropy
 MONITORS = {"student": "knn_top1_k20", "teacher": "teacher_knn_top1_k20"}

@@ -8,6 +8,7 @@ import torch
 
 from repsim.errors import EvalError
 from repsim.eval import alignment, diagnostics, effective_rank, embedding_diagnostics, embedding_std, uniformity
+from repsim.eval.diagnostics import mean_cosine
 from repsim.plots import confusion_matrix_plot, histogram_plot, tsne_plot
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -41,6 +42,16 @@ def test_embedding_std_is_zero_under_collapse_and_about_one_over_sqrt_d_when_spr
     spread = np.random.default_rng(0).normal(size=(20000, 64))
     assert embedding_std(spread, device="cpu") == pytest.approx(1 / 8, rel=0.02)
     assert embedding_std(spread, device="cpu") == pytest.approx(_unit(spread).std(axis=0).mean(), rel=1e-9)
+
+
+def test_mean_cosine_equals_the_mean_over_distinct_pairs_in_chunks(monkeypatch):
+    monkeypatch.setattr(diagnostics, "ROW_CHUNK", 7)
+    rows = np.random.default_rng(0).normal(size=(50, 16)) + 3.0  # a shared offset: a cone
+    cosines = _unit(rows) @ _unit(rows).T
+    expected = (cosines.sum() - np.trace(cosines)) / (50 * 49)
+    assert mean_cosine(rows, device="cpu") == pytest.approx(expected, rel=1e-12) and expected > 0.85
+    assert mean_cosine(np.tile([1.0, 2.0], (5, 1)), device="cpu") == pytest.approx(1.0)
+    assert mean_cosine(np.array([[1.0, 0.0], [-1.0, 0.0]]), device="cpu") == pytest.approx(-1.0)
 
 
 def test_alignment_equals_the_direct_formula():

@@ -428,7 +428,7 @@ def test_epoch_metrics_report_collapse_diagnostics_and_reset_the_entropy():
     for seed in range(3):
         method.training_step(views(seed=seed))
     metrics = method.epoch_metrics()
-    assert set(metrics) == {"effective_rank", "embedding_std", "sop_entropy", "target_entropy"}
+    assert set(metrics) == {"effective_rank", "embedding_std", "mean_cosine", "sop_entropy", "target_entropy"}
     assert 1 <= metrics["effective_rank"] <= 16 and 0 < metrics["sop_entropy"] <= 1
     assert 0 < metrics["target_entropy"] <= metrics["sop_entropy"]  # a mean is flatter than its parts
     assert "sop_entropy" not in method.epoch_metrics()

@@ -47,6 +47,18 @@ def embedding_std(embeddings: ArrayLike, *, device: str | torch.device | None = 
     return (variance / len(embeddings)).sqrt().mean().item()
 
 
+def mean_cosine(embeddings: ArrayLike, *, device: str | torch.device | None = None) -> float:
+    """Mean cosine similarity between distinct rows of embeddings (N ≥ 2, D), from the norm of their sum.
+
+    Near 1 when every row points one way (a narrow cone), near 0 for directions spread around the origin.
+    """
+    embeddings = as_features(embeddings, "embeddings")
+    if len(embeddings) < 2:
+        raise EvalError(f"mean_cosine needs at least 2 embeddings, got {len(embeddings)}", "pass more rows")
+    total = sum(chunk.sum(dim=0) for chunk in _chunks(embeddings, resolve_device(device), normalise=True))
+    return ((total.square().sum() - len(embeddings)) / (len(embeddings) * (len(embeddings) - 1))).item()
+
+
 def alignment(x: ArrayLike, y: ArrayLike, alpha: float = 2) -> float:
     """Wang & Isola's alignment E ‖x̂_i − ŷ_i‖^α over positive pairs (rows of x, y (N, D)), unit-normalised."""
     x, y = as_features(x, "x"), as_features(y, "y")

@@ -24,7 +24,7 @@ from torch import nn
 
 from repsim.data.masking import BlockMasking
 from repsim.errors import SpecError
-from repsim.eval.diagnostics import effective_rank, embedding_std
+from repsim.eval.diagnostics import effective_rank, embedding_std, mean_cosine
 from repsim.losses._pairs import gather_no_grad
 from repsim.losses.sop import mean_assignment_entropy, mean_sample_entropy
 from repsim.layering import Strict
@@ -206,13 +206,14 @@ class SelfDistillation(Method):
         return {"": self.encoder, "teacher_": self.teacher_encoder}
 
     def epoch_metrics(self) -> dict[str, float]:
-        """``effective_rank`` and ``embedding_std`` of the teacher embeddings in memory and the means of
-        the epoch's steps of ``entropy_metric`` and ``target_entropy`` (then reset)."""
+        """``effective_rank``, ``embedding_std`` and ``mean_cosine`` of the teacher embeddings in memory,
+        and the means of the epoch's steps of ``entropy_metric`` and ``target_entropy`` (then reset)."""
         metrics = {}
         entries, _ = self.embeddings.contents()
         if len(entries) >= 2:
             metrics |= {"effective_rank": effective_rank(entries, device=entries.device),
-                        "embedding_std": embedding_std(entries, device=entries.device)}
+                        "embedding_std": embedding_std(entries, device=entries.device),
+                        "mean_cosine": mean_cosine(entries, device=entries.device)}
         if int(self.entropy_steps):
             assignment, target = (self.entropy_sums / self.entropy_steps).tolist()
             metrics |= {self.entropy_metric: assignment, "target_entropy": target}
