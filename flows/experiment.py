@@ -36,7 +36,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from repsim import stopping
 from repsim.align.config import load_align_config
 from repsim.align.stage import align_scores
-from repsim.data.sharding import MANIFEST, manifest_labels
+from repsim.data.manifest import MANIFEST, manifest_labels
 from repsim.data.spec import load_spec
 from repsim.errors import RepsimError, StageError
 from repsim.eval.stages import PIXELS, read_results

@@ -27,7 +27,7 @@ FORCEABLE = ("shard", "captions", "wordnet", "neighbors", "train", "features", "
 def cmd_shard(args: argparse.Namespace) -> None:
     from repsim.data import ShardResult, load_spec
     from repsim.data.remote import is_url, upload
-    from repsim.data.sharding import MANIFEST
+    from repsim.data.manifest import MANIFEST
 
     specs = [load_spec(spec) for spec in args.specs]  # validate every spec before starting any orchestration
     if args.out and len(args.specs) != 1:

@@ -24,8 +24,9 @@ from moto.server import ThreadedMotoServer
 from repsim.cli import main
 from repsim.data import loader as loader_module
 from repsim.data.loader import make_loader
+from repsim.data.manifest import MANIFEST
 from repsim.data.remote import s3_etag, upload
-from repsim.data.sharding import ERRORS, INDEX, MANIFEST, ShardResult, shard, shard_stage
+from repsim.data.sharding import ERRORS, INDEX, ShardResult, shard, shard_stage
 from repsim.data.spec import load_spec
 from repsim.errors import DataError
 from repsim.eval.stages import evaluate

@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 from pydantic import Field
 from torch import nn
 
+from repsim.data.manifest import read_manifest
 from repsim.losses import XCLRLoss
 from repsim.errors import SimilarityError
 from repsim.losses._pairs import gather_no_grad
@@ -162,7 +162,7 @@ def similarity_source(similarity: Similarity, data: TrainingData) -> SimilarityS
     if similarity.type == "matrix":
         return ClassMatrixSource(load_class_matrix(similarity.path, data.spec.class_names), data.spec.class_names)
     if similarity.type == "graph":
-        keys = pq.read_table(data.shards.manifest, columns=["key"]).column("key").to_pylist()
+        keys = read_manifest(data.shards.manifest, ["key"]).column("key").to_pylist()
         return GraphSource.from_parquet(similarity.path, keys)
     if similarity.type == "identity":
         return IdentitySource()
