@@ -55,7 +55,7 @@ from repsim.eval.linear import linear_probe
 from repsim.eval.retrieval import map_at_r, paired_retrieval
 from repsim.eval.zeroshot import zero_shot_accuracy, zero_shot_classifier
 from repsim.models.backbones import ENCODER_FILE, UNREADABLE_FIX, encoder_file, load_encoder
-from repsim.similarity.stages import CLASSES_FILE, EMBEDDINGS_FILE
+from repsim.similarity.precompute import CLASSES_FILE, EMBEDDINGS_FILE
 from repsim.stage import (Stage, StageKind, StageLike, StageOutput, completed_output, fingerprint_files, output_dir, read_record,
                           run_stage)
 
