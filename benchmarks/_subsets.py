@@ -13,7 +13,7 @@ import yaml
 
 from repsim.data.sharding import ShardResult
 from repsim.data.spec import load_spec
-from repsim.eval.stages import evaluate, read_results
+from repsim.eval.evaluation import evaluate, read_results
 from repsim.stage import repsim_home
 
 REPO = Path(__file__).resolve().parents[1]

@@ -35,7 +35,7 @@ from repsim.methods.contrastive import TwoViewMethod, backbone_and_projection
 from repsim.methods.simclr import SimCLR
 from repsim.methods.train import Batch, autocast, make_optimizer
 from repsim.methods.xclr import XCLR
-from repsim.similarity.sources import LabelSource
+from repsim.similarity.targets import LabelSource
 
 REPO = Path(__file__).resolve().parents[1]
 H200_BF16_DENSE_TFLOPS = 989.0

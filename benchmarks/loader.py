@@ -54,8 +54,9 @@ from repsim.data.loader import (
     seeded_rng,
     targets,
 )
+from repsim.data.manifest import MANIFEST
 from repsim.data.remote import upload
-from repsim.data.sharding import MANIFEST, ShardResult, shard
+from repsim.data.sharding import ShardResult, shard
 
 RESULTS = Path(__file__).parent / "results" / "loader.md"
 S3_RESULTS = Path(__file__).parent / "results" / "loader_s3.md"

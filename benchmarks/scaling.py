@@ -216,12 +216,12 @@ def detail(stage: str, records: list[dict]) -> str:
 def stage_calls(stage: str, folder: Path, train_steps: int):
     """(build the stage's inputs, run the stage on them -> its outputs) for ``stage``."""
     from repsim.align.config import load_align_config
-    from repsim.align.stage import align
+    from repsim.align.alignment import align
     from repsim.data import load_spec, shard
-    from repsim.eval.stages import evaluate_features, extract_features
+    from repsim.eval.evaluation import evaluate_features, extract_features
     from repsim.methods.config import load_config
-    from repsim.methods.stage import train
-    from repsim.similarity.stages import embed_captions_stage, neighbors_stage
+    from repsim.methods.training import train
+    from repsim.similarity.precompute import embed_captions_stage, neighbors_stage
 
     spec = folder / "spec.yaml"
     config = load_config("simclr", [f"data.spec={spec}", "model.backbone=vit_tiny", "model.depth=2",

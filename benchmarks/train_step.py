@@ -44,7 +44,7 @@ from repsim.experiment import load_experiment
 from repsim.losses import NTXentLoss, XCLRLoss
 from repsim.methods.config import Config, load_config
 from repsim.methods.base import Method, method_spec
-from repsim.methods.stage import JsonlMetrics, prepare, train_loader
+from repsim.methods.training import JsonlMetrics, prepare, train_loader
 from repsim.methods.train import Batch, Trainer, autocast, autocast_dtype, to_device
 
 REPO = Path(__file__).resolve().parents[1]

@@ -35,21 +35,21 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from repsim import stopping
 from repsim.align.config import load_align_config
-from repsim.align.stage import align_scores
-from repsim.data.sharding import MANIFEST, manifest_labels
+from repsim.align.alignment import align_scores
+from repsim.data.manifest import MANIFEST, manifest_labels
 from repsim.data.spec import load_spec
 from repsim.errors import RepsimError, StageError
-from repsim.eval.stages import PIXELS, read_results
+from repsim.eval.evaluation import PIXELS, read_results
 from repsim.experiment import (AS_CONFIGURED, AlignSection, EvaluateSection, Experiment, Member, check_experiment,
                                with_overrides)
 from repsim.methods.config import load_config
 from repsim.methods.xclr import target_histogram
 from repsim.results import Row, Score, aggregate, as_records, headline_metrics, markdown
-from repsim.similarity.sources import ClassMatrixSource, EmbeddingSource, LabelSource, SimilaritySource
-from repsim.similarity.stages import EMBEDDINGS_FILE, SIMILARITY_FILE
+from repsim.similarity.targets import ClassMatrixSource, EmbeddingSource, LabelSource, SimilaritySource
+from repsim.similarity.precompute import EMBEDDINGS_FILE, SIMILARITY_FILE
 from repsim.stage import StageKind, StageOutput, read_record, rebuilding, verifying
-from repsim.tasks.stage import (KINDS, TASKS, current_record, from_prefect_cache, log_stage, planned, produced,
-                                reused)
+from repsim.tasks.stage_tasks import (KINDS, TASKS, current_record, from_prefect_cache, log_stage, planned, produced,
+                                      reused)
 from repsim.tasks.tracking import MODEL_URI, StageRun, Tracker, model_directory, model_name
 
 RESULTS_TABLE = "results.json"  # the result table's file among the parent run's artifacts
@@ -84,7 +84,7 @@ class Stages:
     def submit(self, kind: str, params: dict[str, Any], options: dict[str, Any] | None = None, *,
                out_dir: str | None = None, label: str | None = None, encoder: str | None = None,
                register: str | None = None) -> PrefectFuture:
-        """The stage task of ``kind`` for ``params`` (:func:`repsim.tasks.stage.stage_task`), or the
+        """The stage task of ``kind`` for ``params`` (:func:`repsim.tasks.stage_tasks.stage_task`), or the
         future of the same request made before. ``label``: what the stage is for, in the summary and
         its run's name; ``encoder``: the encoder it trains, reads or scores, tagged on its run."""
         options = options or {}

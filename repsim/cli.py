@@ -27,7 +27,7 @@ FORCEABLE = ("shard", "captions", "wordnet", "neighbors", "train", "features", "
 def cmd_shard(args: argparse.Namespace) -> None:
     from repsim.data import ShardResult, load_spec
     from repsim.data.remote import is_url, upload
-    from repsim.data.sharding import MANIFEST
+    from repsim.data.manifest import MANIFEST
 
     specs = [load_spec(spec) for spec in args.specs]  # validate every spec before starting any orchestration
     if args.out and len(args.specs) != 1:
@@ -64,7 +64,7 @@ PRECOMPUTE_STAGES = {  # subcommand: (captions, wordnet, neighbors)
 
 def cmd_precompute(args: argparse.Namespace) -> None:
     from repsim.data import load_spec
-    from repsim.similarity.stages import spec_classes
+    from repsim.similarity.precompute import spec_classes
 
     captions, wordnet, neighbors = PRECOMPUTE_STAGES[args.stages]
     spec = load_spec(args.spec)  # validate before starting any orchestration
@@ -79,8 +79,8 @@ def cmd_precompute(args: argparse.Namespace) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> None:
     from repsim.data import load_spec
-    from repsim.eval.stages import (DEFAULT_SUITES, KNN_K, PIXELS, RESULTS_FILE, check_evaluation, encoder_source,
-                                    read_results, result_rows)
+    from repsim.eval.evaluation import (DEFAULT_SUITES, KNN_K, PIXELS, RESULTS_FILE, check_evaluation, encoder_source,
+                                        read_results, result_rows)
 
     spec = load_spec(args.spec)  # validate before starting any orchestration
     suites, knn_k = check_evaluation(args.suites or DEFAULT_SUITES, args.k or KNN_K, labelled=spec.classes is not None)
@@ -125,7 +125,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     # Under torchrun, rank 0 orchestrates and the others train alongside; with --direct (how the train
     # task launches torchrun) every rank trains directly.
     if args.direct or int(os.environ.get("RANK", "0")) > 0:
-        from repsim.methods.stage import train
+        from repsim.methods.training import train
 
         train(config, progress=args.direct and int(os.environ.get("RANK", "0")) == 0)
         return

@@ -17,7 +17,7 @@ from repsim.losses.ibot import IBOTPatchLoss
 from repsim.methods.config import ModelConfig, load_config
 from repsim.methods.dino import Dino, Prototypes
 from repsim.methods.self_distillation import projection_head
-from repsim.methods.stage import train
+from repsim.methods.training import train
 from repsim.errors import SpecError
 from repsim.models import load_encoder, vit
 

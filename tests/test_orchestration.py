@@ -144,7 +144,7 @@ def test_prefect_cache_key_names_the_output_directory(make_image_folder, write_s
     """One Prefect store shared by two REPSIM_HOMEs never serves one home's output to the other."""
     from repsim.data import load_spec, shard
     from repsim.data.sharding import SHARD
-    from repsim.tasks.stage import stage_cache_key
+    from repsim.tasks.stage_tasks import stage_cache_key
 
     spec = write_spec({"name": "pets", "source": {"type": "image_folder", "root": str(make_image_folder({"cat": 2}))},
                        "classes": {"cat": "cat.n.01"}, "split": {"type": "random", "fractions": {"train": 1.0}}})

@@ -17,11 +17,11 @@ from e2e import flow_runs, logged_files, repsim
 from repsim.cli import build_parser, main
 from repsim.data import DataSpec, shard
 from repsim.errors import SimilarityError
-from repsim.similarity import EmbeddingSource, class_similarity, embed_captions, load_neighbors, stages
+from repsim.similarity import EmbeddingSource, class_similarity, embed_captions, load_neighbors, precompute
 from repsim.similarity.neighbors import METRICS, STAGE_INDEXES, auto_index
-from repsim.similarity.stages import (CLASSES_FILE, EMBEDDINGS_FILE, HEAT_MAP_FILE, KEYS_FILE, SIMILARITY_FILE,
-                                      embed_captions_stage, embed_captions_stage_of, neighbors_stage,
-                                      neighbors_stage_of, wordnet_similarity_stage, wordnet_similarity_stage_of)
+from repsim.similarity.precompute import (CLASSES_FILE, EMBEDDINGS_FILE, HEAT_MAP_FILE, KEYS_FILE, SIMILARITY_FILE,
+                                          embed_captions_stage, embed_captions_stage_of, neighbors_stage,
+                                          neighbors_stage_of, wordnet_similarity_stage, wordnet_similarity_stage_of)
 from repsim.similarity.wordnet import MEASURES, prepare_wordnet
 
 PETS = {"cat": "cat.n.01", "dog": "dog.n.01"}
@@ -54,7 +54,7 @@ def fake_rows(texts) -> np.ndarray:
 @pytest.fixture
 def fake_encoder(monkeypatch) -> FakeEncoder:
     encoder = FakeEncoder()
-    monkeypatch.setattr(stages, "load_text_model", lambda model=None, device=None: encoder)
+    monkeypatch.setattr(precompute, "load_text_model", lambda model=None, device=None: encoder)
     return encoder
 
 
@@ -131,7 +131,7 @@ def test_caption_stage_is_cached_whatever_the_batch_size(pets_shards, fake_encod
     def must_not_run(*args, **kwargs):
         raise AssertionError("a cached stage embedded captions again")
 
-    monkeypatch.setattr(stages, "embed_captions", must_not_run)
+    monkeypatch.setattr(precompute, "embed_captions", must_not_run)
     second = embed_captions_stage(pets_shards.path, batch_size=64, progress=False)
     assert not first.cached and second.cached
     assert (second.key, second.path) == (first.key, first.path)
@@ -235,8 +235,8 @@ def test_approximate_neighbors_record_their_recall(tmp_path, kind):
 
 def test_auto_index_is_exact_up_to_the_limit_then_hnsw_while_it_fits():
     gigabyte = 2**30
-    assert auto_index(stages.EXACT_LIMIT, 384) == "flat"
-    assert auto_index(stages.EXACT_LIMIT + 1, 384, memory=24 * gigabyte) == "hnsw"
+    assert auto_index(precompute.EXACT_LIMIT, 384) == "flat"
+    assert auto_index(precompute.EXACT_LIMIT + 1, 384, memory=24 * gigabyte) == "hnsw"
     assert auto_index(7_000_000, 384, memory=24 * gigabyte) == "hnsw"  # 1,792 B a point: 12.5 GB of 24 GiB
     assert auto_index(8_000_000, 384, memory=24 * gigabyte) == "ivfpq"
 
@@ -245,7 +245,7 @@ def test_auto_resolves_to_the_index_it_runs_and_keys_like_it(tmp_path, monkeypat
     np.save(tmp_path / "points.npy", unit_rows(300))
     assert neighbors_stage_of(tmp_path / "points.npy", k=5).key == \
         neighbors_stage_of(tmp_path / "points.npy", k=5, index="flat").key
-    monkeypatch.setattr(stages, "EXACT_LIMIT", 100)
+    monkeypatch.setattr(precompute, "EXACT_LIMIT", 100)
     monkeypatch.setattr("repsim.similarity.neighbors.EXACT_LIMIT", 100)
     auto = neighbors_stage_of(tmp_path / "points.npy", k=5)
     assert auto.config["index"] == "hnsw"

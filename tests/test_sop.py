@@ -21,7 +21,7 @@ from repsim.losses.sop import (MaskedSOPLoss, SOPLoss, SOPs, build_sops, cross_e
 from repsim.methods.config import Config, ModelConfig, OptimConfig, load_config
 from repsim.methods.self_distillation import Memory, projection_head, teacher_momentum
 from repsim.methods.sop import SOP, SOPBank
-from repsim.methods.stage import train
+from repsim.methods.training import train
 from repsim.methods.train import Trainer, seed_everything
 from repsim.models import load_encoder, resnet, vit
 

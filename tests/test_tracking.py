@@ -17,7 +17,7 @@ from mlflow.tracking import MlflowClient
 
 from repsim.errors import DataError
 from repsim.stage import read_record
-from repsim.tasks.stage import transient
+from repsim.tasks.stage_tasks import transient
 from repsim.tasks.tracking import EXPERIMENT_KIND, StageRun
 
 

@@ -6,5 +6,5 @@
 - :mod:`~repsim.align.train`: neighbor sampling, batches and the alignment method.
 - :mod:`~repsim.align.evaluate`: zero-shot and retrieval scores of a shared space.
 - :mod:`~repsim.align.asif`: ASIF, the training-free baseline of relative representations.
-- :mod:`~repsim.align.stage`: the align stage, ``align(config)`` and ``align_stage_of(config)``.
+- :mod:`~repsim.align.alignment`: the align stage, ``align(config)`` and ``align_stage_of(config)``.
 """

@@ -7,7 +7,7 @@ Output (``$REPSIM_HOME/artifacts/embedding_tables/<key>/`` unless given), beside
 tables are written and read memory-mapped, a chunk of rows at a time.
 
 Image side (``image.type``): ``encoder`` or ``pixels`` reuse the cached features stage
-(:func:`repsim.eval.stages.extract_features`); ``table`` reads a user's Parquet (``key``,
+(:func:`repsim.eval.evaluation.extract_features`); ``table`` reads a user's Parquet (``key``,
 ``embedding``) or ``.npy`` (row i = manifest index i). Text side: captions embedded by a frozen
 sentence-transformer; for labelled data each sample's caption is drawn, seeded by manifest index,
 from its class's captions (:func:`class_captions`), so the text space is not C identical points.
@@ -31,10 +31,10 @@ from repsim.align.config import AlignText, ImageSource, TableImages
 from repsim.data.sharding import ShardResult
 from repsim.data.spec import DataSpec
 from repsim.errors import DataError, EvalError, SpecError
-from repsim.eval.stages import CLASSES_FILE, extract_features, features_stage_of, load_features, split_rows
-from repsim.methods.stage import file_digest
+from repsim.eval.evaluation import CLASSES_FILE, extract_features, features_stage_of, load_features, split_rows
+from repsim.methods.training import file_digest
 from repsim.similarity.captions import embed_captions, load_text_model
-from repsim.similarity.stages import text_model_identity
+from repsim.similarity.precompute import text_model_identity
 from repsim.similarity.wordnet import lookup
 from repsim.stage import Stage, StageOutput, completed_output, run_stage
 

@@ -5,8 +5,9 @@ Output directory (``$REPSIM_HOME/artifacts/shard/<key>/`` unless given):
 - ``{split}-{n:05d}.tar``: at most ``shard_size`` samples each; per sample ``{key}.png`` (or ``.jpg``),
   ``{key}.cls`` (label as ASCII int, absent when unlabelled), ``{key}.txt`` (the source's caption,
   else a template caption) and ``{key}.json`` (index, key, split, label, class_name, source_id).
-- ``manifest.parquet``: one row per sample, row number = ``index``; columns index, key, shard,
-  split, label, class_name, caption, sha256 (of the image bytes in the tar), width, height, source_id.
+- ``manifest.parquet`` (:mod:`repsim.data.manifest`): one row per sample, row number = ``index``;
+  columns index, key, shard, split, label, class_name, caption, sha256 (of the image bytes in the
+  tar), width, height, source_id.
 - ``shards.json``: the splits, their sample counts and tar names; ``errors.json``: what ``on_error:
   skip`` left out (unreadable images, repeated manifest rows, damaged source tars) as
   ``{"source_id", "reason"}``; ``stage.json``: the stage record, whose file list gives each tar's
@@ -30,10 +31,8 @@ import hashlib
 import io
 import json
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import webdataset as wds
@@ -41,6 +40,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from tqdm.auto import tqdm
 
 from repsim.data import remote
+from repsim.data.manifest import MANIFEST, ManifestWriter, shard_sizes
 from repsim.data.remote import beside, is_url
 from repsim.data.sources import Entry, Reader, assign_splits, open_source, split_order
 from repsim.data.spec import DataSpec, load_spec
@@ -48,7 +48,6 @@ from repsim.errors import DataError, StageError
 from repsim.stage import Stage, StageKind, completed_output, run_stage
 
 SHARD_VERSION = "2"
-MANIFEST = "manifest.parquet"
 INDEX = "shards.json"
 ERRORS = "errors.json"
 PIL_FORMATS = {"png": "PNG", "jpg": "JPEG"}
@@ -114,14 +113,6 @@ def shard(spec: DataSpec | str | Path, out_dir: str | Path | None = None, progre
     return ShardResult.from_dir(output.path, cached=output.cached)
 
 
-def manifest_labels(manifest: str | Path) -> np.ndarray:
-    """(N,) int64 labels of a shard manifest, in manifest order (-1 where a row has none)."""
-    import pyarrow.parquet as pq
-
-    column = pq.read_table(manifest, columns=["label"]).column("label").to_numpy(zero_copy_only=False)
-    return np.nan_to_num(column.astype(np.float64), nan=-1).astype(np.int64)
-
-
 def shard_stage(spec: DataSpec) -> Stage:
     """The shard stage of ``spec`` (its key covers the spec and a fingerprint of the source files)."""
     return _stage(spec, open_source(spec))
@@ -141,7 +132,7 @@ def _build(spec: DataSpec, reader: Reader, out: Path, progress: bool) -> dict[st
         raise DataError(f"the source of {spec.name!r} holds no samples", "check the source path and contents")
     order = _write_order(assign_splits(entries, spec), spec)
     key_width = max(6, len(str(len(entries) - 1)))
-    with _TarShards(out, spec.shard_size) as tars, _ManifestWriter(out / MANIFEST) as manifest, \
+    with _TarShards(out, spec.shard_size) as tars, ManifestWriter(out / MANIFEST) as manifest, \
             tqdm(total=len(entries), desc=f"shard {spec.name}", unit="img", disable=not progress) as bar:
         for split, members in order:
             tars.start_split(split)
@@ -228,7 +219,7 @@ def decode_pixels(image: bytes | np.ndarray) -> np.ndarray:
         return np.asarray(upright.convert("L" if upright.mode in GRAYSCALE_MODES else "RGB"))
 
 
-def _write_sample(tars: _TarShards, manifest: _ManifestWriter, entry: Entry, split: str,
+def _write_sample(tars: _TarShards, manifest: ManifestWriter, entry: Entry, split: str,
                   encoded: tuple[bytes, int, int], spec: DataSpec, key_width: int) -> None:
     image, width, height = encoded
     index = manifest.rows
@@ -282,51 +273,7 @@ class _TarShards:
 # ---------------------------------------------------------------------------------------------
 # Outputs
 
-MANIFEST_ROW_GROUP = 8192  # manifest rows held as Python objects at a time
-MANIFEST_SCHEMA = {
-    "index": "int64", "key": "string", "shard": "string", "split": "string", "label": "int64",
-    "class_name": "string", "caption": "string", "sha256": "string", "width": "int32", "height": "int32",
-    "source_id": "string",
-}
-
-
-class _ManifestWriter:
-    """Writes manifest rows to ``manifest.parquet`` a row group of :data:`MANIFEST_ROW_GROUP` rows at a
-    time, so that memory holds one group however many samples there are; counts rows and splits."""
-
-    def __init__(self, path: Path):
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        self.schema = pa.schema([(name, pa.type_for_alias(kind)) for name, kind in MANIFEST_SCHEMA.items()])
-        self.writer = pq.ParquetWriter(path, self.schema)
-        self.pending: dict[str, list[Any]] = {name: [] for name in MANIFEST_SCHEMA}
-        self.rows, self.splits = 0, Counter()
-
-    def __enter__(self) -> _ManifestWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._flush()
-        self.writer.close()
-
-    def add(self, row: dict[str, Any]) -> None:
-        for name, values in self.pending.items():
-            values.append(row[name])
-        self.rows += 1
-        self.splits[row["split"]] += 1
-        if len(self.pending["index"]) == MANIFEST_ROW_GROUP:
-            self._flush()
-
-    def _flush(self) -> None:
-        import pyarrow as pa
-
-        if self.pending["index"]:
-            self.writer.write_table(pa.table(self.pending, schema=self.schema))
-            self.pending = {name: [] for name in MANIFEST_SCHEMA}
-
-
-def _write_index(out: Path, spec: DataSpec, manifest: _ManifestWriter, errors: list[dict[str, str]],
+def _write_index(out: Path, spec: DataSpec, manifest: ManifestWriter, errors: list[dict[str, str]],
                  shard_names: dict[str, list[str]]) -> None:
     index = {"name": spec.name, "image_format": spec.image_format, "num_samples": manifest.rows,
              "errors": len(errors),
@@ -336,22 +283,12 @@ def _write_index(out: Path, spec: DataSpec, manifest: _ManifestWriter, errors: l
     (out / ERRORS).write_text(json.dumps(errors, indent=2))
 
 
-def shard_sizes(manifest: Path | str) -> dict[str, int]:
-    """Samples per tar name, counted from the manifest's ``shard`` column (a path or URL) by pyarrow (no row objects)."""
-    import pyarrow.parquet as pq
-
-    filesystem, path = remote.filesystem(str(manifest))
-    with remote.reaching(manifest):
-        counts = pq.read_table(path, columns=["shard"], filesystem=filesystem).column("shard").value_counts()
-    return dict(zip(counts.field("values").to_pylist(), counts.field("counts").to_pylist()))
-
-
 def _tar_samples(out: Path) -> dict[str, dict[str, int]]:
     """Each tar's sample count (from the manifest), for its entry in the stage record."""
     return {name: {"samples": count} for name, count in shard_sizes(out / MANIFEST).items()}
 
 
-def _metrics(manifest: _ManifestWriter, errors: list[dict[str, str]], out: Path, started: float) -> dict[str, float]:
+def _metrics(manifest: ManifestWriter, errors: list[dict[str, str]], out: Path, started: float) -> dict[str, float]:
     tar_bytes = sum(path.stat().st_size for path in out.glob("*.tar"))
     per_split = {f"samples/{split}": count for split, count in manifest.splits.items()}
     return {"samples": manifest.rows, "bytes": tar_bytes, "errors": len(errors), **per_split,

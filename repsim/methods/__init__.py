@@ -3,7 +3,7 @@
 A method module registers its ``build(config, data) -> Method`` under its name
 (:func:`~repsim.methods.base.register`), with, when it consumes more than the shards,
 ``upstream(config, data) -> Upstream`` naming that input's cache key and how to produce it
-(:class:`~repsim.methods.base.MethodSpec`). The train stage (:func:`repsim.methods.stage.train`;
+(:class:`~repsim.methods.base.MethodSpec`). The train stage (:func:`repsim.methods.training.train`;
 not exported here, where ``train`` is the Trainer's module) wires config, data, method and Trainer.
 
 Importing the package imports every method module in it, so their settings are registered before
@@ -18,7 +18,7 @@ from repsim._lazy import lazy_exports
 _EXPORTS = {
     "Config": "config", "load_config": "config",
     "Method": "base", "Trainer": "train", "KnnMonitor": "train", "LARS": "train", "init_distributed": "train",
-    "train_stage_of": "stage", "load_encoder": "stage",
+    "train_stage_of": "training", "load_encoder": "training",
     "MethodSpec": "base", "register": "base", "method_spec": "base", "TrainingData": "base", "Upstream": "base",
 }
 __all__ = sorted(_EXPORTS)

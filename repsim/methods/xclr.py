@@ -1,6 +1,6 @@
 """X-CLR (Sobal et al., 2025): contrastive learning towards soft cross-sample similarities.
 
-The similarity of a batch comes from a :class:`~repsim.similarity.sources.SimilaritySource` chosen by
+The similarity of a batch comes from a :class:`~repsim.similarity.targets.SimilaritySource` chosen by
 ``method.similarity``: caption embeddings (the caption stage), WordNet class similarities (the WordNet
 stage), labels, the identity (an ablation), a user class matrix or a user sample graph. Under DDP the batch's indices and labels
 are gathered from every rank, so the source answers for the global batch in rank order, as
@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 from pydantic import Field
 from torch import nn
 
+from repsim.data.manifest import read_manifest
 from repsim.losses import XCLRLoss
 from repsim.errors import SimilarityError
 from repsim.losses._pairs import gather_no_grad
@@ -27,13 +27,13 @@ from repsim.layering import Strict
 from repsim.methods.config import Config
 from repsim.methods.contrastive import TwoViewMethod, backbone_and_projection, require_labels
 from repsim.methods.base import TrainingData, Upstream, register
-from repsim.methods.stage import file_digest
+from repsim.methods.training import file_digest
 from repsim.methods.train import Batch
 from repsim.plots import histogram_plot
-from repsim.similarity.sources import (ClassMatrixSource, EmbeddingSource, GraphSource, IdentitySource,
+from repsim.similarity.targets import (ClassMatrixSource, EmbeddingSource, GraphSource, IdentitySource,
                                        LabelSource, SimilaritySource, load_class_matrix)
-from repsim.similarity.stages import (EMBEDDINGS_FILE, SIMILARITY_FILE, embed_captions_stage,
-                                      embed_captions_stage_of, wordnet_similarity_stage, wordnet_similarity_stage_of)
+from repsim.similarity.precompute import (EMBEDDINGS_FILE, SIMILARITY_FILE, embed_captions_stage,
+                                          embed_captions_stage_of, wordnet_similarity_stage, wordnet_similarity_stage_of)
 
 RESIDENT_EMBEDDING_BYTES = 1 << 30  # caption tables up to 1 GiB are copied to the device once
 CLASS_LEVEL = ("wordnet", "labels", "matrix")
@@ -162,7 +162,7 @@ def similarity_source(similarity: Similarity, data: TrainingData) -> SimilarityS
     if similarity.type == "matrix":
         return ClassMatrixSource(load_class_matrix(similarity.path, data.spec.class_names), data.spec.class_names)
     if similarity.type == "graph":
-        keys = pq.read_table(data.shards.manifest, columns=["key"]).column("key").to_pylist()
+        keys = read_manifest(data.shards.manifest, ["key"]).column("key").to_pylist()
         return GraphSource.from_parquet(similarity.path, keys)
     if similarity.type == "identity":
         return IdentitySource()

@@ -2,17 +2,17 @@
 
 - :mod:`~repsim.similarity.wordnet`: class similarities from WordNet (wup, path, lch, hops).
 - :mod:`~repsim.similarity.captions`: caption embeddings from a frozen sentence-transformer.
-- :mod:`~repsim.similarity.sources`: per-batch (B, B) target similarities for training.
+- :mod:`~repsim.similarity.targets`: per-batch (B, B) target similarities for training.
 - :mod:`~repsim.similarity.neighbors`: FAISS nearest-neighbor lists and their recall.
-- :mod:`~repsim.similarity.stages`: the precompute stages (captions, wordnet, neighbors), cached.
+- :mod:`~repsim.similarity.precompute`: the precompute stages (captions, wordnet, neighbors), cached.
 """
 
 from repsim.similarity.captions import embed_captions, load_text_model
 from repsim.similarity.neighbors import build_index, knn, load_neighbors, recall_at_k
-from repsim.similarity.sources import (ClassMatrixSource, EmbeddingSource, GraphSource, IdentitySource,
+from repsim.similarity.targets import (ClassMatrixSource, EmbeddingSource, GraphSource, IdentitySource,
                                        LabelSource, SimilaritySource, load_class_matrix, validate_class_matrix)
-from repsim.similarity.stages import (embed_captions_stage, embed_captions_stage_of, neighbors_stage,
-                                      neighbors_stage_of, wordnet_similarity_stage, wordnet_similarity_stage_of)
+from repsim.similarity.precompute import (embed_captions_stage, embed_captions_stage_of, neighbors_stage,
+                                          neighbors_stage_of, wordnet_similarity_stage, wordnet_similarity_stage_of)
 from repsim.similarity.wordnet import class_similarity, gloss, synsets_for
 
 __all__ = [

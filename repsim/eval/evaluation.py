@@ -41,11 +41,11 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 from tqdm.auto import tqdm
 
 from repsim.data.loader import make_loader
+from repsim.data.manifest import read_manifest
 from repsim.data.sharding import ShardResult
 from repsim.errors import EvalError, StageError, first_line
 from repsim._checks import ArrayLike, as_ks, resolve_device
@@ -55,7 +55,7 @@ from repsim.eval.linear import linear_probe
 from repsim.eval.retrieval import map_at_r, paired_retrieval
 from repsim.eval.zeroshot import zero_shot_accuracy, zero_shot_classifier
 from repsim.models.backbones import ENCODER_FILE, UNREADABLE_FIX, encoder_file, load_encoder
-from repsim.similarity.stages import CLASSES_FILE, EMBEDDINGS_FILE
+from repsim.similarity.precompute import CLASSES_FILE, EMBEDDINGS_FILE
 from repsim.stage import (Stage, StageKind, StageLike, StageOutput, completed_output, fingerprint_files, output_dir, read_record,
                           run_stage)
 
@@ -215,8 +215,7 @@ def _encode_in_manifest_order(loader: Iterable[dict[str, Any]], encode: Callable
 def split_rows(manifest: Path, split: str, columns: Sequence[str] = ()) -> pa.Table:
     """``split``'s manifest rows in manifest order: ``index``, ``split``, ``label`` (int64, -1 for none)
     and ``columns``."""
-    table = pq.read_table(manifest, columns=["index", "split", "label", *columns],
-                          filters=[("split", "==", split)]).sort_by("index")
+    table = read_manifest(manifest, ["index", "split", "label", *columns], filters=[("split", "==", split)]).sort_by("index")
     labels = pa.array(table["label"].fill_null(-1).to_numpy().astype(np.int64))
     return table.set_column(table.schema.get_field_index("label"), "label", labels)
 

@@ -33,6 +33,7 @@ import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from repsim.data.manifest import read_manifest
 from repsim.data.sharding import ShardResult
 from repsim.data.spec import DataSpec, load_spec
 from repsim.errors import SimilarityError
@@ -93,7 +94,7 @@ def text_model_identity(model: str | Path | None) -> dict[str, str]:
 def _write_embeddings(manifest: Path, model: str | Path | None, batch_size: int, device: str | None,
                       progress: bool, out: Path) -> dict[str, float]:
     started = time.time()
-    table = pq.read_table(manifest, columns=["index", "key", "caption"])
+    table = read_manifest(manifest, ["index", "key", "caption"])
     captions = table["caption"]
     encoder = load_text_model(model, device)
     dim = encoder.get_embedding_dimension()

@@ -27,12 +27,12 @@ from prefect.results import get_result_store
 from prefect.runtime import task_run
 from prefect.states import State
 
-from repsim.align.stage import ALIGN
+from repsim.align.alignment import ALIGN
 from repsim.data.sharding import SHARD
 from repsim.errors import RepsimError
-from repsim.eval.stages import EVALUATE, FEATURES
-from repsim.methods.stage import TRAIN
-from repsim.similarity.stages import CAPTIONS, NEIGHBORS, WORDNET
+from repsim.eval.evaluation import EVALUATE, FEATURES
+from repsim.methods.training import TRAIN
+from repsim.similarity.precompute import CAPTIONS, NEIGHBORS, WORDNET
 from repsim.stage import Stage, StageKind, StageOutput, is_current, read_record
 from repsim.tasks.tracking import StageRun, Tracker, stage_tags
 

@@ -1,4 +1,4 @@
-"""Similarity sources: turn a batch's sample indices and labels into its (B, B) target similarity.
+"""Target similarities: the sources that turn a batch's sample indices and labels into its (B, B) target similarity.
 
 Training calls ``source(indices, labels)`` with (B,) int64 tensors and gets a (B, B) float32 tensor
 on the device of ``indices`` whose diagonal is exactly 1 (``similarity(i, i) = 1``). Sources keep

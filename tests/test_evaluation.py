@@ -19,11 +19,11 @@ from repsim.cli import build_parser, main
 from repsim.data import make_loader, shard
 from repsim.errors import EvalError
 from repsim.eval import knn_accuracy, zero_shot_accuracy
-from repsim.eval import stages as eval_stages
+from repsim.eval import evaluation as evaluation_module
 from repsim.plots import matrix_plot
-from repsim.eval.stages import (CONFUSION_FILE, FEATURES_FILE, HISTOGRAM_FILE, INDICES_FILE, LABELS_FILE,
-                                RESULTS_FILE, SUITES, TSNE_FILE, TextEncoder, evaluate, evaluate_features,
-                                extract_features, features_stage_of, load_features)
+from repsim.eval.evaluation import (CONFUSION_FILE, FEATURES_FILE, HISTOGRAM_FILE, INDICES_FILE, LABELS_FILE,
+                                    RESULTS_FILE, SUITES, TSNE_FILE, TextEncoder, evaluate, evaluate_features,
+                                    extract_features, features_stage_of, load_features)
 from repsim.models import resnet, save_encoder
 from repsim.stage import Stage, run_stage
 
@@ -144,8 +144,8 @@ def test_a_second_call_is_cached_and_computes_nothing(pets_shards, monkeypatch):
 
     def fail(*args, **kwargs):
         raise AssertionError("recomputed")
-    monkeypatch.setattr(eval_stages, "_write_features", fail)
-    monkeypatch.setattr(eval_stages, "knn_rankings", fail)
+    monkeypatch.setattr(evaluation_module, "_write_features", fail)
+    monkeypatch.setattr(evaluation_module, "knn_rankings", fail)
     again = evaluate(pets_shards, suites=reversed(FAST_SUITES), knn_k=(3, 1), progress=False)
     assert again.cached and again.path == first.path
 
@@ -180,13 +180,13 @@ def test_features_land_at_their_manifest_rows_whatever_the_batch_order(tmp_path)
     indices = np.array([3, 5, 8, 13])
     batches = [{"index": torch.tensor([13, 3]), "views": [torch.tensor([[13.0], [3.0]])]},
                {"index": torch.tensor([8, 5]), "views": [torch.tensor([[8.0], [5.0]])]}]
-    written = eval_stages._encode_in_manifest_order(batches, lambda views: views.numpy(), indices,
+    written = evaluation_module._encode_in_manifest_order(batches, lambda views: views.numpy(), indices,
                                                     tmp_path / "f.npy", lambda count: None)
     np.testing.assert_array_equal(np.load(tmp_path / "f.npy")[:, 0], indices)
     assert written.shape == (4, 1)
     short = batches[:1] + [{"index": torch.tensor([8]), "views": [torch.ones(1, 1)]}]
     with pytest.raises(EvalError, match="1 of 4 samples of the split were never read"):
-        eval_stages._encode_in_manifest_order(short, lambda views: views.numpy(), indices, tmp_path / "g.npy",
+        evaluation_module._encode_in_manifest_order(short, lambda views: views.numpy(), indices, tmp_path / "g.npy",
                                               lambda count: None)
 
 

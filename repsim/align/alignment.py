@@ -42,7 +42,7 @@ from repsim.align.asif import ASIF
 from repsim.data.sharding import ShardResult, sharded, sharded_already
 from repsim.data.spec import DataSpec, load_spec
 from repsim.device import resolve_device
-from repsim.methods.stage import CHECKPOINT_FILE, METRICS_FILE, JsonlMetrics, _tee, summarise
+from repsim.methods.training import CHECKPOINT_FILE, METRICS_FILE, JsonlMetrics, _tee, summarise
 from repsim.methods.train import LogFn, Trainer, seed_everything
 from repsim.stage import Stage, StageKind, StageOutput, repsim_home, run_stage
 

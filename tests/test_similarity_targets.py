@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from repsim.errors import SimilarityError
-from repsim.similarity.sources import (ClassMatrixSource, EmbeddingSource, GraphSource, IdentitySource,
+from repsim.similarity.targets import (ClassMatrixSource, EmbeddingSource, GraphSource, IdentitySource,
                                        LabelSource, _Resident, load_class_matrix, validate_class_matrix)
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
