@@ -71,9 +71,9 @@ def _on_signal(signum: int, _frame: object) -> None:
 
 
 def exit_now(signum: signal.Signals, message: str) -> None:
-    """End the child processes (the temporary Prefect API among them), print ``error: <message>``, and
-    exit with 128 + ``signum`` at once, without waiting on clean-ups that talk to servers the signal
-    may have stopped too."""
+    """End the child processes (the temporary Prefect API among them; :func:`_end`), print ``error:
+    <message>``, and exit with 128 + ``signum``, without waiting on clean-ups that talk to servers the
+    signal may have stopped too."""
     _end(_descendants(os.getpid()))
     sys.stdout.flush()
     sys.stderr.write(f"error: {message}\n")
@@ -101,21 +101,24 @@ def _send(pids: list[int], signum: signal.Signals) -> None:
 
 def _alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie, ended but not yet reaped, does not)."""
+    fields = _stat(Path(f"/proc/{pid}"))
+    return fields is not None and fields[0] != "Z"
+
+
+def _stat(process: Path) -> list[str] | None:
+    """The fields of a /proc process entry's ``stat`` after its name (state, parent, ...); None once it is gone."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        return (process / "stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return False
+        return None
 
 
 def _descendants(pid: int) -> list[int]:
     """The processes below ``pid``, children first (from /proc; none where there is no /proc)."""
     parents: dict[int, list[int]] = {}
     for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents.setdefault(int(fields[1]), []).append(int(entry.name))
+        if (fields := _stat(entry)) is not None:
+            parents.setdefault(int(fields[1]), []).append(int(entry.name))
     found, frontier = [], [pid]
     while frontier:
         children = [child for parent in frontier for child in parents.get(parent, [])]
