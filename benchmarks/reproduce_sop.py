@@ -30,8 +30,8 @@ NAMES = {"pixels": "raw pixels (floor)", "sop": "SOP", "sop-no-mim": "SOP withou
          "sop-unshared": "SOP, non-shared supports", "sop-koleo": "SOP + KoLeo (λ = 0.1; an option, not the paper's)",
          "dino": "DINO-style (learned prototypes)",
          "ibot": "iBOT-style (learned prototypes, masked patches)",
-         "supcon": "SupCon on the same ViT (labels: the reference)",
-         "simclr": "SimCLR on the same ViT (no labels: the contrastive reference)"}
+         "supcon": "SupCon on the same backbone (labels: the reference)",
+         "simclr": "SimCLR on the same backbone (no labels: the contrastive reference)"}
 METRICS = {"kNN top-1 (k = 20)": "knn_top1_k20", "linear top-1": "linear_top1"}
 DIAGNOSTICS = {"effective rank": ("effective_rank", 1), "per-dim std": ("embedding_std", 4),
                "mean cosine": ("mean_cosine", 3), "assignment entropy": ("sop_entropy", 3),
@@ -116,12 +116,14 @@ def report(run: FinishedRun, image: Path) -> str:
         "# SOP compared", "",
         f"Command: `{run.command}` ({run.minutes:.1f} min), then `python benchmarks/reproduce_sop.py "
         f"--experiment {run.name}`.", "",
-        (f"What every variant shares (one ViT, multi-crop views, budget and teacher schedule) is in "
+        (f"What every variant shares (one backbone, budget and data; the self-distillation variants' "
+         "multi-crop views and teacher schedule) is in "
          f"`experiments/{run.source}.yaml`. Scores: top-1 accuracy (%) on the test split of a weighted cosine "
-         "kNN and of a linear probe on frozen features of the train split (the student's [CLS] feature); "
+         "kNN and of a linear probe on frozen features of the train split (the student's [CLS] feature, a ResNet's pooled one); "
          + (f"mean ± sample standard deviation over {seeds} seeds" if seeds > 1 else "one seed")
          + ". Diagnostics of the last epoch, mean over the seeds: effective rank and per-dimension std of "
-         "the teacher's unit embeddings in memory (collapse: rank → 1, std → 0), the entropy of the "
+         "the teacher's unit embeddings in memory (collapse: rank → 1, std → 0), their mean cosine (a narrow "
+         "cone: → 1), the entropy of the "
          "teacher's mean SOP (or prototype) assignment over log K (collapse: → 0) and the mean entropy of "
          "its per-sample targets over log K (targets too flat to learn from: → 1)."), "",
         scores_table(run.rows, epochs), "",
