@@ -34,6 +34,18 @@ def flow_runs(home: Path, flow: str) -> list[tuple[Run, list[Run]]]:
             for parent in found if parent.data.tags.get("repsim.flow") == flow]
 
 
+def built_then_cached(home: Path, stage_names: list[str]) -> list[tuple[Run, list[Run]]]:
+    """The two experiment flow runs under ``home`` (:func:`flow_runs`), asserting that each tracks one
+    finished nested run per stage of ``stage_names``, built in the first run and cached in the second."""
+    runs = flow_runs(home, "experiment")
+    assert len(runs) == 2
+    for (parent, children), cached in zip(runs, ("false", "true")):
+        assert sorted(run.data.tags["repsim.stage"] for run in children) == sorted(stage_names)
+        assert {run.data.tags["repsim.cached"] for run in children} == {cached}
+        assert all(run.info.status == "FINISHED" for run in [parent, *children])
+    return runs
+
+
 def logged_files(client: MlflowClient, run: Run) -> set[str]:
     """The output files a stage run shows: its artifacts, or, for a cached stage, the files it refers to."""
     referred = {tag.removeprefix("repsim.file.") for tag in run.data.tags if tag.startswith("repsim.file.")}

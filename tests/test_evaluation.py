@@ -13,7 +13,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 from PIL import Image
-from e2e import flow_runs, logged_files, repsim
+from e2e import built_then_cached, logged_files, repsim
 
 from repsim.cli import build_parser, main
 from repsim.data import make_loader, shard
@@ -276,12 +276,7 @@ def test_eval_runs_caches_and_tracks_every_stage(make_image_folder, write_spec, 
     assert json.loads(open(results).read())["suites"]["linear"]["linear_top1"] >= 0
 
     client = MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
-    runs = flow_runs(home, "experiment")
-    assert len(runs) == 2
-    for (parent, children), cached in zip(runs, ("false", "true")):
-        assert sorted(run.data.tags["repsim.stage"] for run in children) == sorted(stage_names)
-        assert {run.data.tags["repsim.cached"] for run in children} == {cached}
-        assert all(run.info.status == "FINISHED" for run in [parent, *children])
+    for parent, children in built_then_cached(home, stage_names):
         [evaluated] = [run for run in children if run.data.tags["repsim.stage"] == "evaluate"]
         assert logged_files(client, evaluated) >= \
             {RESULTS_FILE, CONFUSION_FILE, HISTOGRAM_FILE, TSNE_FILE, "stage.json"}

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
-from e2e import flow_runs, logged_files, repsim
+from e2e import built_then_cached, logged_files, repsim
 
 from repsim.cli import build_parser, main
 from repsim.data import DataSpec, shard
@@ -316,12 +316,7 @@ def test_precompute_runs_every_stage_caches_and_tracks_them(pets_spec, wordnet_h
         assert all(row[-1].startswith(str(home / "artifacts")) for row in rows), done.stdout
 
     client = MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
-    runs = flow_runs(home, "experiment")
-    assert len(runs) == 2
-    for (parent, children), cached in zip(runs, ("false", "true")):
-        assert sorted(run.data.tags["repsim.stage"] for run in children) == sorted(stage_names)
-        assert {run.data.tags["repsim.cached"] for run in children} == {cached}
-        assert all(run.info.status == "FINISHED" for run in [parent, *children])
+    for parent, children in built_then_cached(home, stage_names):
         [wordnet] = [run for run in children if run.data.tags["repsim.stage"] == "wordnet"]
         assert logged_files(client, wordnet) >= \
             {CLASSES_FILE, HEAT_MAP_FILE, SIMILARITY_FILE, "stage.json"}
