@@ -5,7 +5,8 @@ records every function call into a file of this repository (``repsim/``, ``tasks
 from ``repsim.cli.main`` on, until the first call of ``Trainer.fit``, on a tiny generated dataset
 (2 classes, 8 images each, one training step). It prints how many files those calls enter and the
 returns (calls that come back into a file entered before, other than the one just left), then the
-same for the call stack at ``Trainer.fit``: the path from the command line into the trainer.
+same for the call stack at ``Trainer.fit``: the path from the command line into the trainer, and how
+many times each settings file was read.
 
     python benchmarks/call_path.py
 """
@@ -16,6 +17,7 @@ import os
 import sys
 import tempfile
 import threading
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +53,7 @@ class CallPath:
     def __init__(self) -> None:
         self.files: list[str] = []
         self.stack: list[str] = []
+        self.reads: Counter[str] = Counter()  # settings file name: times read
         self.done = threading.Event()
 
     def __call__(self, frame, event: str, _arg) -> None:
@@ -61,6 +64,8 @@ class CallPath:
             return
         if not self.files or self.files[-1] != name:
             self.files.append(name)
+        if frame.f_code.co_name == "read_yaml_mapping" and name == "repsim/config_errors.py":
+            self.reads[Path(frame.f_locals["path"]).name] += 1
         if frame.f_code.co_name == "fit" and name == "repsim/methods/train.py":
             main = sys._current_frames()[threading.main_thread().ident]
             threads = [main] if main is frame else [main, frame]
@@ -108,6 +113,7 @@ def main() -> None:
           f"with {returns(path.files)} returns to a file entered before")
     print(f"the call stack at Trainer.fit passes {len(set(path.stack))} project files, with {returns(path.stack)} "
           f"returns: {' > '.join(path.stack)}")
+    print("settings files read before Trainer.fit: " + ", ".join(f"{name} {count}x" for name, count in path.reads.items()))
 
 if __name__ == "__main__":
     main()

@@ -42,6 +42,7 @@ from repsim.errors import RepsimError, StageError
 from repsim.eval.evaluation import PIXELS, read_results
 from repsim.experiment import (AS_CONFIGURED, AlignSection, EvaluateSection, Experiment, Member, check_experiment,
                                with_overrides)
+from repsim.layering import read_once
 from repsim.methods.config import load_config
 from repsim.methods.xclr import target_histogram
 from repsim.results import Row, Score, aggregate, as_records, headline_metrics, markdown
@@ -388,19 +389,20 @@ def experiment_flow(experiment: Experiment, overrides: list[str] | None = None,
     """
     stopping.install()  # SIGTERM asks the stages to stop, rather than Prefect's engine to crash the run
     source = experiment.name  # the experiment file's, before a `name=` override
-    experiment = with_overrides(experiment, overrides or [])
-    members = check_experiment(experiment)
-    tracker = Tracker()
-    params = {"experiment": experiment.model_dump(mode="json"), "source": source, "overrides": list(overrides or []),
-              "force": list(force or []), "members": len(members), "spread": spread or ""}
-    parent_run = tracker.flow_run("experiment", params, prefect_flow_run.get_name())
-    with rebuilding(force or []), verifying(experiment.verify), parent_run as parent:
-        if spread:
-            run_members_on(spread, members, force or [])
-        stages = Stages(tracker, parent)
-        runs = run_steps(stages, experiment, members)
-        rows = aggregate(score for run in runs for score in run.scores)
-        evaluate = experiment.section("evaluate")
-        columns = headline_metrics(rows, evaluate.knn_k[0] if evaluate is not None else None)
-        table = publish(parent, rows, columns, experiment.name) if rows else ""
-    return {"name": experiment.name, "stages": stages.summaries, "rows": rows, "columns": columns, "table": table}
+    with read_once():  # each settings file is read once, also in a flow run the command line did not start
+        experiment = with_overrides(experiment, overrides or [])
+        members = check_experiment(experiment)
+        tracker = Tracker()
+        params = {"experiment": experiment.model_dump(mode="json"), "source": source, "overrides": list(overrides or []),
+                  "force": list(force or []), "members": len(members), "spread": spread or ""}
+        parent_run = tracker.flow_run("experiment", params, prefect_flow_run.get_name())
+        with rebuilding(force or []), verifying(experiment.verify), parent_run as parent:
+            if spread:
+                run_members_on(spread, members, force or [])
+            stages = Stages(tracker, parent)
+            runs = run_steps(stages, experiment, members)
+            rows = aggregate(score for run in runs for score in run.scores)
+            evaluate = experiment.section("evaluate")
+            columns = headline_metrics(rows, evaluate.knn_k[0] if evaluate is not None else None)
+            table = publish(parent, rows, columns, experiment.name) if rows else ""
+        return {"name": experiment.name, "stages": stages.summaries, "rows": rows, "columns": columns, "table": table}

@@ -489,10 +489,13 @@ def _add_precompute_options(parser: argparse.ArgumentParser, stages: str) -> Non
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from repsim.layering import read_once
+
     args = build_parser().parse_args(argv)
     run: Callable[[argparse.Namespace], int | None] = args.run
     try:
-        return run(args) or 0
+        with read_once():  # each settings file is read once, however many layers ask for it
+            return run(args) or 0
     except Stopped as err:
         stopping.exit_now(err.signum, str(err))
     except RepsimError as err:

@@ -12,10 +12,12 @@ settings file is read), and an error names the layer it came from (:func:`origin
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -52,6 +54,18 @@ class SettingsFile:
 
 
 Explain = Callable[[ValidationError, str, type[BaseModel]], tuple[str, str]]
+_READ: ContextVar[dict[tuple, Layer] | None] = ContextVar("settings_read", default=None)
+
+
+@contextlib.contextmanager
+def read_once() -> Iterator[None]:
+    """Within this block :func:`read_layer` reads and parses each settings file once (while it is
+    unchanged), however many layers of one command load it; nested blocks share the outer one's."""
+    token = _READ.set({} if _READ.get() is None else _READ.get())
+    try:
+        yield
+    finally:
+        _READ.reset(token)
 
 
 def load_model(schema: type[M], path: str | Path, file: SettingsFile, overrides: Sequence[str] = (),
@@ -84,7 +98,19 @@ class Layer:
 
 def read_layer(path: Path, kind: str, example: str, paths: Iterable[str] = ()) -> Layer:
     """The ``kind`` YAML file at ``path`` as a layer, its ``paths`` resolved against its folder;
-    SpecError in one line when it is no YAML mapping (the fix points at ``example``)."""
+    SpecError in one line when it is no YAML mapping (the fix points at ``example``). Inside
+    :func:`read_once`, the layer of the first read."""
+    read = _READ.get()
+    if read is None:
+        return _read_layer(path, kind, example, paths)
+    stat = path.stat()
+    key = (path.resolve(), stat.st_mtime_ns, stat.st_size, kind, example, tuple(paths))
+    if key not in read:
+        read[key] = _read_layer(path, kind, example, paths)
+    return read[key]
+
+
+def _read_layer(path: Path, kind: str, example: str, paths: Iterable[str]) -> Layer:
     values = read_yaml_mapping(path, kind, example)
     return Layer(str(path), resolve_paths(values, paths, path.parent.resolve()))
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from repsim.errors import SpecError
 from repsim.experiment import load_experiment
 from repsim.layering import (TAG_FIELDS, Layer, as_overrides, flatten, merge, merge_layers, origin, override_layer,
-                             parse_override, read_layer, resolve_path, resolve_paths, set_dotted)
+                             parse_override, read_layer, read_once, resolve_path, resolve_paths, set_dotted)
 from repsim.methods.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -158,3 +158,24 @@ def test_an_unknown_key_in_a_file_names_the_file(tmp_path):
         load_config(path, ["optim.epochs=2"])
     assert str(refused.value).startswith(f"{path}: unknown field 'optim.lrr'; did you mean 'lr'?")
     assert "\n" not in str(refused.value)
+
+
+def test_inside_read_once_a_file_is_read_once_until_it_changes(tmp_path, monkeypatch):
+    import repsim.layering as layering
+
+    reads = []
+    read = layering.read_yaml_mapping
+    monkeypatch.setattr(layering, "read_yaml_mapping", lambda *args: reads.append(args[0]) or read(*args))
+    config = tmp_path / "config.yaml"
+    config.write_text("method: {name: simclr}\noptim: {lr: 0.1}\n")
+    with read_once():
+        first, again = load_config(config), load_config(config, ["optim.lr=0.2"])
+        assert (first.optim.lr, again.optim.lr, len(reads)) == (0.1, 0.2, 1)  # one read, each override applied
+        with read_once():  # nested: the same reads
+            load_config(config)
+        assert len(reads) == 1
+        config.write_text("method: {name: simclr}\noptim: {lr: 0.05}\n")  # changed: read again
+        assert load_config(config).optim.lr == 0.05 and len(reads) == 2
+    load_config(config)
+    load_config(config)
+    assert len(reads) == 4  # outside the block every call reads the file
