@@ -1,35 +1,21 @@
 """Training and evaluation batches from the shard stage's WebDataset tars.
 
-``make_loader`` decodes each image straight into a uint8 tensor (torchvision's decoder, no PIL),
-applies an augmentation preset and yields batches::
+``make_loader`` decodes images straight to uint8 tensors (torchvision, no PIL), augments them and yields
+``{"views": [B×C×H×W float, ...] (the preset's order), "label": B int64 (-1: none), "index": B int64 (row in
+manifest.parquet), "caption": [str] * B (with_captions only)}``. With ``augment="batch"`` the workers only
+decode and stack (an image of another size is resized to cover the first's and centre-cropped) and the
+main process makes the views on ``device`` (repsim.data.batch_augment); else the workers make them per image.
 
-    {"views": [B×C×H×W float, ...],  # one tensor per view of the preset, in the preset's order
-     "label": B int64,               # -1 for unlabelled samples
-     "index": B int64,               # the sample's row in manifest.parquet
-     "caption": [str] * B}           # only with with_captions=True
+Shards, permuted per epoch when shuffling, are dealt whole, round-robin, to ranks and then workers; those
+left after the last full round are shared sample by sample, so every sample goes to one consumer. Seeds:
+shard order (seed, epoch), shuffle buffer (seed, epoch, rank, worker), per-sample views (seed, epoch,
+manifest index), per-batch views (seed, epoch, rank, batch position), so a pass resumed mid-epoch by
+skipping batches gives the rest the same views. The global torch RNG is untouched; augmentations run on
+one torch thread. Each pass uses ``loader.epoch`` and advances it.
 
-With ``augment="sample"`` the DataLoader workers make each image's views (repsim.data.augment). With
-``augment="batch"`` they only decode and stack a batch as uint8 B×C×H×W (an image of another size is
-resized to cover the first's, aspect kept, and centre-cropped), and the main process makes all its views
-in one call on ``device`` (repsim.data.batch_augment; pinned, non-blocking copies on CUDA).
-
-The shard list is permuted per epoch (when shuffling), identically on every rank, and dealt whole,
-round-robin, to ranks and then to a rank's workers; the shards left after the last full round are
-shared sample by sample (consumer i of n keeps every n-th sample from the i-th), so every sample goes
-to exactly one consumer. Samples are shuffled in a per-worker buffer of ``shuffle_buffer`` and batched
-in the worker. Paths and ``pipe:`` are opened by webdataset, URLs streamed through fsspec (repsim.data.remote).
-
-Seeds: shard order by (seed, epoch), the buffer by (seed, epoch, rank, worker), per-sample views by
-(seed, epoch, manifest index), whatever the number of workers; per-batch views by (seed, epoch, rank,
-batch position), so a pass that skips its first k batches (resuming mid-epoch) gives the others the
-same views. The global torch RNG is left untouched; augmentations run on one torch thread. Each pass
-uses ``loader.epoch`` and then advances it; ``set_epoch`` picks the next.
-
-``len(loader)`` is counted from ``manifest.parquet`` (beside the shards, or at a path or URL): this
-rank's exact number of batches without ``drop_last``; with it (the default when shuffling) a number
-every rank reaches, so DDP ranks step together (when shuffling, a bound for every epoch, at most
-``num_workers - 1`` below the exact count on one rank with equal-size shards). Unshuffled, with
-``num_workers=0`` on one rank, an epoch yields every sample once in manifest order.
+``len(loader)``, from ``manifest.parquet``, is this rank's exact batch count without ``drop_last``; with it
+(the default when shuffling) a count every rank reaches in every epoch, so DDP ranks step together.
+Unshuffled, with ``num_workers=0`` on one rank, an epoch yields every sample once in manifest order.
 """
 
 from __future__ import annotations
@@ -78,15 +64,11 @@ def make_loader(shards: str | Path | ShardResult | Sequence[str | Path], preset:
                 device: str | torch.device | None = None) -> ShardLoader:
     """An iterable of batches (see the module docstring) over the ``split`` of ``shards``.
 
-    ``shards``: a shard output directory (its ``{split}-*.tar`` are read), a ShardResult, or a list
-    of tar paths/URLs (or one brace pattern). ``preset``: an augmentation preset name (see
-    repsim.data.augment) built with ``preset_options``, or ready-made Views (BatchViews with
-    ``augment="batch"``). ``augment``: ``"sample"`` augments each image in the DataLoader workers
-    (repsim.data.augment); ``"batch"`` makes a whole batch's views in the main process, on ``device``
-    (default CPU; repsim.data.batch_augment), where ``augment="sample"`` ignores ``device``.
-    ``image_size`` and ``channels`` default to the first image's shorter side and channel count.
-    ``shuffle`` defaults to ``split == "train"`` and ``drop_last`` to ``shuffle``.
-    ``rank``/``world_size`` default to torch.distributed's when it is initialised, else 0/1.
+    ``shards``: a shard output directory, a ShardResult, or tar paths/URLs (or one brace pattern).
+    ``preset``: a preset name (repsim.data.augment) built with ``preset_options``, or ready-made Views
+    (BatchViews with ``augment="batch"``, whose views are made on ``device``, default CPU). ``image_size``
+    and ``channels`` default to the first image's shorter side and channels, ``shuffle`` to ``split ==
+    "train"``, ``drop_last`` to ``shuffle``, ``rank``/``world_size`` to torch.distributed's (else 0/1).
     """
     urls, manifest_path = resolve_shards(shards, split, manifest)
     shuffle = split == "train" if shuffle is None else shuffle
@@ -215,7 +197,6 @@ def read_parts(parts: list[ShardPart]) -> Iterator[dict[str, Any]]:
 def read_samples(url: str, expected: int | None = None) -> Iterator[dict[str, Any]]:
     """The samples of one tar (path or URL) as ``{"__key__", ext: bytes, ...}``; DataError if the tar is
     corrupt or holds other than ``expected`` samples (the manifest's count; e.g. cut at a block boundary)."""
-
     count = 0
     with contextlib.closing(open_stream(url) if is_url(url) else wds.gopen(url, "rb")) as stream, reaching(url):
         try:
@@ -319,7 +300,6 @@ def _raising_errors(batches: Iterator[Batch | RepsimError]) -> Iterator[Batch]:
         if isinstance(batch, RepsimError):
             raise batch
         yield batch
-
 
 
 def seeded_rng(seed: int) -> contextlib.AbstractContextManager[None]:
