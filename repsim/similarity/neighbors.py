@@ -106,8 +106,7 @@ def _chunks(x: np.ndarray, rows: np.ndarray | None, metric: str, name: str,
     """(start, float32 chunk) over ``x``'s ``rows`` (all rows when None), ``chunk_size`` at a time."""
     count = len(x) if rows is None else len(rows)
     for start in range(0, count, chunk_size):
-        stop = min(start + chunk_size, count)
-        selected = slice(start, stop) if rows is None else rows[start:stop]
+        selected = slice(start, start + chunk_size) if rows is None else rows[start:start + chunk_size]
         yield start, _rows(x, selected, metric, name, start)
 
 

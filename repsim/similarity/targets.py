@@ -193,15 +193,11 @@ def _float_or_nan(value: object) -> float:
 
 def _unique_pairs(codes: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Sorted unique codes and their values; a pair listed twice must agree with itself."""
-    order = np.argsort(codes, kind="stable")
-    codes, values = codes[order], values[order]
-    first = np.ones(len(codes), dtype=bool)
-    first[1:] = codes[1:] != codes[:-1]
-    group = np.cumsum(first) - 1
+    unique, first, group = np.unique(codes, return_index=True, return_inverse=True)
     if not np.allclose(values, values[first][group], atol=TOLERANCE, rtol=0):
         raise SimilarityError("the graph lists a pair twice with different similarities",
                               "keep one s per unordered pair (i, j)")
-    return codes[first], values[first]
+    return unique, values[first]
 
 
 def _key_indices(column: pa.ChunkedArray, key_set: pa.Array, path: str | Path) -> np.ndarray:
