@@ -557,13 +557,13 @@ class WebDatasetReader(Reader):
                 for member in archive:
                     if member.isfile():
                         key, ext = _split_member_name(member.name)
-                        samples.setdefault(key, {})[ext] = self._member_value(archive, member, ext, tar)
+                        samples.setdefault(key, {})[ext] = self._member_value(archive, member, ext)
                 ends = _end_block_at(tar, archive.offset)
         except (tarfile.TarError, OSError) as err:
             return samples, f"is not a readable tar ({err})"
         return samples, None if ends else "is truncated (no end-of-archive block after its last member)"
 
-    def _member_value(self, archive: tarfile.TarFile, member: tarfile.TarInfo, ext: str, tar: Path) -> Any:
+    def _member_value(self, archive: tarfile.TarFile, member: tarfile.TarInfo, ext: str) -> Any:
         if ext == self.spec.source.image_ext:
             return (member.offset_data, member.size)
         if ext in ("txt", "json"):
