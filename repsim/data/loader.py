@@ -1,21 +1,16 @@
 """Training and evaluation batches from the shard stage's WebDataset tars.
 
-``make_loader`` decodes images straight to uint8 tensors (torchvision, no PIL), augments them and yields
-``{"views": [B×C×H×W float, ...] (the preset's order), "label": B int64 (-1: none), "index": B int64 (row in
-manifest.parquet), "caption": [str] * B (with_captions only)}``. With ``augment="batch"`` the workers only
-decode and stack (an image of another size is resized to cover the first's and centre-cropped) and the
-main process makes the views on ``device`` (repsim.data.batch_augment); else the workers make them per image.
-
-Shards, permuted per epoch when shuffling, are dealt whole, round-robin, to ranks and then workers; those
-left after the last full round are shared sample by sample, so every sample goes to one consumer. Seeds:
-shard order (seed, epoch), shuffle buffer (seed, epoch, rank, worker), per-sample views (seed, epoch,
-manifest index), per-batch views (seed, epoch, rank, batch position), so a pass resumed mid-epoch by
-skipping batches gives the rest the same views. The global torch RNG is untouched; augmentations run on
-one torch thread. Each pass uses ``loader.epoch`` and advances it.
-
-``len(loader)``, from ``manifest.parquet``, is this rank's exact batch count without ``drop_last``; with it
-(the default when shuffling) a count every rank reaches in every epoch, so DDP ranks step together.
-Unshuffled, with ``num_workers=0`` on one rank, an epoch yields every sample once in manifest order.
+Batches are ``{"views": [B×C×H×W float, ...] (the preset's order), "label": B int64 (-1: none), "index": B
+int64 (row in manifest.parquet), "caption": [str] * B (with_captions only)}``; images are decoded straight
+to uint8 tensors (torchvision, no PIL). Shards, permuted per epoch when shuffling, are dealt whole,
+round-robin, to ranks and then workers; those left after the last full round are shared sample by sample,
+so every sample goes to one consumer. Seeds: shard order (seed, epoch), shuffle buffer (seed, epoch, rank,
+worker), per-sample views (seed, epoch, manifest index), per-batch views (seed, epoch, rank, batch
+position), so a pass resumed mid-epoch by skipping batches gives the rest the same views; the global
+torch RNG is untouched. ``len(loader)``, from ``manifest.parquet``, is this rank's exact batch count
+without ``drop_last``; with it (the default when shuffling) a count every rank reaches in every epoch, so
+DDP ranks step together. Unshuffled, with ``num_workers=0`` on one rank, an epoch yields every sample once
+in manifest order.
 """
 
 from __future__ import annotations
@@ -65,10 +60,11 @@ def make_loader(shards: str | Path | ShardResult | Sequence[str | Path], preset:
     """An iterable of batches (see the module docstring) over the ``split`` of ``shards``.
 
     ``shards``: a shard output directory, a ShardResult, or tar paths/URLs (or one brace pattern).
-    ``preset``: a preset name (repsim.data.augment) built with ``preset_options``, or ready-made Views
-    (BatchViews with ``augment="batch"``, whose views are made on ``device``, default CPU). ``image_size``
-    and ``channels`` default to the first image's shorter side and channels, ``shuffle`` to ``split ==
-    "train"``, ``drop_last`` to ``shuffle``, ``rank``/``world_size`` to torch.distributed's (else 0/1).
+    ``preset``: a preset name (repsim.data.augment) built with ``preset_options``, or ready-made Views made
+    per image in the workers; with ``augment="batch"``, BatchViews, made per batch in the main process on
+    ``device`` (default CPU) from images the workers only decode and stack. ``image_size`` and ``channels``
+    default to the first image's shorter side and channels, ``shuffle`` to ``split == "train"``, ``drop_last``
+    to ``shuffle``, ``rank``/``world_size`` to torch.distributed's (else 0/1).
     """
     urls, manifest_path = resolve_shards(shards, split, manifest)
     shuffle = split == "train" if shuffle is None else shuffle
@@ -357,8 +353,9 @@ def read_image(sample: dict[str, Any], mode: ImageReadMode = ImageReadMode.UNCHA
 # The loader
 
 class ShardLoader:
-    """Iterable of batches over shards, one epoch per pass; ``len()`` is the number of batches in a pass.
-    With ``batch_views`` the stream yields decoded images, and each batch's views are made here, on ``device``."""
+    """Iterable of batches over shards, one epoch per pass (each advances ``epoch``); ``len()`` is the number of
+    batches in a pass. With ``batch_views`` the stream yields decoded images, and each batch's views are made
+    here, on ``device``, on one torch thread."""
 
     def __init__(self, stream: ShardStream, pin_memory: bool = False, batch_views: BatchViews | None = None,
                  device: str | torch.device = "cpu"):

@@ -1,10 +1,8 @@
 """Nearest neighbors, the library's one search engine: exact top-k with torch, or FAISS indexes.
 
-Scores are cosine similarity (``metric="cosine"``) or inner product (``"ip"``), both descending, or
-squared L2 distance (``"l2"``), ascending; results are nearest first. :func:`exact_search` and
-:func:`nearest` give the exact k nearest keys of every query on the keys' device, chunked so memory stays
-bounded (kNN evaluation, mAP@R, SOP's supports, ASIF). :func:`knn` gives FAISS lists (flat, IVF-Flat,
-IVF-PQ, HNSW; on the GPU when FAISS has one) over large or memory-mapped sets (the neighbor stage, GeRA).
+Scores are cosine similarity (``metric="cosine"``) or inner product (``"ip"``), both descending, or squared
+L2 distance (``"l2"``), ascending; results are nearest first. :func:`exact_search` and :func:`nearest` search
+exactly on the keys' device; :func:`knn` builds FAISS indexes (on the GPU when FAISS has one) for large sets.
 
 Memory in :func:`knn`: ``base`` (any float dtype, possibly a memory-mapped ``.npy``) is read in chunks, IVF
 indexes train on a seeded sample, and ``out`` writes the lists to memory-mapped files, so only the index
