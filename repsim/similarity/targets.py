@@ -34,6 +34,7 @@ class SimilaritySource(ABC):
     def __call__(self, indices: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """(B,) int64 sample indices and class ids -> (B, B) float32 on ``indices.device``."""
 
+
 class _Resident:
     """A tensor moved to a device the first time it is asked for there, and kept there."""
 
