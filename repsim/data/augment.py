@@ -1,29 +1,17 @@
-"""Augmentation presets: turn one uint8 image (C×H×W, C = 1 or 3) into a list of normalised float views.
+"""Augmentation presets: one uint8 image (C×H×W, C = 1 or 3) → a list of normalised float views of side ``image_size``.
 
-Presets, all scaled to ``image_size`` (the side of the square output):
+- ``simclr``: two views, crop → flip → colour jitter (p=0.8) → grayscale (p=0.2) → blur → solarize,
+  with BYOL's asymmetric blur 1.0 / 0.1 and solarize 0.0 / 0.2 (SimCLR's: ``blur=(0.5, 0.5)``,
+  ``solarize=(0.0, 0.0)``). Crop scale (0.08, 1) from 96 pixels up, else (0.2, 1): an 8% crop of 28×28
+  keeps too little to recognise. Blur kernel 10% of the view, odd, at least 3, sigma in [0.1, 2.0].
+- ``multicrop``: DINO/SOP, two global views, scale (0.4, 1), then ``local_crops`` local views at 3/7 of
+  the size, scale (0.05, 0.4), blur 0.5.
+- ``eval``: resize the shorter side to ``image_size / crop_fraction``, centre-crop; one view.
 
-- ``simclr``: two views, each RandomResizedCrop → horizontal flip → colour jitter (p=0.8) → random
-  grayscale (p=0.2) → Gaussian blur → solarize → normalise. Blur and solarize follow BYOL's
-  asymmetric probabilities (blur 1.0 / 0.1, solarize 0.0 / 0.2); pass ``blur=(0.5, 0.5)``,
-  ``solarize=(0.0, 0.0)`` for SimCLR's symmetric recipe. The blur kernel is 10% of the view size,
-  odd and at least 3, with sigma in [0.1, 2.0]. The crop scale is (0.08, 1) for images of 96 pixels
-  or more, as in SimCLR on ImageNet, and (0.2, 1) below that: an 8% crop of a 28×28 image keeps
-  about 8×8 pixels, too little to recognise anything.
-- ``multicrop``: DINO/SOP multi-crop, two global views at ``image_size`` with scale (0.4, 1) (blur
-  1.0 / 0.1, solarize 0.0 / 0.2) then ``local_crops`` local views at 3/7 of the size with scale
-  (0.05, 0.4) (blur 0.5). View order: global, global, local, ...
-- ``eval``: resize the shorter side to ``image_size / crop_fraction``, centre-crop ``image_size``,
-  normalise; one view. An image already at ``image_size`` passes through untouched before
-  normalisation.
-
-Single-channel images keep one channel: saturation, hue and random grayscale mean nothing there and
-are left out; brightness and contrast jitter apply. Normalisation is ``(x/255 - mean) / std`` per
-channel; the default mean = std = 0.5 maps pixels to [-1, 1] for any dataset. Pass dataset
-statistics instead (e.g. Fashion-MNIST: mean 0.286, std 0.353) with ``mean=``/``std=``.
-
-Each preset is a list of view recipes (:class:`RandomView`, :class:`EvalView`); :func:`make_views` builds
-them as torchvision pipelines, repsim.data.batch_augment as batched ones. The result of :func:`make_views`
-is picklable, so it can travel to DataLoader workers.
+One-channel images keep one channel and skip saturation, hue and grayscale. Views are normalised as
+``(x/255 - mean) / std`` per channel; the default 0.5 / 0.5 maps to [-1, 1] (Fashion-MNIST's own:
+mean 0.286, std 0.353). A preset is a list of view recipes (:class:`RandomView`, :class:`EvalView`)
+that :func:`make_views` builds as picklable torchvision pipelines, repsim.data.batch_augment as batched ones.
 """
 
 from __future__ import annotations
@@ -64,11 +52,8 @@ class Views:
 
 
 def make_views(preset: str, image_size: int, channels: int = 3, **options) -> Views:
-    """The augmentation ``preset`` ('simclr', 'multicrop', 'eval') for square views of ``image_size``.
-
-    ``options`` are the keyword arguments of the preset's recipe (:data:`PRESETS`), e.g.
-    ``crop_scale``, ``blur``, ``local_crops``, ``mean``, ``std``.
-    """
+    """The augmentation ``preset`` ('simclr', 'multicrop', 'eval') for square views of ``image_size``;
+    ``options``: the keyword arguments of the preset's recipe (:data:`PRESETS`), e.g. ``blur``, ``mean``."""
     return Views([per_image_view(recipe) for recipe in preset_recipes(preset, image_size, channels, **options)])
 
 
@@ -146,9 +131,7 @@ PRESETS: dict[str, Callable[..., list[ViewRecipe]]] = {"simclr": simclr, "multic
 
 def per_image_view(recipe: ViewRecipe) -> v2.Compose:
     """The torchvision pipeline of one view: uint8 C×H×W → float C×size×size."""
-    if isinstance(recipe, EvalView):
-        return eval_pipeline(recipe)
-    return augmented_view(recipe)
+    return eval_pipeline(recipe) if isinstance(recipe, EvalView) else augmented_view(recipe)
 
 
 def eval_pipeline(recipe: EvalView) -> v2.Compose:

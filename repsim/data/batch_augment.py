@@ -1,25 +1,13 @@
 """Batched augmentation presets: a uint8 batch (B×C×H×W, C = 1 or 3) → a list of normalised float views.
 
-The presets, options and defaults are those of repsim.data.augment, built from its view recipes, so
-the two pipelines cannot drift; see that module for what each preset does. Here all the views of a
-batch are made in one call, on the batch's device, each random parameter drawn per sample (crop box,
-flip, jitter factors and order, grayscale, blur sigma, solarize). ``make_batch_views(...)(images)``
-returns one B×C×s×s float tensor per view, in the preset's order. Random views run on
-kornia.augmentation; conversion to float, normalisation and the deterministic ``eval`` view are
-torchvision v2's, which apply to a batch as to one image (``eval`` views equal the per-image ones).
-
-A view has the distribution of the per-image pipeline's, with these small differences:
-
-- Crops are resized from float pixels, where torchvision resizes uint8 ones and rounds: views are not
-  quantised to 1/255 before the colour steps (at most 0.5/255 apart).
-- Contrast and saturation jitter weigh RGB into grey with kornia's 0.299/0.587/0.114 where torchvision
-  uses 0.2989/0.587/0.114 (random grayscale uses torchvision's).
-- When none of the ten crop candidates fits the image (probability below 1e-6 for square images),
-  kornia places the fallback crop at random where torchvision centres it.
-
-BatchViews holds no tensors, so it needs no moving: kornia draws the random parameters on the CPU
-and the views are made on the images' device. With ``seed``, the views are a function of (images,
-seed) alone, the same parameters on every device, and the caller's random state is left untouched.
+The presets are repsim.data.augment's, built from its view recipes, so the two cannot drift. All views
+of a batch are made in one call on its device, every random parameter drawn per sample; random views
+run on kornia, float conversion, normalisation and ``eval`` (equal to the per-image view) on torchvision.
+A view has the per-image distribution but for: crops resized from float pixels (not quantised to 1/255
+before the colour steps); contrast and saturation greyed with kornia's 0.299/0.587/0.114 weights
+(torchvision's 0.2989); the fallback crop, when none of ten candidates fits (p < 1e-6 for square images),
+placed at random rather than centred. BatchViews holds no tensors: kornia draws parameters on the CPU,
+so with ``seed`` the views are a function of (images, seed) alone, and the caller's RNG is untouched.
 """
 
 from __future__ import annotations
@@ -43,10 +31,7 @@ TORCHVISION_LUMA = (0.2989, 0.587, 0.114)  # torchvision's RGB → grey weights
 
 
 def make_batch_views(preset: str, image_size: int, channels: int = 3, **options) -> BatchViews:
-    """The augmentation ``preset`` ('simclr', 'multicrop', 'eval') for square views of ``image_size``, batched.
-
-    ``preset``, ``channels`` and ``options`` are those of :func:`repsim.data.augment.make_views`.
-    """
+    """:func:`repsim.data.augment.make_views`, batched: ``preset`` for square views of ``image_size``."""
     return BatchViews([batch_view(recipe) for recipe in preset_recipes(preset, image_size, channels, **options)])
 
 
@@ -68,9 +53,7 @@ class BatchViews(nn.Module):
 
 def batch_view(recipe: ViewRecipe) -> nn.Module:
     """The batched pipeline of one view: uint8 B×C×H×W → float B×C×size×size."""
-    if isinstance(recipe, EvalView):
-        return eval_pipeline(recipe)
-    return random_view(recipe)
+    return eval_pipeline(recipe) if isinstance(recipe, EvalView) else random_view(recipe)
 
 
 def random_view(recipe: RandomView) -> nn.Sequential:
@@ -91,14 +74,9 @@ def random_view(recipe: RandomView) -> nn.Sequential:
 
 
 class ResizedCrop(K.RandomResizedCrop):
-    """kornia's RandomResizedCrop boxes, resized as torchvision resizes them: float B×C×H×W → B×C×size×size.
-
-    The boxes follow torchvision's sampling (ten candidates, area fraction uniform in ``scale``, aspect
-    ratio log-uniform in [3/4, 4/3]). Each crop is resized bilinearly on the half-pixel grid and
-    antialiased when shrinking, as torchvision's ``antialias=True`` does, whereas kornia's own resize
-    neither antialiases nor, with its default ``align_corners=True``, uses that grid. The whole batch
-    is resized at once, by two matrix products with per-sample interpolation weights.
-    """
+    """kornia's RandomResizedCrop boxes (torchvision's sampling), resized as torchvision resizes them
+    (bilinear on the half-pixel grid, antialiased), which kornia's own resize does not: float B×C×H×W →
+    B×C×size×size, the whole batch by two matrix products with per-sample interpolation weights."""
 
     def __init__(self, size: int, scale: tuple[float, float]):
         super().__init__((size, size), scale=scale, align_corners=False)
@@ -131,12 +109,8 @@ def resize_weights(start: torch.Tensor, length: torch.Tensor, size: int, out_siz
 class ColorJitter(K.ColorJitter):
     """torchvision's v2.ColorJitter on a float B×C×H×W batch in [0, 1], factors and order drawn per sample.
 
-    kornia has two colour jitters. ColorJiggle uses kornia's own steps (additive brightness, HSV
-    saturation). ColorJitter, the base of this class, uses torchvision's: brightness multiplies by b,
-    contrast blends with the mean grey (c·x + (1 - c)·mean), saturation with the grey image, hue
-    shifts the HSV hue by h turns; a scalar strength s draws from torchvision's ranges [max(0, 1 - s),
-    1 + s], and [-s, s] for hue. kornia's ColorJitter draws one order of the four steps for the whole
-    batch; torchvision draws one per image, and so does this class.
+    kornia's ColorJitter has torchvision's steps and ranges but draws one order of the four steps for the
+    whole batch; torchvision draws one per image, and so does this class.
     """
 
     NEUTRAL = (1.0, 1.0, 1.0, 0.0)
@@ -170,11 +144,8 @@ ADJUSTMENTS = (adjust_brightness_accumulative, adjust_contrast_with_mean_subtrac
 
 @contextlib.contextmanager
 def forked_rng(seed: int | None, device: torch.device) -> Iterator[None]:
-    """Run the block with the CPU's and ``device``'s generators seeded to ``seed``, then restore them.
-
-    kornia draws its parameters on the CPU; ``device``'s generator is seeded too, for modules moved to it.
-    Without a seed the block runs on the caller's random state.
-    """
+    """Run the block with the CPU's and ``device``'s generators seeded to ``seed`` (if not None), then
+    restore them; kornia draws on the CPU, ``device``'s generator is for modules moved there."""
     if seed is None:
         yield
         return

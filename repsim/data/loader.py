@@ -1,46 +1,16 @@
-"""Training and evaluation batches from WebDataset shards.
+"""Training and evaluation batches from the shard stage's WebDataset tars.
 
-``make_loader`` reads the tars written by the shard stage, decodes each image straight into a uint8
-tensor (torchvision's decoder, no PIL), applies an augmentation preset and yields batches::
-
-    {"views": [B×C×H×W float, ...],  # one tensor per view of the preset, in the preset's order
-     "label": B int64,               # -1 for unlabelled samples
-     "index": B int64,               # the sample's row in manifest.parquet
-     "caption": [str] * B}           # only with with_captions=True
-
-Augmentation. With ``augment="sample"`` (the default) the DataLoader workers make each image's views
-(repsim.data.augment, torchvision). With ``augment="batch"`` the workers only read and decode, and
-stack a batch's images as uint8 B×C×H×W (an image whose size differs from the batch's first is
-resized to cover that size, aspect ratio kept, and centre-cropped to it); the loader's iterator, in
-the main process, moves them to ``device`` (pinned and non-blocking on CUDA) and makes all the
-views in one call there (repsim.data.batch_augment, kornia). The views are then on ``device``.
-
-Splitting. The shard list is first permuted per epoch (when shuffling), identically on every rank.
-Ranks, then the DataLoader workers of a rank, are dealt whole shards round-robin; shards left over
-after the last full round (all of them when there are fewer shards than consumers) are shared
-sample by sample, consumer i of n keeping every n-th sample from the i-th. So ranks read disjoint
-shards when there are at least as many shards as ranks, every sample goes to exactly one consumer,
-and no worker sits idle. Samples are shuffled in a buffer of ``shuffle_buffer`` per worker and
-batched inside the worker. Tars are read with webdataset, paths and ``pipe:`` opened by it and URLs
-(``s3://``, ``https://``, any fsspec scheme) streamed through fsspec (repsim.data.remote).
-
-Determinism. Shard order, sample buffer and augmentations are all seeded: shard order by (seed,
-epoch), the buffer by (seed, epoch, rank, worker), and, per sample, each sample's augmentation by
-(seed, epoch, manifest index), so a sample's views do not depend on the number of workers. Per batch,
-a batch's views are seeded by (seed, epoch, rank, position of the batch in the epoch): they follow
-the batch's samples only for a given number of workers, and a pass whose first k batches are
-skipped (``itertools.islice``, as when resuming mid-epoch) gives the other batches the same views
-as an uninterrupted one. The same seed and epoch give identical batches for a given number of
-workers; the global torch RNG is left untouched. Augmentations run on one torch thread, in the
-main process too (restored after each sample or batch).
-Each pass over the loader uses ``loader.epoch`` and then advances it; ``set_epoch`` picks the next.
-
-Length. Counted from ``manifest.parquet`` (found beside the shards, at a path or URL). Without ``drop_last`` it is
-this rank's exact number of batches. With ``drop_last`` (the default when shuffling) every rank
-stops after the same number of batches, so DDP ranks step together; when shuffling, that number is
-a bound that holds for every epoch (on one rank with equal-size shards, at most ``num_workers - 1``
-below the exact count), so schedules can rely on ``len(loader)``. Without shuffling and
-``num_workers=0`` on one rank, an epoch yields every sample exactly once in manifest order.
+Batches are ``{"views": [B×C×H×W float, ...] (the preset's order), "label": B int64 (-1: none), "index": B
+int64 (row in manifest.parquet), "caption": [str] * B (with_captions only)}``; images are decoded straight
+to uint8 tensors (torchvision, no PIL). Shards, permuted per epoch when shuffling, are dealt whole,
+round-robin, to ranks and then workers; those left after the last full round are shared sample by sample,
+so every sample goes to one consumer. Seeds: shard order (seed, epoch), shuffle buffer (seed, epoch, rank,
+worker), per-sample views (seed, epoch, manifest index), per-batch views (seed, epoch, rank, batch
+position), so a pass resumed mid-epoch by skipping batches gives the rest the same views; the global
+torch RNG is untouched. ``len(loader)``, from ``manifest.parquet``, is this rank's exact batch count
+without ``drop_last``; with it (the default when shuffling) a count every rank reaches in every epoch, so
+DDP ranks step together. Unshuffled, with ``num_workers=0`` on one rank, an epoch yields every sample once
+in manifest order.
 """
 
 from __future__ import annotations
@@ -89,15 +59,12 @@ def make_loader(shards: str | Path | ShardResult | Sequence[str | Path], preset:
                 device: str | torch.device | None = None) -> ShardLoader:
     """An iterable of batches (see the module docstring) over the ``split`` of ``shards``.
 
-    ``shards``: a shard output directory (its ``{split}-*.tar`` are read), a ShardResult, or a list
-    of tar paths/URLs (or one brace pattern). ``preset``: an augmentation preset name (see
-    repsim.data.augment) built with ``preset_options``, or ready-made Views (BatchViews with
-    ``augment="batch"``). ``augment``: ``"sample"`` augments each image in the DataLoader workers
-    (repsim.data.augment); ``"batch"`` makes a whole batch's views in the main process, on ``device``
-    (default CPU; repsim.data.batch_augment), where ``augment="sample"`` ignores ``device``.
-    ``image_size`` and ``channels`` default to the first image's shorter side and channel count.
-    ``shuffle`` defaults to ``split == "train"`` and ``drop_last`` to ``shuffle``.
-    ``rank``/``world_size`` default to torch.distributed's when it is initialised, else 0/1.
+    ``shards``: a shard output directory, a ShardResult, or tar paths/URLs (or one brace pattern).
+    ``preset``: a preset name (repsim.data.augment) built with ``preset_options``, or ready-made Views made
+    per image in the workers; with ``augment="batch"``, BatchViews, made per batch in the main process on
+    ``device`` (default CPU) from images the workers only decode and stack. ``image_size`` and ``channels``
+    default to the first image's shorter side and channels, ``shuffle`` to ``split == "train"``, ``drop_last``
+    to ``shuffle``, ``rank``/``world_size`` to torch.distributed's (else 0/1).
     """
     urls, manifest_path = resolve_shards(shards, split, manifest)
     shuffle = split == "train" if shuffle is None else shuffle
@@ -224,11 +191,8 @@ def read_parts(parts: list[ShardPart]) -> Iterator[dict[str, Any]]:
 # Reading tars
 
 def read_samples(url: str, expected: int | None = None) -> Iterator[dict[str, Any]]:
-    """The samples of one tar (path or any URL webdataset opens) as ``{"__key__", ext: bytes, ...}``.
-
-    DataError if the tar is corrupt, or holds fewer or more samples than ``expected`` (the manifest's
-    count), e.g. when it was cut short at a block boundary.
-    """
+    """The samples of one tar (path or URL) as ``{"__key__", ext: bytes, ...}``; DataError if the tar is
+    corrupt or holds other than ``expected`` samples (the manifest's count; e.g. cut at a block boundary)."""
     count = 0
     with contextlib.closing(open_stream(url) if is_url(url) else wds.gopen(url, "rb")) as stream, reaching(url):
         try:
@@ -255,10 +219,7 @@ def derive_seed(*values: int) -> int:
 
 class ShardStream(IterableDataset):
     """The batches of one rank in one epoch; inside a DataLoader worker, that worker's share of them.
-
-    ``num_workers`` is the DataLoader's (0 counts as one worker, the main process). Without ``views``
-    the batches hold the decoded ``images`` instead of their views.
-    """
+    ``num_workers`` is the DataLoader's (0: the main process alone); without ``views`` batches hold ``images``."""
 
     def __init__(self, parts: list[ShardPart], views: Views | None, channels: int, *, batch_size: int, shuffle: bool,
                  shuffle_buffer: int, drop_last: bool, seed: int, epoch: int, rank: int, world_size: int,
@@ -290,11 +251,8 @@ class ShardStream(IterableDataset):
         return _passing_errors_on(iter(wds.DataPipeline(*stages)))
 
     def decode_batch(self, samples: list[dict[str, Any]]) -> Batch:
-        """Raw samples → a batch: all images decoded first, then each augmented under its own seed
-        (without views, stacked as uint8 B×C×H×W ``images``).
-
-        Decoding the batch before augmenting it keeps each phase's working set in cache.
-        """
+        """Raw samples → a batch: all images decoded first (keeping each phase's working set in cache), then
+        each augmented under its own seed (without views, stacked as uint8 B×C×H×W ``images``)."""
         images = [read_image(sample, READ_MODES[self.channels]) for sample in samples]
         indices = [manifest_index(sample) for sample in samples]
         labels = [int(sample["cls"]) if "cls" in sample else -1 for sample in samples]
@@ -314,7 +272,7 @@ class ShardStream(IterableDataset):
         """The number of batches ``rank`` yields in this epoch."""
         counts = [sum(part.num_samples for part in self.worker_parts(rank, worker))
                   for worker in range(max(1, self.num_workers))]
-        return sum(_batch_count(count, self.batch_size, self.drop_last) for count in counts)
+        return sum(count // self.batch_size if self.drop_last else -(-count // self.batch_size) for count in counts)
 
     def fewest_batches(self) -> int:
         """A lower bound on the batches of any rank in any epoch, shards in any order (with drop_last)."""
@@ -324,31 +282,20 @@ class ShardStream(IterableDataset):
         return max(0, fewest_samples // self.batch_size - max(1, self.num_workers) + 1)
 
 
-@dataclass(frozen=True)
-class WorkerError:
-    """A RepsimError raised while making batches, yielded in place of a batch: from a DataLoader
-    worker it reaches the main process as it was (torch would re-raise it wrapped in the worker's
-    traceback), and the loader raises it there, the same one line as without workers."""
-
-    error: RepsimError
-
-
-def _passing_errors_on(batches: Iterator[Batch]) -> Iterator[Batch | WorkerError]:
+def _passing_errors_on(batches: Iterator[Batch]) -> Iterator[Batch | RepsimError]:
+    """The batches, then a RepsimError yielded in place of one: from a DataLoader worker it reaches the
+    main process as it was (torch would wrap it in the worker's traceback), to be raised there as one line."""
     try:
         yield from batches
     except RepsimError as err:
-        yield WorkerError(err)
+        yield err
 
 
-def _raising_errors(batches: Iterator[Batch | WorkerError]) -> Iterator[Batch]:
+def _raising_errors(batches: Iterator[Batch | RepsimError]) -> Iterator[Batch]:
     for batch in batches:
-        if isinstance(batch, WorkerError):
-            raise batch.error
+        if isinstance(batch, RepsimError):
+            raise batch
         yield batch
-
-
-def _batch_count(samples: int, batch_size: int, drop_last: bool) -> int:
-    return samples // batch_size if drop_last else -(-samples // batch_size)
 
 
 def seeded_rng(seed: int) -> contextlib.AbstractContextManager[None]:
@@ -377,10 +324,7 @@ def stack_images(images: list[torch.Tensor]) -> torch.Tensor:
 
 
 def cover(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    """``image`` resized, aspect ratio kept, until it covers ``size`` (H, W), then centre-cropped to it.
-
-    For a square ``size`` this resizes the shorter side to it.
-    """
+    """``image`` resized, aspect ratio kept, to cover ``size`` (H, W), then centre-cropped to it."""
     height, width = image.shape[-2:]
     scale = max(size[0] / height, size[1] / width)
     resized = TF.resize(image, [max(size[0], round(height * scale)), max(size[1], round(width * scale))],
@@ -409,10 +353,9 @@ def read_image(sample: dict[str, Any], mode: ImageReadMode = ImageReadMode.UNCHA
 # The loader
 
 class ShardLoader:
-    """Iterable of batches over shards, one epoch per pass; ``len()`` is the number of batches in a pass.
-
-    With ``batch_views`` the stream yields decoded images, and each batch's views are made here, on ``device``.
-    """
+    """Iterable of batches over shards, one epoch per pass (each advances ``epoch``); ``len()`` is the number of
+    batches in a pass. With ``batch_views`` the stream yields decoded images, and each batch's views are made
+    here, on ``device``, on one torch thread."""
 
     def __init__(self, stream: ShardStream, pin_memory: bool = False, batch_views: BatchViews | None = None,
                  device: str | torch.device = "cpu"):

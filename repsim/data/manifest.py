@@ -1,9 +1,7 @@
 """The shard manifest: ``manifest.parquet``, one row per sample the shard stage wrote, row number = ``index``.
 
-This module owns the file: its name (:data:`MANIFEST`), its columns (:data:`MANIFEST_SCHEMA`), the
-writer the shard stage fills (:class:`ManifestWriter`) and the one reader every other module goes
-through (:func:`read_manifest`), at a local path or an fsspec URL (shards read in place). A manifest
-that is missing, unreadable or lacks a column asked of it is a one-line DataError naming the file.
+Its name, columns (:data:`MANIFEST_SCHEMA`), writer and the one reader every module goes through
+(:func:`read_manifest`, at a path or an fsspec URL), which names the file in a one-line DataError.
 """
 
 from __future__ import annotations
@@ -68,9 +66,8 @@ class ManifestWriter:
 
 
 def read_manifest(path: str | Path, columns: Sequence[str], filters: list[tuple[str, str, Any]] | None = None) -> pa.Table:
-    """``columns`` of the manifest at ``path`` (a local path or an fsspec URL), in file order; ``filters``
-    as pyarrow.parquet.read_table takes them. DataError naming the file when it is missing or unreadable,
-    or lacks one of ``columns`` or of the filtered columns."""
+    """``columns`` of the manifest at ``path`` (a local path or an fsspec URL), in file order, ``filters`` as
+    pyarrow.parquet.read_table takes them; DataError if it is missing, unreadable or lacks a column."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 

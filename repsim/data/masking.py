@@ -1,12 +1,9 @@
 """Block-wise patch masks for masked image modelling (BEiT, Bao et al. 2022; as used by iBOT).
 
-A mask covers a ratio of a view's patch grid, drawn uniformly from ``ratio`` per view, with
-rectangular blocks of at least ``min_block`` patches and aspect ratios in [1/``max_aspect``,
-``max_aspect``] (log-uniform), placed until the ratio is reached or no block fits. Only a ``share``
-of the views of a batch is masked (chosen at random); the others keep every patch.
-
-Every draw uses torch's global RNG, so a training run that checkpoints and restores that RNG
-replays its masks exactly.
+A random ``share`` of a batch's views is masked, each to a ratio of its patch grid drawn uniformly from
+``ratio``, with blocks of at least ``min_block`` patches and aspect ratios log-uniform in [1/``max_aspect``,
+``max_aspect``], placed until the ratio is reached or no block fits. Every draw uses torch's global RNG,
+so restoring it from a checkpoint replays the masks exactly.
 """
 
 from __future__ import annotations
@@ -44,10 +41,7 @@ class BlockMasking:
     def fill(self, mask: torch.Tensor, target: int) -> None:
         """Mask blocks of ``mask`` (rows, cols) in place until ``target`` patches are masked or no block fits."""
         masked = 0
-        while masked < target:
-            added = self._add_block(mask, target - masked)
-            if added == 0:
-                return
+        while masked < target and (added := self._add_block(mask, target - masked)):
             masked += added
 
     def _add_block(self, mask: torch.Tensor, budget: int) -> int:

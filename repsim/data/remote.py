@@ -18,7 +18,7 @@ from typing import IO, Any
 
 import fsspec
 
-from repsim.errors import DataError
+from repsim.errors import DataError, first_line
 
 URL = re.compile(r"^[a-z][a-z0-9+.-]*://", re.IGNORECASE)
 VERSION_FIELDS = ("ETag", "md5Hash", "Content-MD5", "Digest", "checksum", "Last-Modified", "mtime")
@@ -68,9 +68,9 @@ def reaching(url: str | Path) -> Iterator[None]:
     except FileNotFoundError:
         raise DataError(f"{url} does not exist", ACCESS_FIX) from None
     except PermissionError as err:
-        raise DataError(f"access to {url} is denied ({_first_line(err)})", ACCESS_FIX) from None
+        raise DataError(f"access to {url} is denied ({first_line(err)})", ACCESS_FIX) from None
     except _storage_errors() as err:
-        raise DataError(f"cannot reach {url} ({type(err).__name__}: {_first_line(err)})", ACCESS_FIX) from None
+        raise DataError(f"cannot reach {url} ({type(err).__name__}: {first_line(err)})", ACCESS_FIX) from None
 
 
 def _storage_errors() -> tuple[type[BaseException], ...]:
@@ -79,10 +79,6 @@ def _storage_errors() -> tuple[type[BaseException], ...]:
     import botocore.exceptions
 
     return OSError, aiohttp.ClientError, botocore.exceptions.BotoCoreError
-
-
-def _first_line(err: BaseException) -> str:
-    return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
 def open_stream(url: str) -> IO[bytes]:

@@ -1,28 +1,18 @@
 """The shard stage: a data spec's source written as deterministic WebDataset tars plus a manifest.
 
-Output directory (``$REPSIM_HOME/artifacts/shard/<key>/`` unless given):
+Output (``$REPSIM_HOME/artifacts/shard/<key>/`` unless given): ``{split}-{n:05d}.tar`` of at most
+``shard_size`` samples, each ``{key}.png`` (or ``.jpg``), ``{key}.cls`` (label as ASCII int, absent when
+unlabelled), ``{key}.txt`` (the source's caption, else a template's) and ``{key}.json`` (index, key, split,
+label, class_name, source_id); ``manifest.parquet`` (:mod:`repsim.data.manifest`), row number = ``index``;
+``shards.json`` (splits, sample counts, tar names); ``errors.json``, what ``on_error: skip`` left out as
+``{"source_id", "reason"}``; and ``stage.json``, whose file list gives each tar's size, sha256 and samples.
+Shards this stage wrote before, named by a ``webdataset`` source with a ``manifest`` (paths or URLs), are
+read in place: the output holds their manifest and ``errors.json`` and a ``shards.json`` listing the URLs.
 
-- ``{split}-{n:05d}.tar``: at most ``shard_size`` samples each; per sample ``{key}.png`` (or ``.jpg``),
-  ``{key}.cls`` (label as ASCII int, absent when unlabelled), ``{key}.txt`` (the source's caption,
-  else a template caption) and ``{key}.json`` (index, key, split, label, class_name, source_id).
-- ``manifest.parquet`` (:mod:`repsim.data.manifest`): one row per sample, row number = ``index``;
-  columns index, key, shard, split, label, class_name, caption, sha256 (of the image bytes in the
-  tar), width, height, source_id.
-- ``shards.json``: the splits, their sample counts and tar names; ``errors.json``: what ``on_error:
-  skip`` left out (unreadable images, repeated manifest rows, damaged source tars) as
-  ``{"source_id", "reason"}``; ``stage.json``: the stage record, whose file list gives each tar's
-  size, sha256 and sample count.
-
-Shards that this stage wrote before, named by a ``webdataset`` source with a ``manifest`` (at paths or
-URLs: ``s3://``, ``https://``), are read in place: the output then holds the manifest and the
-``errors.json`` fetched through fsspec, and a ``shards.json`` that lists the tars by their URLs.
-
-Samples are grouped by split; within a split they keep the source order, permuted by
-``shuffle_seed`` when set. Keys are the zero-padded global index. Every image is decoded and
-encoded again with Pillow (which validates it and drops metadata): 1-channel images stay 8-bit
-grayscale ("L"), everything else becomes RGB (alpha is dropped), EXIF orientation is applied, and
-JPEG sources are re-encoded at ``jpeg_quality``. Tar members have fixed mtime, owner and mode, so
-the same spec gives byte-identical tars.
+Samples are grouped by split, in source order permuted by ``shuffle_seed`` when set; keys are the
+zero-padded global index. Pillow decodes and re-encodes every image (validating it, dropping metadata,
+applying EXIF orientation): 1-channel images stay 8-bit "L", others become RGB; JPEG at ``jpeg_quality``.
+Tar members have fixed mtime, owner and mode, so the same spec gives byte-identical tars.
 """
 
 from __future__ import annotations
@@ -98,13 +88,9 @@ def sharded_already(spec: DataSpec, shards: ShardResult | str | Path | None = No
 
 
 def shard(spec: DataSpec | str | Path, out_dir: str | Path | None = None, progress: bool = True) -> ShardResult:
-    """Write ``spec``'s samples as WebDataset shards, or return the cached output at once.
-
-    The stage key covers the spec and a fingerprint of the source files, so editing either re-shards.
-    Raises DataError for unreadable sources, and for the first unreadable image, repeated manifest row
-    or damaged source tar when ``on_error: fail``; with ``on_error: skip`` they are left out and
-    counted in ``errors``.
-    """
+    """Write ``spec``'s samples as WebDataset shards (keyed by the spec and a fingerprint of the source
+    files), or return the cached output at once. DataError for an unreadable source, and under ``on_error:
+    fail`` for the first unreadable image, repeated manifest row or damaged source tar (``skip``: counted)."""
     spec = spec if isinstance(spec, DataSpec) else load_spec(spec)
     reader = open_source(spec)
     build = _in_place if getattr(spec.source, "manifest", None) else _build

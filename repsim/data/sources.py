@@ -1,14 +1,10 @@
 """Readers for every data-spec source type, and the split assignment.
 
-A reader lists its samples cheaply (:meth:`Reader.entries`: id, label, caption, split) and reads an
-image only when asked (:meth:`Reader.read`), so file-based sources are never loaded whole. The
-listing is held as columns (:class:`Listing`: tens of bytes a sample rather than a Python object
-each), so a source of millions of samples lists in bounded memory. An image is either encoded bytes
-(PNG, JPEG, ...) or a uint8 array of shape (H, W) or (H, W, 3).
-
-Source ids are stable across runs and machines: ``train/123`` (Fashion-MNIST split/row), ``123``
-(Animal-MNIST row), the path relative to the folder (image folders), the path as written in the
-manifest, and ``<tar name>/<sample key>`` (WebDataset shards).
+A reader lists its samples cheaply as columns (:class:`Listing`, tens of bytes a sample) and reads an
+image only when asked: encoded bytes (PNG, JPEG, ...) or a uint8 array (H, W) or (H, W, 3). Source ids are
+stable across runs and machines: ``train/123`` (Fashion-MNIST split/row), ``123`` (Animal-MNIST row), the
+path relative to the folder (image folders) or as written in the manifest, ``<tar name>/<sample key>``
+(WebDataset shards).
 """
 
 from __future__ import annotations
@@ -35,7 +31,7 @@ import pyarrow as pa
 
 from repsim.data import remote
 from repsim.data.remote import beside, is_url
-from repsim.data.spec import (AnimalMnistSource, DataSpec, FashionMnistSource, ImageFolderSource,
+from repsim.data.spec import (FASHION_MNIST_FIX, AnimalMnistSource, DataSpec, FashionMnistSource, ImageFolderSource,
                               ManifestSource, RandomSplit, WebDatasetSource)
 from repsim.errors import DataError
 from repsim.stage import fingerprint_files
@@ -59,9 +55,8 @@ LISTING_BATCH = 65536  # entries turned into columns at a time
 
 
 class Listing(Sequence[Entry]):
-    """A source's entries, in order, held as columns: ids, captions and splits as pyarrow strings,
-    labels as int64 (-1: none), and the readers' handles as an int64 array (R, width) when every
-    handle is a tuple of ints, else as a list. ``listing[i]`` builds entry i."""
+    """A source's entries as columns: ids, captions and splits as pyarrow strings, labels int64 (-1: none),
+    handles an int64 array (R, width) when all are tuples of ints, else a list. ``listing[i]`` builds entry i."""
 
     def __init__(self, entries: Iterable[Entry]):
         ids, labels, captions, splits, refs = [], [], [], [], []
@@ -113,8 +108,7 @@ class Record:
 
 
 class Reader(ABC):
-    """Lists a source's samples and reads their images on demand; :attr:`skipped` records what
-    ``on_error: skip`` left out, as ``{"source_id", "reason"}``."""
+    """Lists a source's samples and reads their images on demand; :attr:`skipped`: what ``on_error: skip`` left out."""
 
     def __init__(self, spec: DataSpec):
         self.spec = spec
@@ -157,8 +151,8 @@ class Reader(ABC):
         return fingerprint_files(paths, root, content=self.spec.fingerprint == "content")
 
     def skip_or_fail(self, source_id: str, what: str, fix: str) -> None:
-        """Raise DataError(what, fix) under ``on_error: fail``; under ``skip`` record the sample (or
-        file) left out in :attr:`skipped`, which the shard stage reports as its errors."""
+        """Raise DataError(what, fix) under ``on_error: fail``; under ``skip`` add ``{"source_id", "reason"}``
+        to :attr:`skipped`, which the shard stage reports as its errors."""
         if self.spec.on_error == "fail":
             raise DataError(what, fix) from None
         self.skipped.append({"source_id": source_id, "reason": what})
@@ -208,9 +202,8 @@ class FashionMnistReader(Reader):
 
     def _files(self, split: str) -> tuple[Path, Path]:
         root, prefix = Path(self.spec.source.root), FASHION_SPLITS[split]
-        fix = "install it with 'apt-get install dataset-fashion-mnist' or set source.root to its IDX files"
-        return (_require_file(root / f"{prefix}-images-idx3-ubyte.gz", fix),
-                _require_file(root / f"{prefix}-labels-idx1-ubyte.gz", fix))
+        return (_require_file(root / f"{prefix}-images-idx3-ubyte.gz", FASHION_MNIST_FIX),
+                _require_file(root / f"{prefix}-labels-idx1-ubyte.gz", FASHION_MNIST_FIX))
 
     def fingerprint(self) -> str:
         return self.fingerprint_of([path for split in FASHION_SPLITS for path in self._files(split)])
@@ -395,7 +388,6 @@ MANIFEST_COLUMNS = ("path", "label", "caption", "split")
 
 def read_table(path: Path) -> dict[str, list[Any]]:
     """The known columns of a CSV or Parquet manifest, as lists (empty CSV cells are None)."""
-    import pyarrow as pa
     import pyarrow.csv as pacsv
     import pyarrow.parquet as pq
 
@@ -511,11 +503,8 @@ def _split_member_name(name: str) -> tuple[str, str]:
 
 
 def _end_block_at(tar: Path, offset: int) -> bool:
-    """Whether an end-of-archive (all-zero) block starts at ``offset``, where tarfile stopped listing.
-
-    tarfile also stops, silently, at the end of the file or at a header cut short or garbled, so
-    this tells a whole tar from one cut between or inside members.
-    """
+    """Whether an end-of-archive (all-zero) block starts at ``offset``, where tarfile stopped listing: tarfile
+    stops silently at the end of the file or at a garbled header too, so this tells a whole tar from a cut one."""
     with open(tar, "rb") as handle:
         handle.seek(offset)
         block = handle.read(tarfile.BLOCKSIZE)
@@ -523,11 +512,9 @@ def _end_block_at(tar: Path, offset: int) -> bool:
 
 
 class WebDatasetReader(Reader):
-    """Samples of existing tars: ``{key}.{image_ext}``, caption ``{key}.txt``, metadata ``{key}.json``.
-
-    Shards read in place (``source.manifest`` set) are keyed by the size and ETag or checksum of each
-    tar, the manifest and ``shards.json`` (:func:`repsim.data.remote.fingerprint`).
-    """
+    """Samples of existing tars: ``{key}.{image_ext}``, caption ``{key}.txt``, metadata ``{key}.json``. Shards
+    read in place (``source.manifest`` set) are keyed by :func:`repsim.data.remote.fingerprint` of each tar,
+    the manifest and ``shards.json``."""
 
     @cached_property
     def tars(self) -> list[Path] | list[str]:
@@ -549,11 +536,8 @@ class WebDatasetReader(Reader):
         return Listing(entry for number, tar in enumerate(self.tars) for entry in self._tar_entries(number, tar))
 
     def _tar_entries(self, number: int, tar: Path) -> Iterator[Entry]:
-        """Entries of tar ``number``; ``ref`` is (tar number, data offset, size) of the image member or None.
-
-        A tar that cannot be read to its end-of-archive block is a DataError or, under ``on_error: skip``,
-        reported; then the samples before the last one read are kept (that one may be incomplete).
-        """
+        """Entries of tar ``number``, ``ref`` (tar number, data offset, size) of the image member or None. A
+        damaged tar is a DataError or, under ``on_error: skip``, reported, keeping all but its last sample read."""
         samples, damage = self._tar_samples(tar)
         if damage:
             self.skip_or_fail(tar.name, f"{tar} {damage}", "re-create or re-download it, or set 'on_error: skip' "
@@ -573,13 +557,13 @@ class WebDatasetReader(Reader):
                 for member in archive:
                     if member.isfile():
                         key, ext = _split_member_name(member.name)
-                        samples.setdefault(key, {})[ext] = self._member_value(archive, member, ext, tar)
+                        samples.setdefault(key, {})[ext] = self._member_value(archive, member, ext)
                 ends = _end_block_at(tar, archive.offset)
         except (tarfile.TarError, OSError) as err:
             return samples, f"is not a readable tar ({err})"
         return samples, None if ends else "is truncated (no end-of-archive block after its last member)"
 
-    def _member_value(self, archive: tarfile.TarFile, member: tarfile.TarInfo, ext: str, tar: Path) -> Any:
+    def _member_value(self, archive: tarfile.TarFile, member: tarfile.TarInfo, ext: str) -> Any:
         if ext == self.spec.source.image_ext:
             return (member.offset_data, member.size)
         if ext in ("txt", "json"):
@@ -629,12 +613,9 @@ def open_source(spec: DataSpec) -> Reader:
 # Splits
 
 def assign_splits(entries: Listing, spec: DataSpec) -> list[str]:
-    """The split of each entry: the source's own (``source``) or a seeded, exact random split.
-
-    A random split permutes each group (each label when ``stratify`` and the data is labelled,
-    else everything) with ``seed`` and cuts it at the fractions, rounding by largest remainder, so
-    every class gets exactly its share (e.g. 1000 images at 0.8/0.2 give 800/200).
-    """
+    """The split of each entry: the source's own (``source``) or a seeded random split, which permutes each
+    group (each label when ``stratify``, else all) and cuts it at the fractions by largest remainder, so every
+    class gets exactly its share (1000 images at 0.8/0.2 give 800/200)."""
     if isinstance(spec.split, RandomSplit):
         splits = _random_splits(entries.labels, spec.split)
     else:
@@ -649,8 +630,7 @@ def assign_splits(entries: Listing, spec: DataSpec) -> list[str]:
 
 
 def _random_splits(labels: np.ndarray, split: RandomSplit) -> list[str]:
-    """Each entry's split name; ``labels`` (N,) int64, -1 for none. The unlabelled entries form the last
-    group, and all entries form one when not stratifying."""
+    """Each entry's split name; ``labels`` (N,) int64, -1 for none (the last group)."""
     names = list(split.fractions)
     groups = labels if split.stratify else np.full(len(labels), -1)
     order = np.argsort(groups, kind="stable")  # each group's entries together, in source order

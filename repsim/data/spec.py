@@ -1,10 +1,6 @@
-"""Data specs: YAML files that say where samples come from and what they mean.
-
-A spec names a source (one of the types below), the class list with each class's WordNet synset,
-caption templates for labelled data without captions, how samples are split and how shards are
-written. Relative paths are resolved against the spec file's folder. Every validation error names
-the file, the field and the fix, in one line.
-"""
+"""Data specs: YAML files naming a source (one of the types below), the classes with their WordNet
+synsets, caption templates for labelled data without captions, the split and the shard layout. Relative
+paths resolve against the spec's folder; every validation error names the file, the field and the fix."""
 
 from __future__ import annotations
 
@@ -22,6 +18,7 @@ from repsim.layering import SettingsFile, Strict, load_model
 from repsim.shipped import locate
 
 FASHION_MNIST_ROOT = Path("/usr/share/datasets/fashion-mnist")
+FASHION_MNIST_FIX = "install it with 'apt-get install dataset-fashion-mnist' or set source.root to its IDX files"
 SYNSET_PATTERN = re.compile(r"^.+\.[nvasr]\.\d{2}$")
 PATH_FIELDS = ("source.root", "source.path", "source.urls", "source.manifest")  # relative to the spec's folder
 SPEC_FILE = SettingsFile("data spec", "data_specs/fashion-mnist.yaml", paths=PATH_FIELDS)
@@ -50,11 +47,8 @@ class ImageFolderSource(Strict):
 
 
 class ManifestSource(Strict):
-    """A CSV or Parquet table with a ``path`` column and ``label`` and/or ``caption`` (``split`` optional).
-
-    ``label`` holds class names from ``classes``; relative image paths are resolved against ``root``
-    (default: the manifest's folder).
-    """
+    """A CSV or Parquet table with a ``path`` column and ``label`` (class names) and/or ``caption`` (``split``
+    optional); relative image paths resolve against ``root`` (default: the manifest's folder)."""
 
     type: Literal["manifest"]
     path: Path
@@ -62,14 +56,10 @@ class ManifestSource(Strict):
 
 
 class WebDatasetSource(Strict):
-    """Existing WebDataset shards as img2dataset writes them (``jpg`` + ``txt`` + ``json``).
-
-    ``urls`` is a brace pattern or glob, e.g. ``cc3m/{00000..00331}.tar``; ``label_field`` names a
-    key of each sample's json that holds its class name, if any. With ``manifest`` (the
-    ``manifest.parquet`` that the shard stage wrote beside them) the tars are shards this stage wrote
-    before, read where they are: paths or URLs (``s3://bucket/shards/train-{00000..00009}.tar``,
-    ``https://...``), never copied.
-    """
+    """Existing WebDataset shards as img2dataset writes them (``jpg`` + ``txt`` + ``json``): ``urls`` a brace
+    pattern or glob (``cc3m/{00000..00331}.tar``), ``label_field`` the json key holding a class name, if any.
+    With ``manifest`` (the shard stage's ``manifest.parquet`` beside them) they are shards that stage wrote,
+    read in place at paths or URLs (``s3://bucket/shards/train-{00000..00009}.tar``), never copied."""
 
     type: Literal["webdataset"]
     urls: str
@@ -178,10 +168,6 @@ class DataSpec(Strict):
     def class_names(self) -> list[str]:
         return list(self.classes or {})
 
-    @property
-    def synsets(self) -> list[str]:
-        return list((self.classes or {}).values())
-
     def caption_for(self, label: int, index: int) -> str:
         """The template caption of a labelled sample; templates rotate deterministically by index."""
         template = self.captions.templates[index % len(self.captions.templates)]
@@ -189,11 +175,8 @@ class DataSpec(Strict):
 
 
 def load_spec(path: str | Path) -> DataSpec:
-    """Read and validate a data spec (a path, or the name of a shipped spec: ``animal-mnist``);
-    relative paths resolve against the spec's folder.
-
-    Raises SpecError with one line naming the file, the field and the fix.
-    """
+    """Read and validate a data spec (a path, or a shipped spec's name: ``animal-mnist``); relative paths
+    resolve against its folder. SpecError (one line: the file, the field and the fix) if invalid."""
     spec = load_model(DataSpec, path, SPEC_FILE, explain=_describe)
     _check_paths_exist(spec, locate(path, SPEC_FILE.kind))
     return spec
@@ -206,13 +189,8 @@ def _check_paths_exist(spec: DataSpec, spec_path: Path) -> None:
             info(value)  # reachable with these credentials (a DataError says what to check)
         elif value is not None and not Path(value).exists():
             raise SpecError(f"{spec_path}: field 'source.{field}' points at {value}, which does not exist",
-                            _missing_path_fix(spec.source))
-
-
-def _missing_path_fix(source: BaseModel) -> str:
-    if isinstance(source, FashionMnistSource):
-        return "install it with 'apt-get install dataset-fashion-mnist' or set source.root to its IDX files"
-    return "correct the path (relative paths start at the spec's folder)"
+                            FASHION_MNIST_FIX if isinstance(spec.source, FashionMnistSource)
+                            else "correct the path (relative paths start at the spec's folder)")
 
 
 def _describe(err: ValidationError, path: str, _: type[BaseModel] = DataSpec) -> tuple[str, str]:

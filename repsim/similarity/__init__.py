@@ -1,11 +1,6 @@
-"""Similarity between samples and neighbor lists.
-
-- :mod:`~repsim.similarity.wordnet`: class similarities from WordNet (wup, path, lch, hops).
-- :mod:`~repsim.similarity.captions`: caption embeddings from a frozen sentence-transformer.
-- :mod:`~repsim.similarity.targets`: per-batch (B, B) target similarities for training.
-- :mod:`~repsim.similarity.neighbors`: FAISS nearest-neighbor lists and their recall.
-- :mod:`~repsim.similarity.precompute`: the precompute stages (captions, wordnet, neighbors), cached.
-"""
+"""Similarity between samples, a submodule each: WordNet class similarities (``wordnet``), caption embeddings
+(``captions``), per-batch (B, B) targets (``targets``), FAISS neighbor lists (``neighbors``) and the cached
+stages that precompute them (``precompute``)."""
 
 from repsim.similarity.captions import embed_captions, load_text_model
 from repsim.similarity.neighbors import build_index, knn, load_neighbors, recall_at_k

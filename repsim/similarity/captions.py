@@ -52,16 +52,12 @@ def _load_text_model(model: str, device: str):
 def embed_captions(texts: Sequence[str] | pa.Array | pa.ChunkedArray, model: Any = None, batch_size: int = 256,
                    device: str | None = None, progress: bool = False,
                    out: np.ndarray | None = None) -> np.ndarray:
-    """Embed captions: (N,) texts (a sequence of str or a pyarrow string column) -> (N, D) float32 rows of
-    unit L2 norm, in the order given.
+    """Embed captions: (N,) texts (str sequence or pyarrow string column) -> (N, D) float32 unit rows, in order.
 
-    Identical texts are embedded once and their row copied to every occurrence; pyarrow finds them
-    (dictionary encoding), so only the distinct texts become Python strings. Unique texts are
-    encoded longest first in batches of ``batch_size`` (similar lengths pad little). ``model`` is a
-    path or name for :func:`load_text_model`, or an already loaded model with sentence-transformers'
-    ``encode`` and ``get_embedding_dimension``. ``out`` (N, D), e.g. a float16
-    ``np.lib.format.open_memmap``, receives the rows instead of a new array, so N x D never has to
-    fit in memory.
+    Identical texts are embedded once (found by pyarrow's dictionary encoding), the distinct ones longest
+    first in batches of ``batch_size``. ``model``: a path or name for :func:`load_text_model`, or a loaded
+    model with ``encode`` and ``get_embedding_dimension``. ``out`` (N, D), e.g. a float16 memory map,
+    receives the rows instead of a new array.
     """
     _check_texts(texts)
     encoder = model if hasattr(model, "encode") else load_text_model(model, device)
@@ -92,9 +88,8 @@ def _check_texts(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> None:
 
 
 def _longest_first_batches(unique: list[str], inverse: np.ndarray, batch_size: int):
-    """Yield ``(chosen, rows, slots)`` per batch of unique texts, longest first: ``chosen`` (b,) ids
-    into ``unique``; ``rows`` every text position that holds one of them; ``slots`` the place of each
-    such row's text within ``chosen``."""
+    """Per batch of unique texts, longest first: ``chosen`` (b,) ids into ``unique``, the ``rows`` of every text
+    that is one of them, and ``slots``, each such row's place within ``chosen``."""
     longest_first = np.argsort([-len(text) for text in unique], kind="stable")
     rank = np.empty(len(unique), dtype=np.int64)
     rank[longest_first] = np.arange(len(unique))

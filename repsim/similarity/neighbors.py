@@ -1,41 +1,20 @@
 """Nearest neighbors, the library's one search engine: exact top-k with torch, or FAISS indexes.
 
-Scores are cosine similarity (``metric="cosine"``) or inner product (``"ip"``), both descending,
-or squared L2 distance (``"l2"``), ascending; results are nearest first.
+Scores are cosine similarity (``metric="cosine"``) or inner product (``"ip"``), both descending, or squared
+L2 distance (``"l2"``), ascending; results are nearest first. :func:`exact_search` and :func:`nearest` search
+exactly on the keys' device; :func:`knn` builds FAISS indexes (on the GPU when FAISS has one) for large sets.
 
-- :func:`exact_search`: the exact k nearest keys of every query, over torch tensors or numpy
-  arrays, on the keys' device (or ``device``), chunked over queries and keys so that memory stays
-  bounded however large both sets are; equal scores keep the lower key row first; ``exclude``
-  leaves out of each query's list the keys that carry its id (itself). :func:`nearest` gives its
-  whole result, or that of an exact FAISS index (``backend="faiss"``). The kNN evaluation, mAP@R,
-  SOP's supports and ASIF search with these.
-- :func:`knn`: FAISS lists, exact (flat: on the CPU a scan of the candidates a chunk at a time,
-  :class:`FlatScan`), IVF-Flat, IVF-PQ or HNSW, on the GPU when FAISS has one,
-  for large or memory-mapped sets (the neighbor stage, GeRA's neighborhoods). ``knn(base, k)``
-  gives every row of ``base`` its k nearest other rows; ``queries`` searches other points against
-  ``base``; ``subset`` restricts the candidates to some rows of ``base`` (e.g. only unpaired
-  points). Results are (Q, k) int64 ids into ``base`` and (Q, k) float32 scores. Ids are -1 where
-  an approximate index found fewer than k candidates.
+Memory in :func:`knn`: ``base`` (any float dtype, possibly a memory-mapped ``.npy``) is read in chunks, IVF
+indexes train on a seeded sample, and ``out`` writes the lists to memory-mapped files, so only the index
+need fit in memory. Sizing, with 4-byte floats and 8-byte ids:
 
-Memory in :func:`knn`. ``base`` may be a memory-mapped ``.npy`` of any float dtype: it is read
-``chunk_size`` rows at a time, IVF indexes are trained on a seeded sample, queries are searched in
-chunks, and ``out`` writes the lists straight into memory-mapped ``.npy`` files, so nothing of size
-N × D or Q × k need fit in memory besides the index itself (none for an exact search on the CPU).
-Sizing, with 4-byte floats and 8-byte ids:
-
-- 10M × 384 on a 24 GB machine: an exact search of every row is 10M × 10M dot products (days on a
-  CPU), and HNSW would hold 18 GB of vectors and links. Use ``index="ivfpq"``: with the default
-  ``pq_m = D / 8 = 48`` one-byte codes each vector costs 48 B + 8 B id, 0.6 GB for 10M, and the
-  ~√N = 3,162 coarse lists train on 256 points each (0.8M sampled rows, 1.2 GB). Store the embeddings
-  as float16 ``.npy`` (7.7 GB, memory-mapped, never loaded whole) and pass ``out=`` so that the
-  (10M, k) lists go to disk (k = 100: 8 GB ids + 4 GB scores). Raise ``nprobe`` (default nlist / 8)
-  for recall; the coded scores are coarse, so the best ``rerank`` × k candidates (default 10 × k)
-  are re-scored exactly from rows read back from the memory map. The neighbor stage reports the
-  recall it reaches.
-- 6M × 768 with k = 800 on one GPU: a flat GPU index of 6M × 768 floats is 18.4 GB, or 9.2 GB with
-  ``gpu_float16=True``, well within an H200's memory; FAISS GPU search allows k ≤ 2048. The
-  lists are 6M × 800 × 12 B = 57.6 GB, so write them with ``out=``, and keep ``chunk_size`` queries
-  (default 65,536: 0.6 GB of results per chunk) modest.
+- 10M × 384 on a 24 GB machine: exact search is 10M × 10M products (days on a CPU), HNSW would hold
+  18 GB. ``index="ivfpq"``: ``pq_m = D / 8 = 48`` one-byte codes + 8 B id a vector is 0.6 GB; ~√N =
+  3,162 lists train on 256 points each (1.2 GB). Store float16 embeddings (7.7 GB, memory-mapped) and
+  pass ``out=`` (k = 100: 8 GB ids + 4 GB scores). Raise ``nprobe`` (default nlist / 8) for recall; the
+  best ``rerank`` × k candidates (default 10 × k) are re-scored exactly.
+- 6M × 768, k = 800, one GPU: a flat index is 18.4 GB (9.2 GB with ``gpu_float16=True``; FAISS GPU
+  search allows k ≤ 2048); the 57.6 GB of lists go to disk with ``out=``, ``chunk_size`` queries at a time.
 
 FAISS is imported on first use, so the rest of the library works where it is absent.
 """
@@ -125,8 +104,7 @@ def _chunks(x: np.ndarray, rows: np.ndarray | None, metric: str, name: str,
     """(start, float32 chunk) over ``x``'s ``rows`` (all rows when None), ``chunk_size`` at a time."""
     count = len(x) if rows is None else len(rows)
     for start in range(0, count, chunk_size):
-        stop = min(start + chunk_size, count)
-        selected = slice(start, stop) if rows is None else rows[start:stop]
+        selected = slice(start, start + chunk_size) if rows is None else rows[start:start + chunk_size]
         yield start, _rows(x, selected, metric, name, start)
 
 
@@ -147,15 +125,14 @@ def build_index(points: np.ndarray, kind: str = "flat", metric: str = "cosine", 
                 nlist: int | None = None, nprobe: int | None = None, pq_m: int | None = None,
                 m: int = 32, ef_construction: int = 80, ef_search: int = 128, use_gpu: bool | None = None,
                 gpu_float16: bool = False, chunk_size: int = CHUNK_ROWS, seed: int = 0, progress: bool = False):
-    """A FAISS index over ``points[rows]`` (all rows when None), trained and filled chunk by chunk.
+    """A FAISS index over ``points[rows]`` (all rows when None; index position i is ``rows[i]``), trained
+    and filled chunk by chunk.
 
-    ``flat`` is exact. ``ivf`` (IVF-Flat) clusters into ``nlist`` lists (default
-    :func:`default_nlist`) and searches ``nprobe`` of them (default nlist / 8); ``ivfpq`` does the
-    same with ``pq_m`` one-byte codes per vector (default :func:`default_pq_m`); both train on a
-    seeded sample of at most 256 points per list. ``hnsw`` links each point to ``m`` others, with
-    beam widths ``ef_construction`` (build) and ``ef_search`` (search); FAISS has no GPU HNSW.
-    ``use_gpu``: None uses the GPU when FAISS has one and the kind supports it; ``gpu_float16``
-    halves a GPU index's memory. Index position i is ``rows[i]`` (or row i).
+    ``flat`` is exact. ``ivf`` searches ``nprobe`` (default nlist / 8) of ``nlist`` lists (default
+    :func:`default_nlist`), ``ivfpq`` likewise with ``pq_m`` one-byte codes a vector (default
+    :func:`default_pq_m`); both train on a seeded sample of at most 256 points a list. ``hnsw`` links each
+    point to ``m`` others, beam widths ``ef_construction`` and ``ef_search``; FAISS has no GPU HNSW.
+    ``use_gpu``: None uses a GPU when FAISS has one; ``gpu_float16`` halves a GPU index's memory.
     """
     faiss = require_faiss()
     if kind not in INDEX_KINDS:
@@ -189,13 +166,9 @@ def build_index(points: np.ndarray, kind: str = "flat", metric: str = "cosine", 
 
 
 def auto_index(count: int, dim: int, m: int = 32, memory: int | None = None) -> str:
-    """The index for ``count`` points of ``dim`` when the neighbor stage is asked for ``"auto"``.
-
-    ``flat`` (exact) up to :data:`EXACT_LIMIT` points: searching all N points exactly costs N² products,
-    so its time per point grows linearly with N. Beyond, ``hnsw``, whose build and search cost about
-    log N per point, while its float32 vectors and ``m`` links a point fill at most half of ``memory``
-    (default: this machine's); else ``ivfpq``, whose codes take ``dim`` / 8 + 8 bytes a point.
-    """
+    """The index the neighbor stage's ``"auto"`` picks: ``flat`` up to :data:`EXACT_LIMIT` points (N²
+    products); beyond, ``hnsw`` (log N a point) while its float32 vectors and ``m`` links a point fill at
+    most half of ``memory`` (default: this machine's); else ``ivfpq`` (``dim`` / 8 + 8 bytes a point)."""
     if count <= EXACT_LIMIT:
         return "flat"
     memory = memory or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -253,12 +226,10 @@ def exact_search(queries: ArrayLike, keys: ArrayLike, k: int, metric: str = "cos
                  dtype: torch.dtype | None = None) -> Iterator[NeighborChunk]:
     """The k nearest keys (N, D) of every query (Q, D), one :class:`NeighborChunk` per ``chunk_size`` queries.
 
-    ``exclude``: query ids (Q,) and key ids (N,); no key is a neighbor of a query with its id (row
-    numbers of one set for both: each point without itself). Runs on ``device`` (default: the keys')
-    in ``dtype`` (default: the keys', at least float32); keys on another device are moved there once,
-    at the call, where the input is checked; keys already there (e.g. memory-mapped rows on the CPU)
-    are not copied. Keys are converted and normalised ``key_chunk_size`` rows at a time, and at
-    most ``chunk_size × key_chunk_size`` scores exist at a time.
+    ``exclude``: query ids (Q,) and key ids (N,); no key is a neighbor of a query with its id (e.g. row
+    numbers: each point without itself). Runs on ``device`` (default: the keys', which are moved there
+    once, at the call) in ``dtype`` (default: the keys', at least float32). Keys are converted
+    ``key_chunk_size`` rows at a time; at most ``chunk_size × key_chunk_size`` scores exist at a time.
     """
     queries, keys = torch.as_tensor(queries), torch.as_tensor(keys)
     _check_metric(metric)
@@ -274,13 +245,9 @@ def exact_search(queries: ArrayLike, keys: ArrayLike, k: int, metric: str = "cos
 def nearest(queries: ArrayLike, keys: ArrayLike, k: int, metric: str = "cosine",
             exclude: tuple[ArrayLike, ArrayLike] | None = None, backend: str = "torch",
             use_gpu: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ids (Q, k) int64 and scores (Q, k) of the k nearest keys (N, D) of each query (Q, D), exactly.
-
-    ``backend``: ``torch`` (:func:`exact_search`) or ``faiss`` (a flat :func:`knn` index on the
-    host, or on FAISS's GPU as ``use_gpu`` says; with ``exclude``, k + 1 are searched and each
-    query's own key, else the last, dropped). Either way the results lie on the keys' device, the
-    scores in the keys' dtype (at least float32).
-    """
+    """Ids (Q, k) int64 and scores (Q, k) of the k nearest keys (N, D) of each query (Q, D), exactly, on the
+    keys' device, scores in their dtype (at least float32). ``backend``: ``torch`` (:func:`exact_search`) or
+    ``faiss`` (a flat :func:`knn` index, on FAISS's GPU as ``use_gpu`` says)."""
     if backend not in BACKENDS:
         raise SimilarityError(f"unknown search backend {backend!r}", f"use one of {', '.join(BACKENDS)}")
     if backend == "torch":
@@ -373,18 +340,15 @@ def knn(base: np.ndarray, k: int, queries: np.ndarray | None = None, index: str 
         exclude_self: bool = True, subset: np.ndarray | None = None, rerank: int | None = None,
         chunk_size: int = CHUNK_ROWS, out: str | Path | None = None, progress: bool = False,
         **index_options) -> tuple[np.ndarray, np.ndarray]:
-    """The k nearest candidates of each query: (Q, k) int64 ids into ``base`` and (Q, k) float32 scores.
+    """The k nearest candidates of each query: (Q, k) int64 ids into ``base`` (-1 where an approximate index
+    found fewer) and (Q, k) float32 scores.
 
-    ``base`` (N, D): the points, any float dtype, possibly memory-mapped. ``subset``: the rows of
-    ``base`` that may be neighbors (default all). ``queries`` (Q, D) defaults to the candidates
-    themselves; then, with ``exclude_self``, each one's own row is left out of its list (a point
-    with exact duplicates keeps them: its own id is removed wherever it ranks, or, when ties pushed
-    it out of the k + 1 found, the last of those is dropped). ``index`` and ``index_options``: see
-    :func:`build_index`. ``rerank``: search ``rerank`` × k candidates and keep the k nearest by
-    exact scores computed from ``base`` (default 10 for ``ivfpq``, whose coded scores are coarse,
-    else 1: no re-ranking); the scores returned are then exact. ``out``: a folder to write
-    ``neighbor_ids.npy`` and ``neighbor_scores.npy`` into as memory maps, which are returned.
-    Anything unusable is a one-line SimilarityError.
+    ``base`` (N, D): any float dtype, possibly memory-mapped. ``subset``: the rows of ``base`` that may
+    be neighbors (default all). ``queries`` (Q, D) defaults to the candidates; then, with ``exclude_self``,
+    each one's own id is dropped from its k + 1 found (else the last: exact duplicates are kept).
+    ``index``, ``index_options``: see :func:`build_index`. ``rerank``: keep the k best of ``rerank`` × k
+    candidates by exact scores (default 10 for ``ivfpq``, else 1: none). ``out``: a folder to write
+    ``neighbor_ids.npy`` and ``neighbor_scores.npy`` into as the memory maps returned.
     """
     base = _checked_matrix(base, "base points")
     rows = _checked_subset(subset, len(base))
@@ -420,9 +384,8 @@ def knn(base: np.ndarray, k: int, queries: np.ndarray | None = None, index: str 
 
 
 class FlatScan:
-    """Exact search on the CPU that scans the candidates ``chunk_size`` rows at a time (FAISS's flat
-    search of each chunk, the results merged), so that memory holds one chunk of candidates where a
-    flat index would hold them all; ``search`` answers like a FAISS index (positions among the candidates)."""
+    """Exact search on the CPU, FAISS's flat search over ``chunk_size`` candidates at a time with the results
+    merged, so memory holds one chunk; ``search`` answers like a FAISS index (positions among the candidates)."""
 
     def __init__(self, points: np.ndarray, rows: np.ndarray | None, metric: str, chunk_size: int = CHUNK_ROWS):
         self.points, self.rows, self.metric, self.chunk_size = points, rows, metric, chunk_size

@@ -1,23 +1,14 @@
-"""The precompute stages: caption embeddings, WordNet class similarities and neighbor lists, each a
-cached stage with the contract of :mod:`repsim.stage`.
+"""The precompute stages, each cached (:mod:`repsim.stage`) with a planner (``*_stage_of``) that gives its
+key without doing the work. Outputs, besides ``stage.json``:
 
-Output directories (``$REPSIM_HOME/artifacts/<stage>/<key>/`` unless given), besides ``stage.json``:
-
-- ``captions``: ``embeddings.npy`` (N, D) float16, the unit-norm embedding of each manifest row's
-  caption (row = manifest index), and ``keys.parquet`` (index, key) aligned with it. The key covers
-  the shard key and the model (the default's package and version, a local folder's path and file
-  stats, or a cached model's name); batch size and device do not change it.
-- ``wordnet``: ``similarity.npy`` (C, C) float32 in label order, ``classes.json``
-  (``[{"name", "synset"}]`` in label order) and ``similarity.png``, a heat map of the matrix.
-- ``neighbors``: ``neighbor_ids.npy`` (N, k) int64 and ``neighbor_scores.npy`` (N, k) float32
-  (:func:`~repsim.similarity.neighbors.knn`): each embedding row's k nearest other rows, best first.
-  For approximate indexes (``ivf``, ``ivfpq``, ``hnsw``) the metrics hold, on a seeded sample of queries, ``recall`` (the share of
-  exact neighbor ids found, :func:`~repsim.similarity.neighbors.recall_at_k`) and
-  ``recall_tie_aware`` (the share of found neighbors at least as near as the exact k-th one), which
-  stays meaningful when many rows are identical, e.g. the embeddings of repeated template captions.
-
-Every stage has a planner (``*_stage_of``) that gives its :class:`~repsim.stage.Stage`, and thus its
-key, without doing the work.
+- ``captions``: ``embeddings.npy`` (N, D) float16 unit rows, one per manifest row's caption, and
+  ``keys.parquet`` (index, key); keyed by the shard key and the model, not batch size or device.
+- ``wordnet``: ``similarity.npy`` (C, C) float32 and ``classes.json`` (``[{"name", "synset"}]``), both in
+  label order, and ``similarity.png``, a heat map.
+- ``neighbors``: ``neighbor_ids.npy`` (N, k) int64 and ``neighbor_scores.npy`` (N, k) float32, each row's
+  k nearest other rows, best first. Approximate indexes report, on a seeded sample of queries, ``recall``
+  (:func:`~repsim.similarity.neighbors.recall_at_k`) and ``recall_tie_aware`` (the share of found
+  neighbors as near as the exact k-th), which holds up when many rows are identical (template captions).
 """
 
 from __future__ import annotations
@@ -61,11 +52,8 @@ def embed_captions_stage(shards: ShardResult | str | Path, model: str | Path | N
                          batch_size: int = 256, device: str | None = None,
                          out_dir: str | Path | None = None, progress: bool = True) -> StageOutput:
     """Embed the caption of every manifest row of ``shards`` (a ShardResult or shard directory) into
-    ``embeddings.npy`` (N, D) float16 unit rows, or return the cached output at once.
-
-    ``model``: a local sentence-transformers folder or cached model name (default all-MiniLM-L6-v2).
-    Identical captions are embedded once; rows are written straight into a memory-mapped file.
-    """
+    ``embeddings.npy`` (N, D) float16 unit rows, or return the cached output at once. ``model``: a local
+    sentence-transformers folder or cached model name (default all-MiniLM-L6-v2)."""
     shards = ShardResult.of(shards)
     return run_stage(embed_captions_stage_of(shards, model),
                      lambda tmp: _write_embeddings(shards.manifest, model, batch_size, device, progress, tmp),
@@ -116,11 +104,9 @@ ClassesLike = DataSpec | str | Path | Mapping[str, str]
 
 def wordnet_similarity_stage(classes: ClassesLike, measure: str = "wup", out_dir: str | Path | None = None,
                              progress: bool = True) -> StageOutput:
-    """The (C, C) WordNet ``measure`` similarity of the classes of a data spec (object or YAML path)
-    or of a ``{class name: synset}`` mapping, in label order; or the cached output at once.
-
-    An unknown synset or measure raises the library's one-line SimilarityError and leaves no output.
-    """
+    """The (C, C) WordNet ``measure`` similarity of the classes of a data spec (object or YAML path) or of a
+    ``{class name: synset}`` mapping, in label order; or the cached output at once. An unknown synset or
+    measure raises SimilarityError and leaves no output."""
     named = spec_classes(classes)
     return run_stage(wordnet_similarity_stage_of(named, measure),
                      lambda tmp: _write_class_similarity(named, measure, progress, tmp), out_dir)
@@ -167,15 +153,10 @@ EmbeddingsLike = StageOutput | str | Path
 def neighbors_stage(embeddings: EmbeddingsLike, k: int = 10, index: str = "auto", metric: str = "cosine",
                     recall_queries: int = RECALL_QUERIES, seed: int = 0, out_dir: str | Path | None = None,
                     progress: bool = True) -> StageOutput:
-    """The k nearest other rows of every row of (N, D) ``embeddings`` with a FAISS ``index``
-    (:func:`~repsim.similarity.neighbors.knn`; ``auto``: :func:`~repsim.similarity.neighbors.auto_index`
-    at this N), or the cached output at once. Exact search (``flat``) over more than
-    :data:`~repsim.similarity.neighbors.EXACT_LIMIT` rows warns, naming the index ``auto`` would use.
-
-    ``embeddings``: a caption stage output or directory, or an (N, D) ``.npy`` (memory-mapped, never
-    loaded whole). For approximate indexes, recall against exact search is measured on
-    ``recall_queries`` rows drawn with ``seed``.
-    """
+    """The k nearest other rows of every row of (N, D) ``embeddings`` (a caption stage output or directory,
+    or a ``.npy``, memory-mapped) with a FAISS ``index`` (``auto``: :func:`~repsim.similarity.neighbors.auto_index`),
+    or the cached output at once. ``flat`` over more than :data:`~repsim.similarity.neighbors.EXACT_LIMIT` rows
+    warns. Approximate indexes measure recall on ``recall_queries`` rows drawn with ``seed``."""
     stage = neighbors_stage_of(embeddings, k, index, metric, recall_queries, seed)
     path, _ = _embeddings_input(embeddings)
     return run_stage(stage, lambda tmp: _write_neighbors(path, stage.config, progress, tmp), out_dir)
@@ -243,12 +224,8 @@ def _recall(points: np.ndarray, ids: np.ndarray, scores: np.ndarray, config: dic
 
 
 def _tie_aware_recall(ids: np.ndarray, scores: np.ndarray, kth: np.ndarray, metric: str) -> float:
-    """Share of found neighbors (Q, k) at least as near as each query's exact k-th score (Q,).
-
-    IVF-Flat and HNSW return exact scores for the ids they find, so a neighbor that ties with an
-    exact one counts as found whichever of the tied ids the index returned (IVF-PQ scores are
-    approximate, so for it this is an estimate).
-    """
+    """Share of found neighbors (Q, k) at least as near as each query's exact k-th score (Q,): a tie with an
+    exact neighbor counts as found (exact for IVF-Flat and HNSW scores, an estimate for IVF-PQ's)."""
     tolerance = 1e-4 * np.maximum(np.abs(kth), 1.0)[:, None]
     near = scores >= kth[:, None] - tolerance if descending(metric) else scores <= kth[:, None] + tolerance
     return float((near & (ids >= 0)).mean())

@@ -1,8 +1,6 @@
-"""Target similarities: the sources that turn a batch's sample indices and labels into its (B, B) target similarity.
-
-Training calls ``source(indices, labels)`` with (B,) int64 tensors and gets a (B, B) float32 tensor
-on the device of ``indices`` whose diagonal is exactly 1 (``similarity(i, i) = 1``). Sources keep
-their tables on the host until first called and move them to the calling device once.
+"""Target similarities: ``source(indices, labels)`` with (B,) int64 tensors gives the batch's (B, B) float32
+target on the device of ``indices``, diagonal exactly 1. Sources keep their tables on the host until first
+called, then move them to the calling device once.
 
 - :class:`ClassMatrixSource`: a precomputed (C, C) matrix indexed by labels (WordNet, user matrices).
 - :class:`LabelSource`: 1 for the same label, else 0 (SupCon's positives).
@@ -34,8 +32,7 @@ class SimilaritySource(ABC):
 
     @abstractmethod
     def __call__(self, indices: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """``indices``: (B,) int64 sample indices; ``labels``: (B,) int64 class ids.
-        Returns (B, B) float32 on ``indices.device``."""
+        """(B,) int64 sample indices and class ids -> (B, B) float32 on ``indices.device``."""
 
 
 class _Resident:
@@ -80,15 +77,10 @@ class IdentitySource(SimilaritySource):
 
 
 class EmbeddingSource(SimilaritySource):
-    """Cosine similarity of per-sample embeddings: ``E_b E_bᵀ`` over the batch's stored rows.
-
-    ``embeddings`` (N, D), e.g. a memory-mapped float16 ``.npy`` of caption embeddings. Only the B
-    rows of a batch are read; they are re-normalised after the float16 round trip, products are
-    clamped to [-1, 1], and a sample with itself is exactly 1. Values stay raw cosines, as X-CLR
-    uses them: the target ``softmax(s / τ_s)`` is shift-invariant, so mapping to [0, 1] would only
-    double τ_s. ``resident=True`` copies the whole table to the device once (fast gathers; N x D
-    device memory); otherwise rows are gathered on the host per batch.
-    """
+    """Cosine similarity ``E_b E_bᵀ`` of the batch's rows of ``embeddings`` (N, D), e.g. a memory-mapped
+    float16 ``.npy``: rows re-normalised, products clamped to [-1, 1], a sample with itself exactly 1.
+    Raw cosines, as X-CLR uses them (its ``softmax(s / τ_s)`` is shift-invariant). ``resident=True``
+    copies the table to the device once (N x D device memory); else rows are gathered on the host."""
 
     def __init__(self, embeddings: np.ndarray, resident: bool = False):
         if embeddings.ndim != 2:
@@ -119,12 +111,8 @@ class EmbeddingSource(SimilaritySource):
 
 
 class GraphSource(SimilaritySource):
-    """A sparse symmetric sample graph: s(i, j) for listed pairs, 0 for other pairs, 1 for a sample
-    with itself (also where a sample fills two places of a batch).
-
-    Pairs are stored once per direction as sorted codes ``i * N + j``; a batch looks up its B x B
-    codes with one ``searchsorted``.
-    """
+    """A sparse symmetric sample graph: s(i, j) for listed pairs, 0 for other pairs, 1 for a sample with
+    itself. Pairs are stored both ways as sorted codes ``i * N + j``, looked up with one ``searchsorted``."""
 
     def __init__(self, i: np.ndarray, j: np.ndarray, s: np.ndarray, num_samples: int):
         i, j = np.asarray(i, dtype=np.int64), np.asarray(j, dtype=np.int64)
@@ -206,15 +194,11 @@ def _float_or_nan(value: object) -> float:
 
 def _unique_pairs(codes: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Sorted unique codes and their values; a pair listed twice must agree with itself."""
-    order = np.argsort(codes, kind="stable")
-    codes, values = codes[order], values[order]
-    first = np.ones(len(codes), dtype=bool)
-    first[1:] = codes[1:] != codes[:-1]
-    group = np.cumsum(first) - 1
+    unique, first, group = np.unique(codes, return_index=True, return_inverse=True)
     if not np.allclose(values, values[first][group], atol=TOLERANCE, rtol=0):
         raise SimilarityError("the graph lists a pair twice with different similarities",
                               "keep one s per unordered pair (i, j)")
-    return codes[first], values[first]
+    return unique, values[first]
 
 
 def _key_indices(column: pa.ChunkedArray, key_set: pa.Array, path: str | Path) -> np.ndarray:
@@ -246,12 +230,8 @@ def _read_table(path: Path) -> pa.Table:
 
 
 def load_class_matrix(path: str | Path, class_names: Sequence[str]) -> np.ndarray:
-    """A user's (C, C) class similarity from a CSV or Parquet table, in ``class_names`` order.
-
-    Layout: the first column holds each row's class name, the other columns are named by class;
-    the matrix must cover exactly ``class_names``, be symmetric, lie in [0, 1] and have 1 on the
-    diagonal. Returns float64.
-    """
+    """A user's (C, C) float64 class similarity from a CSV or Parquet table, in ``class_names`` order: the
+    first column names each row's class, the others are named by class (checked by :func:`validate_class_matrix`)."""
     table = _read_table(Path(path))
     rows = [str(name) for name in table.column(0).to_pylist()]
     columns = table.column_names[1:]
@@ -276,11 +256,8 @@ def _check_class_names(rows: list[str], columns: list[str], class_names: Sequenc
 
 
 def validate_class_matrix(matrix: np.ndarray, class_names: Sequence[str] | None = None) -> np.ndarray:
-    """Check a (C, C) class similarity and return it exactly symmetric with an exact unit diagonal.
-
-    Symmetry and the diagonal are checked to within 1e-6; values must be numbers in [0, 1]. Errors name
-    the (row, column) classes.
-    """
+    """Check a (C, C) class similarity (numbers in [0, 1], symmetric with a unit diagonal to within 1e-6;
+    errors name the classes) and return it exactly symmetric with an exact unit diagonal."""
     matrix = np.asarray(matrix, dtype=np.float64)
     names = list(class_names) if class_names is not None else [str(k) for k in range(len(matrix))]
     if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1] or len(names) != len(matrix):

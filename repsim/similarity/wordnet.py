@@ -1,23 +1,16 @@
 """WordNet class similarities from the Debian WordNet 3.0 files, read with NLTK.
 
-Debian's ``wordnet-base`` and ``wordnet-sense-index`` install the database in ``/usr/share/wordnet``
-but omit the ``lexnames`` file NLTK's reader needs, and NLTK only reads corpora below its data path.
-:func:`prepare_wordnet` therefore copies the database once into
-``$REPSIM_HOME/nltk_data/corpora/wordnet/`` and writes ``lexnames`` there, rebuilt from the
-``lexnames(5WN)`` man page (or from the fixed WordNet 3.0 list when the man page is absent).
+Debian's ``wordnet-base`` and ``wordnet-sense-index`` omit the ``lexnames`` file NLTK needs, so
+:func:`prepare_wordnet` copies the database once into ``$REPSIM_HOME/nltk_data/corpora/wordnet/`` (NLTK
+reads only below its data path) with a ``lexnames`` rebuilt from the ``lexnames(5WN)`` man page.
 
-Class similarities are defined on the noun hierarchy, which has one root (``entity.n.01``).
-With d the shortest hypernym/hyponym path between two synsets and D the deepest noun (19 in
-WordNet 3.0), the measures are, all in [0, 1] with the diagonal exactly 1:
+Measures on the noun hierarchy, with d the shortest hypernym/hyponym path between two synsets and D the
+deepest noun (19 in WordNet 3.0), all in [0, 1] with the diagonal exactly 1:
 
-- ``wup``: Wu-Palmer, NLTK's ``wup_similarity``. NLTK's value depends on argument order in rare
-  ties (when the first synset is one of several equally deep subsumers); the mean of both orders
-  keeps the matrix symmetric and independent of the class order.
+- ``wup``: NLTK's Wu-Palmer, the mean of both argument orders (NLTK's differs in rare ties).
 - ``path``: ``1 / (1 + d)``, NLTK's ``path_similarity``.
-- ``lch``: Leacock-Chodorow ``-log((d + 1) / 2D)`` divided by its maximum ``log(2D)`` (a synset
-  with itself), i.e. ``1 - log(1 + d) / log(2D)``, clipped at 0.
-- ``hops``: ``1 - d / 2D``, linear in the hop count (2D bounds any path through the root), so one
-  more hop always costs the same; ``1 / (1 + d)`` would repeat ``path``.
+- ``lch``: Leacock-Chodorow over its maximum, ``1 - log(1 + d) / log(2D)``, clipped at 0.
+- ``hops``: ``1 - d / 2D``, linear in the hop count (2D bounds any path through the root).
 """
 
 from __future__ import annotations
@@ -86,12 +79,8 @@ def lexnames_text(names: Sequence[str]) -> str:
 
 
 def prepare_wordnet(source: Path = DEBIAN_WORDNET, data_root: Path | None = None) -> Path:
-    """Copy the WordNet database into ``<data_root>/corpora/wordnet`` with ``lexnames``; return it.
-
-    ``data_root`` defaults to :func:`nltk_data_root`. Done once: an existing folder is returned as is.
-    The folder is built under a temporary name and renamed, so concurrent or interrupted runs never
-    leave a half-prepared corpus.
-    """
+    """Copy the WordNet database into ``<data_root>/corpora/wordnet`` (default :func:`nltk_data_root`) with
+    ``lexnames``, once, under a temporary name then renamed (never half-prepared); return the folder."""
     target = (data_root or nltk_data_root()) / "corpora" / "wordnet"
     if target.exists():
         return target
@@ -135,11 +124,8 @@ def gloss(synset: str) -> str:
 
 
 def synsets_for(name: str, pos: str | None = "n") -> list[tuple[str, str]]:
-    """Candidate ``(synset, gloss)`` pairs for a class name, to help write a data spec.
-
-    Tries the whole name as a lemma (``"Ankle boot"`` -> ``ankle_boot``), then its ``/`` parts
-    (``"T-shirt/top"``), then its single words, last word first (English compounds end in their head).
-    """
+    """Candidate ``(synset, gloss)`` pairs for a class name: the whole name as a lemma (``"Ankle boot"`` ->
+    ``ankle_boot``), else its ``/`` parts (``"T-shirt/top"``), else its words, last (the head) first."""
     reader = wordnet()
     phrase = re.sub(r"\s+", "_", name.strip().lower())
     parts = [part for part in phrase.split("/") if part]
@@ -181,10 +167,8 @@ def _short(text: str, limit: int = 50) -> str:
 
 
 def noun_max_depth() -> int:
-    """D: the longest hypernym path from any noun synset to the root (19 in WordNet 3.0).
-
-    Scanning every noun takes seconds, so the value is stored beside the prepared corpus.
-    """
+    """D: the longest hypernym path from any noun synset to the root (19 in WordNet 3.0), stored beside the
+    prepared corpus (scanning every noun takes seconds)."""
     stored = prepare_wordnet() / MAX_DEPTH_FILE
     if stored.exists():
         return int(stored.read_text())
@@ -245,10 +229,7 @@ def _pair_measure(measure: str) -> Callable:
 
 
 def class_similarity(synsets: Sequence[str], measure: str = "wup", progress: bool = False) -> np.ndarray:
-    """(C, C) float64 similarity between class synsets: symmetric, in [0, 1], diagonal exactly 1.
-
-    ``measure`` is one of ``wup``, ``path``, ``lch``, ``hops`` (see the module docstring).
-    """
+    """(C, C) float64 ``measure`` similarity (see the module docstring) between class synsets."""
     if measure not in MEASURES:
         raise SimilarityError(f"unknown WordNet measure {measure!r}", f"use one of {', '.join(MEASURES)}")
     nodes = [lookup(name) for name in synsets]
