@@ -28,6 +28,14 @@ from _report import (FinishedRun, below_floor, epochs_by_encoder, markdown, mean
 NAMES = {"pixels": "raw pixels (floor)", "sop": "SOP", "sop-no-mim": "SOP without MIM (λ2 = 0)",
          "sop-fixed": "SOP, SOPs fixed after the initial selection",
          "sop-unshared": "SOP, non-shared supports", "sop-koleo": "SOP + KoLeo (λ = 0.1; an option, not the paper's)",
+         "sop-horizon": "SOP, teacher horizon 0.2 % of the run (option)",
+         "sop-anchor-share": "SOP, anchors 1/16 of the memory (option)",
+         "sop-supports-apart": "SOP, supports only among non-anchors (option)",
+         "sop-patch-bank": "SOP, the authors' patch bank (option)",
+         "sop-enqueue-second": "SOP, the second global view alone enqueued (option)",
+         "sop-memory-random": "SOP, memories started full of random vectors (option)",
+         "sop-anchor-draws": "SOP, two anchor draws a step (option)",
+         "sop-authors": "SOP, every option above (preset: authors)",
          "dino": "DINO-style (learned prototypes)",
          "ibot": "iBOT-style (learned prototypes, masked patches)",
          "supcon": "SupCon on the same backbone (labels: the reference)",
@@ -77,6 +85,19 @@ def monitor_table(epochs: dict[str, list[list[dict]]]) -> str:
     return markdown(["encoder", "network", *map(str, range(1, count + 1))],
                     [[name(encoder), network, *(number(100 * knn, 1) for knn in mean_over_seeds(seeds, metric))]
                      for encoder, seeds in epochs.items() for network, metric in MONITORS.items()])
+
+
+def curve_table(epochs: dict[str, list[list[dict]]]) -> str:
+    """Per encoder, mean over seeds: the student's kNN top-1 (%) after the first epoch, at its peak and
+    at the end, the end's change over the first, and the last epoch's effective rank and target entropy."""
+    lines = []
+    for encoder, seeds in epochs.items():
+        knn = [100 * value for value in mean_over_seeds(seeds, MONITORS["student"])]
+        last = [mean_over_seeds(seeds, metric)[-1] for metric in ("effective_rank", "target_entropy")]
+        lines.append([name(encoder), *(number(value, 1) for value in (knn[0], max(knn), knn[-1])),
+                      f"{knn[-1] - knn[0]:+.1f}", number(last[0], 1), number(last[1], 3)])
+    return markdown(["encoder", "kNN after epoch 1", "peak", "end", "end − epoch 1", "effective rank",
+                     "target entropy"], lines)
 
 
 def plot(run: FinishedRun, epochs: dict[str, list[list[dict]]], path: Path) -> None:
@@ -131,6 +152,8 @@ def report(run: FinishedRun, image: Path) -> str:
         "The online monitor's kNN top-1 (%) on the test split after every epoch, of the student and of the "
         "teacher, mean over the seeds:", "",
         monitor_table(epochs), "",
+        "The student's curve in short, mean over the seeds (kNN top-1, %; the last epoch's diagnostics):", "",
+        curve_table(epochs), "",
         f"![scores]({image.name})", ""])
 
 
