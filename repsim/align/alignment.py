@@ -1,26 +1,14 @@
 """The align stage: GeRA (or contrastive alignment alone, alpha = 0) between frozen image and text
-embeddings, with ASIF as the training-free baseline, as one cached stage.
+embeddings, with ASIF as the training-free baseline; upstream, the shards and the train and test
+embedding tables (:mod:`repsim.align.tables`), each cached.
 
-Upstream (each cached): the shards of ``data.spec``, then the embedding tables of the train and test
-splits (:mod:`repsim.align.tables`). Output (``$REPSIM_HOME/artifacts/align/<key>/`` unless given),
-besides ``stage.json``:
-
-- ``paired.npy`` (M,), ``unpaired_image.npy``, ``unpaired_text.npy``: train table rows (the seeded
-  pairing, :mod:`repsim.align.pairing`), and ``neighbors_image.npy``, ``neighbors_text.npy`` (M, L):
-  the L nearest unpaired rows of each paired row in its own modality;
-- ``alignment.pt``: f and g (:func:`repsim.align.train.load_alignment`);
-- ``metrics.jsonl``: per step ``loss``, ``contrastive``, ``geo_a``, ``geo_b``, ``lr``;
-- ``results.json``: ``{"suites": {"zeroshot": {...}, "retrieval": {...}}, "baselines": {"asif":
-  {"suites": ...}}, "samples": {...}}`` on the test split (the held-out part of the train split when
-  ``data.holdout`` > 0), as the evaluate stage writes it;
-- ``loss.png``: the loss curves.
-
-``stage.json`` metrics: the training summary (``loss``, ``final_loss``, ``steps``, ``epochs``), every
-suite metric (``zeroshot_top1``, ``i2t_r1``, ...) and the same for ASIF prefixed ``asif_``. The key
-covers the config without ``image``, ``text``, ``data`` but its ``holdout`` (the tables' keys stand
-for them), ``optim.num_workers`` and ``optim.checkpoint_every``, plus the two tables' keys; the
-pairing is a function of ``pairing`` and the train table. An interrupted run resumes from
-``$REPSIM_HOME/scratch/align/<key>/``.
+Output, besides ``stage.json`` (the training summary, every suite metric, ASIF's prefixed ``asif_``):
+the pairing (:class:`~repsim.align.pairing.Pairing`) and ``neighbors_{image,text}.npy`` (M, L),
+``alignment.pt`` (:func:`repsim.align.train.load_alignment`), ``metrics.jsonl``, ``loss.png`` and
+``results.json`` (``{"suites", "baselines": {"asif": {"suites"}}, "samples"}``, as the evaluate stage
+writes it) on the test split, or the held-out part of the train split when ``data.holdout`` > 0. The
+key covers the config but its key-neutral fields, plus the tables' keys; an interrupted run resumes
+from ``$REPSIM_HOME/scratch/align/<key>/``.
 """
 
 from __future__ import annotations
@@ -75,14 +63,8 @@ def _stage(config: AlignConfig, train_key: str, test_key: str) -> Stage:
 def align(config: AlignConfig, out_dir: str | Path | None = None, log: LogFn | None = None,
           shards: ShardResult | str | Path | None = None, device: str | torch.device | None = None,
           progress: bool = True) -> StageOutput:
-    """Align ``config`` into its stage directory, or return the cached output at once.
-
-    Shards the data spec and builds the train and test embedding tables (all cached) unless
-    ``shards`` is given, then pairs, finds neighbors, trains f and g on ``device`` (default: the GPU
-    when present) and scores them and ASIF on the test split. ``log(metrics, step)`` receives the
-    per-step curves. With ``data.holdout`` > 0 the held-out part of the train split is scored instead
-    of the test split.
-    """
+    """Align ``config`` into its stage directory (f and g trained on ``device``, default the GPU when
+    present), or return the cached output at once; ``log(metrics, step)`` receives the per-step curves."""
     spec = load_spec(config.data.spec)
     shards = sharded(spec, shards, progress)
     train_tables, test_tables = (embedding_tables(shards, spec, config.image, config.text, split, device,

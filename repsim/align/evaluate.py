@@ -1,9 +1,5 @@
-"""Scoring a shared image-text space with the evaluation suites: zero-shot classification
-(:mod:`repsim.eval.zeroshot`) and image↔text retrieval (:mod:`repsim.eval.retrieval`).
-
-A space is two maps from the frozen embeddings into it: ``image`` (N, D_a) -> (N, d) and ``text``
-(P, D_b) -> (P, d) — the alignment networks f and g, or ASIF's relative representations. Zero-shot
-prompts (class names × templates) are embedded by the same text model as the captions, then mapped.
+"""Scoring a shared image-text space, two maps (f and g, or ASIF's) from the frozen embeddings into
+it, by zero-shot classification (prompts embedded by the caption text model) and retrieval.
 """
 
 from __future__ import annotations
