@@ -1,18 +1,10 @@
 """Self-organizing visual prototypes (SOP): distributions over prototypes built from a memory.
 
-An SOP is an anchor embedding from the memory and its k nearest other memory entries (its support
-embeddings). With K anchors the M = K(k+1) elements carry a weight w (an anchor 1 − ε, a support
-embedding its cosine score with the anchor, clipped to [0, 1]) and the label matrix Y (M × K) puts w
-on the element's own SOP and (1 − w) / (K − 1) on each other SOP, so every row sums to 1 (one-hot:
-1 on its own SOP). An embedding's distribution over SOPs is ``softmax(e · elementsᵀ / τ) · Y``.
-A memory entry may support several anchors, as in the paper; with non-shared supports (the ablation
-of the paper's rebuttal) it supports only the anchor it scores highest with, and none if it is an
-anchor itself, so an SOP may hold fewer than k supports and M ≤ K(k+1).
-
-:class:`SOPLoss` is the [CLS] loss: cross-entropy between the teacher's and the student's
-distributions of different views, paired as in DINO. :class:`MaskedSOPLoss` is the MIM loss:
-the student's masked patch tokens against the teacher's tokens at the same positions of the same
-view, over patch SOPs; unmasked positions take no part.
+An SOP is an anchor from the memory and its k nearest other entries (supports). Each of the
+M ≤ K(k+1) elements has a weight w (an anchor 1 − ε, a support its cosine with the anchor, clipped
+to [0, 1]; one-hot: 1); the label matrix Y (M, K) puts w on its own SOP and (1 − w) / (K − 1) on
+each other. An embedding's distribution over SOPs is ``softmax(e · elementsᵀ / τ) · Y``. Non-shared
+supports (an ablation) keep each entry for the anchor it scores highest with, none if it is an anchor.
 """
 
 from __future__ import annotations
@@ -64,11 +56,8 @@ def nearest_supports(anchors: torch.Tensor, anchor_ids: torch.Tensor, memory: to
     """(cosine scores (K, k), memory rows (K, k)) of each anchor's k nearest memory entries, nearest first.
 
     ``anchors`` (K, D) and ``memory`` (N, D) are unit rows; an entry whose id (``memory_ids`` (N,))
-    equals the anchor's (``anchor_ids`` (K,)) is the anchor itself and is never its own support.
-    An exact inner-product search (:func:`repsim.similarity.neighbors.nearest`) with ``backend``
-    ``torch`` (on the memory's device), ``faiss`` (an index on the host, built from the memory each
-    call) or ``auto``: FAISS for a memory on the CPU, where it was 1.3-2.2x faster than torch from
-    1024 x 4096 to 4096 x 65536 anchors x entries (``benchmarks/sop_cost.py``), torch on a GPU.
+    equals the anchor's (``anchor_ids`` (K,)) is never its own support. ``backend`` ``auto``: FAISS for
+    a memory on the CPU (1.3-2.2x faster there, ``benchmarks/sop_cost.py``), torch on a GPU.
     """
     if k >= len(memory):
         raise ValueError(f"{k} support embeddings need more than {len(memory)} memory entries")
