@@ -1,9 +1,5 @@
 """An experiment's result table: one row per grid point and encoder, each metric's mean ± standard
-deviation over the seeds.
-
-Members of a sweep share the stages that their overrides do not reach, so one stage output (the raw
-pixels' evaluation, say) can score several seeds; it counts once, and ``n`` says how many distinct
-stage outputs a row averages.
+deviation over the seeds. A stage output shared by several members counts once (``n``: distinct outputs).
 """
 
 from __future__ import annotations

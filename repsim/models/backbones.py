@@ -1,8 +1,5 @@
-"""Image backbones: torchvision ResNets (random init) that return pooled features instead of logits,
-and the ViTs of :mod:`repsim.models.vit`.
-
-Every backbone records how it was built in its ``recipe`` attribute, so :func:`save_encoder` can
-store it beside its weights and :func:`load_encoder` can rebuild it without the training config.
+"""Image backbones: torchvision ResNets (random init) that return pooled features, and the ViTs of
+:mod:`repsim.models.vit`; each records its ``recipe``, so :func:`load_encoder` rebuilds a saved one.
 """
 
 from __future__ import annotations
@@ -36,12 +33,9 @@ def backbone(name: str, in_channels: int, image_size: int, small_images: bool = 
 
 
 def resnet(name: str = "resnet18", small_images: bool = False, in_channels: int = 3) -> nn.Module:
-    """A torchvision ResNet without weights and without its classifier: (B, C, H, W) -> (B, F).
+    """A torchvision ResNet without weights or classifier: (B, C, H, W) -> (B, F), ``feature_dim`` F.
 
-    ``small_images`` swaps the 7×7 stride-2 stem and its max-pool for one 3×3 stride-1 conv, as for
-    CIFAR-size inputs (28–32 px), so the first stage keeps the full resolution. ``in_channels`` is 1
-    for grayscale or 3 for colour. The module's ``feature_dim`` is F (512 for resnet18/34, 2048 for
-    resnet50).
+    ``small_images`` swaps the 7×7 stride-2 stem and its max-pool for one 3×3 stride-1 conv (CIFAR-size inputs).
     """
     if name not in RESNETS:
         raise SpecError(f"unknown backbone {name!r}", f"use one of {', '.join(RESNETS + VITS)}")
