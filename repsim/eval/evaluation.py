@@ -1,15 +1,10 @@
-"""The cached ``features`` and ``evaluate`` stages (:mod:`repsim.stage`); each has a planner (``*_stage_of``).
+"""The cached ``features`` and ``evaluate`` stages (:mod:`repsim.stage`), each with a ``*_stage_of`` planner.
 
-- ``features``: ``features.npy`` (N, F) float32 of one split in manifest order, with ``labels.npy``
-  (-1 when unlabelled), ``indices.npy`` (manifest rows) and ``classes.json`` (``[{"name", "synset"}]``).
-  Keyed by the shards, the encoder, the split, the eval view and the precision (bfloat16 autocast on
-  a GPU), not the batch size. The encoder is ``"pixels"`` (flattened eval view), a train stage
-  directory (its training's view unless told otherwise) or a :func:`repsim.models.save_encoder` file.
-- ``evaluate``: ``results.json`` (``{"suites": {suite: {metric: value}}, "seconds": {suite: s},
-  "samples": {"train": N, "test": M}}``) and the suites' figures (``knn_confusion.png`` at k=20 or
-  the smallest k, ``similarity_histogram.png``, ``tsne.png``). :data:`SUITES` run on the test split,
-  train serving as kNN memory and probe training set; ``zeroshot`` needs a :class:`TextEncoder`,
-  ``retrieval`` the caption stage's embeddings in the image features' space.
+``features`` writes one split's ``features.npy`` (N, F) float32 in manifest order with ``labels.npy``,
+``indices.npy`` and ``classes.json``, from an encoder (``"pixels"``, a train stage directory or a
+:func:`repsim.models.save_encoder` file) on the eval view. ``evaluate`` runs :data:`SUITES` on the test
+split (train as kNN memory and probe training set) into ``results.json`` (``{"suites", "seconds",
+"samples"}``) and the suites' PNG figures.
 """
 
 from __future__ import annotations
@@ -33,7 +28,7 @@ from repsim.data.sharding import ShardResult
 from repsim.errors import EvalError, StageError, first_line
 from repsim._checks import ArrayLike, as_ks, resolve_device
 from repsim.eval.diagnostics import embedding_diagnostics
-from repsim.eval.knn import knn_rankings, top_k_accuracy
+from repsim.eval.knn import knn_metrics, knn_rankings
 from repsim.eval.linear import linear_probe
 from repsim.eval.retrieval import map_at_r, paired_retrieval
 from repsim.eval.zeroshot import zero_shot_accuracy, zero_shot_classifier
@@ -360,8 +355,7 @@ class _SuiteRun:
         confusion_matrix_plot(self.test.labels, rankings[k][:, 0], out / CONFUSION_FILE,
                               class_names=self.test.class_names or None, num_classes=self.num_classes,
                               title=f"kNN (k={k}) on the test split")
-        return {f"knn_top{top}_k{k}": accuracy for k, ranked in rankings.items()
-                for top, accuracy in top_k_accuracy(ranked, self.test.labels).items()}
+        return knn_metrics(rankings, self.test.labels)
 
     def _linear(self, out: Path) -> dict[str, float]:
         return linear_probe(self.train.features, self.train.labels, self.test.features, self.test.labels,

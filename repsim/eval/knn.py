@@ -85,9 +85,13 @@ def knn_accuracy(train_x: ArrayLike, train_y: ArrayLike, test_x: ArrayLike, test
     """``{"knn_top1_k{k}": ..., "knn_top5_k{k}": ...}`` for each k, fractions in [0, 1] (top-5 is 1 for ≤ 5
     classes); ``options`` as in :func:`knn_rankings`."""
     test_y = as_labels(test_y, len(test_x), "test_y", "test_x")
-    rankings = knn_rankings(train_x, train_y, test_x, k, top=5, **options)
+    return knn_metrics(knn_rankings(train_x, train_y, test_x, k, top=5, **options), test_y)
+
+
+def knn_metrics(rankings: dict[int, np.ndarray], labels: ArrayLike) -> dict[str, float]:
+    """``{"knn_top1_k{k}", "knn_top5_k{k}"}`` of :func:`knn_rankings` against the test labels (M,)."""
     return {f"knn_top{top}_k{k}": accuracy
-            for k, ranked in rankings.items() for top, accuracy in top_k_accuracy(ranked, test_y).items()}
+            for k, ranked in rankings.items() for top, accuracy in top_k_accuracy(ranked, labels).items()}
 
 
 def top_k_accuracy(rankings: ArrayLike, labels: ArrayLike, tops: Sequence[int] = (1, 5)) -> dict[int, float]:

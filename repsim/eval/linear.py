@@ -1,10 +1,7 @@
-"""Linear probe: multinomial logistic regression on frozen features, standardised by the training rows'
-moments a chunk at a time (memory-mapped features are never copied whole).
-
-The objective is ``mean cross-entropy + weight_decay / 2 · ‖W‖²`` (scikit-learn's with
-``C = 1 / (weight_decay · n_samples)``), the decay chosen on a seeded stratified held-out slice (ties
-to the larger), then refit on all training rows. Full-batch L-BFGS when features and logits fit in
-``FULL_BATCH_BYTES`` (or a quarter of the GPU), else minibatch Adam.
+"""Linear probe: multinomial logistic regression on frozen features standardised by the training rows,
+minimising ``mean cross-entropy + weight_decay / 2 · ‖W‖²`` (scikit-learn's with ``C = 1 / (weight_decay ·
+n_samples)``), the decay chosen on a seeded stratified held-out slice (ties to the larger). Full-batch
+L-BFGS when features and logits fit in ``FULL_BATCH_BYTES`` (or a quarter of the GPU), else minibatch Adam.
 """
 
 from __future__ import annotations
