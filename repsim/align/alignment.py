@@ -1,14 +1,8 @@
 """The align stage: GeRA (or contrastive alignment alone, alpha = 0) between frozen image and text
-embeddings, with ASIF as the training-free baseline; upstream, the shards and the train and test
-embedding tables (:mod:`repsim.align.tables`), each cached.
-
-Output, besides ``stage.json`` (the training summary, every suite metric, ASIF's prefixed ``asif_``):
-the pairing (:class:`~repsim.align.pairing.Pairing`) and ``neighbors_{image,text}.npy`` (M, L),
-``alignment.pt`` (:func:`repsim.align.train.load_alignment`), ``metrics.jsonl``, ``loss.png`` and
-``results.json`` (``{"suites", "baselines": {"asif": {"suites"}}, "samples"}``, as the evaluate stage
-writes it) on the test split, or the held-out part of the train split when ``data.holdout`` > 0. The
-key covers the config but its key-neutral fields, plus the tables' keys; an interrupted run resumes
-from ``$REPSIM_HOME/scratch/align/<key>/``.
+embeddings of the cached embedding tables, with ASIF as the training-free baseline. It writes the
+pairing and neighbors, ``alignment.pt`` (:func:`repsim.align.train.load_alignment`), ``metrics.jsonl``,
+``loss.png`` and ``results.json`` on the test split (or the ``data.holdout`` part of the train split),
+and resumes an interrupted run from ``$REPSIM_HOME/scratch/align/<key>/``.
 """
 
 from __future__ import annotations
@@ -22,7 +16,7 @@ import torch
 from matplotlib.figure import Figure
 
 from repsim.align.config import AlignConfig
-from repsim.align.evaluate import SharedSpace, networks_space, score_space
+from repsim.align.evaluate import Map, network_map, score_space
 from repsim.align.pairing import NEIGHBOUR_FILES, draw_pairing, neighbor_lists
 from repsim.align.tables import EmbeddingTables, embedding_tables, embedding_tables_stage_of, hold_out, load_tables
 from repsim.align.train import ALIGNMENT_FILE, AlignmentMethod, PairedBatches, save_alignment
@@ -105,8 +99,8 @@ class _AlignRun:
         loss_plot(out / METRICS_FILE, out / LOSS_PLOT_FILE)
         anchors = ASIF(train.image[pairing.paired], train.text[pairing.paired],
                        min(config.asif.k, len(pairing.paired)), config.asif.p, config.asif.backend)
-        results = {"suites": self._score(networks_space(method.image_net, method.text_net)),
-                   "baselines": {"asif": {"suites": self._score(SharedSpace(anchors.embed_a, anchors.embed_b))}},
+        results = {"suites": self._score(network_map(method.image_net), network_map(method.text_net)),
+                   "baselines": {"asif": {"suites": self._score(anchors.embed_a, anchors.embed_b)}},
                    "samples": {"paired": len(pairing.paired), "unpaired_image": len(pairing.unpaired_image),
                                "unpaired_text": len(pairing.unpaired_text), "test": len(self.test.indices)}}
         (out / RESULTS_FILE).write_text(json.dumps(results, indent=2))
@@ -125,9 +119,9 @@ class _AlignRun:
         trainer.fit()
         return method.eval(), trainer.steps_per_epoch
 
-    def _score(self, space: SharedSpace) -> dict[str, dict[str, float]]:
+    def _score(self, image: Map, text: Map) -> dict[str, dict[str, float]]:
         evaluation = self.config.evaluation
-        return score_space(space, self.test, evaluation.templates or self.spec.captions.templates,
+        return score_space(image, text, self.test, evaluation.templates or self.spec.captions.templates,
                            self.config.text.model, evaluation.retrieval_k)
 
 

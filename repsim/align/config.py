@@ -86,11 +86,9 @@ class NeighborConfig(Strict):
 
 
 class GeometryConfig(Strict):
-    """The geometric regulariser (see :mod:`repsim.losses.gera`): weight ``alpha``; ``samples`` (n)
-    neighbors drawn per paired point and step by ``strategy`` (``rank``: probability ∝
-    (rank + 1)^-rank_exponent, without replacement); the ``kernel`` with its ``sigma`` (``heat``, the
-    paper's ε = σ · mean pairwise distance, or ``heat_squared``, ε from squared distances) or ``knn_k``
-    (binary kNN, which passes no gradient and so needs alpha 0)."""
+    """The geometric regulariser (:mod:`repsim.losses.gera`): weight ``alpha``, ``samples`` (n) neighbors
+    drawn per paired point and step by ``strategy`` (:func:`repsim.align.train.sample_neighbors`), and
+    the ``kernel`` with its ``sigma`` or ``knn_k`` (binary kNN passes no gradient, so needs alpha 0)."""
 
     alpha: float = Field(1000.0, ge=0)
     samples: int = Field(16, ge=1)

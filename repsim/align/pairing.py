@@ -51,8 +51,7 @@ def draw_pairing(count: int, pairs: int, unpaired: int | None = None, seed: int 
 
 def neighbor_lists(embeddings: np.ndarray, paired: np.ndarray, pool: np.ndarray, count: int,
                     index: str = "flat") -> np.ndarray:
-    """(M, L) int64 table rows: the ``count`` (L) nearest ``pool`` rows of each paired row, by cosine,
-    nearest first."""
+    """(M, L) int64 table rows: the ``count`` (L) nearest ``pool`` rows of each paired row by cosine, nearest first."""
     if count > len(pool):
         raise SpecError(f"neighbors.count (L = {count}) exceeds the {len(pool)} unpaired points",
                         f"choose L from 1 to {len(pool)}, or pair fewer points")

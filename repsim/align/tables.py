@@ -1,10 +1,7 @@
-"""The cached embedding tables stage: one split's frozen image and text embeddings, row-aligned in
-manifest order: ``image.npy`` (N, D_a) and ``text.npy`` (N, D_b) float32 (unit text rows), written
-and read memory-mapped, ``rows.parquet`` (index, key, label, caption) and ``classes.json``.
-
-Images come from the features stage (``encoder``, ``pixels``) or a user's table; captions, drawn
-per sample from its class's captions (:func:`class_captions`) for labelled data, are embedded by a
-frozen sentence-transformer. Keyed by the shards, the image source, the split and the caption recipe.
+"""The cached embedding tables stage: one split's frozen image and text embeddings in manifest order,
+``image.npy`` (N, D_a) and ``text.npy`` (N, D_b) float32 (memory-mapped), ``rows.parquet`` (index, key,
+label, caption) and ``classes.json``. Images come from the features stage or a user's table; captions,
+drawn from each sample's class captions (:func:`class_captions`) when labelled, from a sentence-transformer.
 """
 
 from __future__ import annotations

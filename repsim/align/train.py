@@ -81,8 +81,8 @@ class AlignmentMethod(Method):
     def __init__(self, image_dim: int, text_dim: int, config: AlignConfig):
         super().__init__()
         model, geometry = config.model, config.geometry
-        self.image_net = AlignmentNetwork(image_dim, model.dim, model.kind, model.hidden_dim, model.blocks)
-        self.text_net = AlignmentNetwork(text_dim, model.dim, model.kind, model.hidden_dim, model.blocks)
+        self.image_net, self.text_net = (AlignmentNetwork(dim, model.dim, model.kind, model.hidden_dim, model.blocks)
+                                         for dim in (image_dim, text_dim))
         self.loss = GeRALoss(geometry.alpha, config.loss.temperature, config.loss.learn_temperature,
                              geometry.kernel, geometry.sigma, geometry.knn_k)
 
