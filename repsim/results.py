@@ -77,8 +77,7 @@ def as_records(rows: Sequence[Row], first: Iterable[str] = ()) -> list[dict]:
 
 
 def markdown(rows: Sequence[Row], columns: dict[str, str]) -> str:
-    """The rows as a markdown table of the ``columns`` ({title: metric name}), with the grid point
-    when there is one."""
+    """The rows as a markdown table of the ``columns`` ({title: metric name}), with any grid point."""
     swept = any(row.point for row in rows)
     header = [*(["grid point"] if swept else []), "encoder", *columns]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * (len(header) - len(columns)) + "---:|" * len(columns)]

@@ -73,11 +73,8 @@ def _binary_knn(points: torch.Tensor, k: int) -> torch.Tensor:
 
 
 class GeometricLoss(nn.Module):
-    """How much alignment distorts neighborhoods: mean over paired points and rows of
-    ``KL(K(inputs)_row ‖ K(aligned)_row)``, in nats.
-
-    Shapes: inputs (B, m, D_in) and aligned (B, m, D_out), the same m points per neighborhood in the
-    same order (the paired point first). Returns a scalar.
+    """Mean over neighborhoods and rows of ``KL(K(inputs)_row ‖ K(aligned)_row)`` in nats, of inputs
+    (B, m, D_in) and aligned (B, m, D_out), the same m points in the same order. Returns a scalar.
 
     >>> loss = GeometricLoss(kernel="heat", sigma=1.0)
     >>> inputs, aligned = torch.randn(4, 6, 32), torch.randn(4, 6, 8)  # B = 4 neighborhoods of m = 6 points
@@ -104,13 +101,11 @@ class GeometricLoss(nn.Module):
 
 
 class GeRALoss(nn.Module):
-    """Symmetric InfoNCE on the paired points + ``alpha · (geo_A + geo_B)``.
+    """Symmetric InfoNCE on the paired points + ``alpha · (geo_A + geo_B)``, as scalars ``{"loss",
+    "contrastive", "geo_a", "geo_b"}`` (with alpha 0 the geometric terms carry no gradient).
 
-    Shapes: x (B, m, D_a) and y (B, m, D_b) frozen neighborhoods, fx (B, m, d) and gy (B, m, d) their
-    aligned images; row 0 of each neighborhood is the paired point (x[:, 0] pairs with y[:, 0]), the
-    other rows its sampled unpaired neighbors in its own modality. With m = 1 only InfoNCE is left.
-    Returns ``{"loss", "contrastive", "geo_a", "geo_b"}`` scalars; with ``alpha == 0`` the geometric
-    terms are still reported (when m > 1) but carry no gradient.
+    x (B, m, D_a) and y (B, m, D_b) are frozen neighborhoods, fx and gy (B, m, d) their aligned images;
+    row 0 is the paired point (x[:, 0] pairs with y[:, 0]). With m = 1 only InfoNCE is left.
 
     >>> loss = GeRALoss(alpha=1.0)
     >>> x, y, fx, gy = torch.randn(4, 6, 32), torch.randn(4, 6, 24), torch.randn(4, 6, 8), torch.randn(4, 6, 8)

@@ -23,10 +23,8 @@ from repsim.similarity.neighbors import BACKENDS, nearest
 
 @dataclass(frozen=True)
 class SOPs:
-    """K SOPs as M = K(k+1) elements with the rows of their label matrix in factored form.
-
-    Row m of Y is ``spread[m]`` everywhere but column ``sop_of[m]``, which holds ``own[m]``.
-    """
+    """K SOPs as M elements with their label matrix factored: row m of Y is ``spread[m]`` everywhere but
+    column ``sop_of[m]``, which holds ``own[m]``."""
 
     elements: torch.Tensor  # (M, D) unit rows: the K anchors, then the k support embeddings of each
     sop_of: torch.Tensor    # (M,) long, the SOP of each element
@@ -53,12 +51,9 @@ class SOPs:
 
 def nearest_supports(anchors: torch.Tensor, anchor_ids: torch.Tensor, memory: torch.Tensor,
                      memory_ids: torch.Tensor, k: int, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """(cosine scores (K, k), memory rows (K, k)) of each anchor's k nearest memory entries, nearest first.
-
-    ``anchors`` (K, D) and ``memory`` (N, D) are unit rows; an entry whose id (``memory_ids`` (N,))
-    equals the anchor's (``anchor_ids`` (K,)) is never its own support. ``backend`` ``auto``: FAISS for
-    a memory on the CPU (1.3-2.2x faster there, ``benchmarks/sop_cost.py``), torch on a GPU.
-    """
+    """(cosine scores (K, k), memory rows (K, k)) of each unit anchor's (K, D) k nearest unit memory entries
+    (N, D), nearest first, never the entry of its own id; ``backend`` ``auto``: FAISS for a memory on the CPU
+    (1.3-2.2x faster there, ``benchmarks/sop_cost.py``), torch on a GPU."""
     if k >= len(memory):
         raise ValueError(f"{k} support embeddings need more than {len(memory)} memory entries")
     if backend not in ("auto", *BACKENDS):

@@ -13,8 +13,7 @@ def target_mass(similarity: torch.Tensor, target_temperature: float, offset: int
     (on i's other view for j = i), from ``similarity`` rows (R, B') of samples offset, ..., offset + R - 1.
 
     Over the 2B' - 1 other views the target is ``softmax(s / target_temperature)`` with s[i, i] = 1; both
-    views of j share s[i, j], so with q the softmax over the B' samples the row is ``q / (2 - q[i, i])``.
-    """
+    views of j share s[i, j], so with q the softmax over the B' samples the row is ``q / (2 - q[i, i])``."""
     scaled = at_least_float32(similarity) / target_temperature
     scaled.diagonal(offset).fill_(1.0 / target_temperature)
     probabilities = torch.softmax(scaled, dim=1)
@@ -25,8 +24,7 @@ class _SoftViewCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of softmax(logits (2B, 2B')) against the view-pair target of ``mass`` (B, B'),
     without materialising it: row (a, i) targets ``mass[i, j]`` on both views of every j but its own
     column, which lies on the diagonal at ``offset`` of block (a, a) of the (2, B, 2, B') view. The
-    gradient is ``p[r] - target[r]``; none flows to ``mass``.
-    """
+    gradient is ``p[r] - target[r]``; none flows to ``mass``."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, mass: torch.Tensor, offset: int) -> torch.Tensor:

@@ -33,10 +33,8 @@ def backbone(name: str, in_channels: int, image_size: int, small_images: bool = 
 
 
 def resnet(name: str = "resnet18", small_images: bool = False, in_channels: int = 3) -> nn.Module:
-    """A torchvision ResNet without weights or classifier: (B, C, H, W) -> (B, F), ``feature_dim`` F.
-
-    ``small_images`` swaps the 7×7 stride-2 stem and its max-pool for one 3×3 stride-1 conv (CIFAR-size inputs).
-    """
+    """A torchvision ResNet without weights or classifier: (B, C, H, W) -> (B, F), ``feature_dim`` F;
+    ``small_images`` swaps the 7×7 stride-2 stem and its max-pool for one 3×3 stride-1 conv (CIFAR-size inputs)."""
     if name not in RESNETS:
         raise SpecError(f"unknown backbone {name!r}", f"use one of {', '.join(RESNETS + VITS)}")
     network = getattr(torchvision.models, name)(weights=None)
