@@ -69,9 +69,8 @@ def embedding_tables(shards: ShardResult, spec: DataSpec, image: ImageSource, te
                      device: str | torch.device | None = None, out_dir: str | Path | None = None,
                      progress: bool = True) -> StageOutput:
     """The image and text embeddings of ``split``, or the cached output at once."""
-    features = None
-    if image.type != "table":
-        features = extract_features(shards, _encoder(image), split, image.batch_size, device, progress=progress)
+    features = (None if image.type == "table"
+                else extract_features(shards, _encoder(image), split, image.batch_size, device, progress=progress))
     stage = embedding_tables_stage_of(shards, image, text, split, device)
     return run_stage(stage, lambda tmp: _write(shards, spec, image, text, split, features, device, progress, tmp),
                      out_dir)
