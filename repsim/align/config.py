@@ -28,9 +28,8 @@ class AlignData(Strict):
 
 
 class EncoderImages(Strict):
-    """Image embeddings from an encoder: a train stage directory, its ``encoder.pt``, or any file
-    written by :func:`repsim.models.save_encoder` (the features stage extracts them, cached). A plain
-    torchvision state dict has no recipe to rebuild the network from: save it with ``save_encoder``."""
+    """Image embeddings (from the cached features stage) of an encoder: a train stage directory, its
+    ``encoder.pt`` or any :func:`repsim.models.save_encoder` file (a plain state dict has no recipe)."""
 
     type: Literal["encoder"]
     path: Path

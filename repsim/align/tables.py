@@ -130,9 +130,8 @@ def _write(shards: ShardResult, spec: DataSpec, image: ImageSource, text: AlignT
 
 
 def _copy_rows(source: np.ndarray, rows: np.ndarray | None, path: Path, name: str) -> np.ndarray:
-    """``source[rows]`` (all rows when None) written to a float32 ``.npy`` at ``path`` a chunk of rows at
-    a time, so that a memory-mapped source is never read whole; EvalError naming the first row with a
-    NaN or an infinite value."""
+    """``source[rows]`` (all rows when None) written to a float32 ``.npy`` at ``path`` a chunk at a time (a
+    memory-mapped source is never read whole); EvalError naming the first row with a NaN or an inf."""
     count = len(source) if rows is None else len(rows)
     table = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(count, source.shape[1]))
     for start in range(0, count, COPY_ROWS):

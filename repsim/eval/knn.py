@@ -21,9 +21,8 @@ def cosine_top_k(queries: ArrayLike, keys: ArrayLike, k: int, *, exclude_self: b
                  chunk_size: int = QUERY_CHUNK, key_chunk_size: int = KEY_CHUNK,
                  device: str | torch.device | None = None,
                  dtype: torch.dtype = torch.float32) -> Iterator[NeighborChunk]:
-    """The k most cosine-similar keys (Nk, D) of every query (Nq, D), one :class:`NeighborChunk` per
-    query chunk; ``exclude_self`` leaves each row out of its own neighbors (queries and keys the same set).
-    Inputs are checked at the call (EvalError)."""
+    """The k most cosine-similar keys (Nk, D) of every query (Nq, D), one :class:`NeighborChunk` per query
+    chunk (inputs checked at the call); ``exclude_self``: queries and keys are one set, each row not its own."""
     queries, keys = as_features(queries, "queries"), as_features(keys, "keys")
     check_same_width(queries, "queries", keys, "keys")
     if exclude_self:

@@ -110,9 +110,8 @@ def build_sops(anchors: torch.Tensor, anchor_ids: torch.Tensor, memory: torch.Te
 
 def exclusive_supports(scores: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor,
                        anchor_ids: torch.Tensor) -> torch.Tensor:
-    """(K·k,) bool: which of the drawn supports (flat ``scores``, memory ``rows`` and their ``ids``)
-    each memory entry keeps, at most one: the anchor it scores highest with (ties: the first such
-    anchor), none for an entry that is itself an anchor."""
+    """(K·k,) bool: the drawn supports (flat ``scores``, memory ``rows``, their ``ids``) kept, each memory entry
+    for the anchor it scores highest with (ties: the first), none for an entry that is itself an anchor."""
     best = torch.full((int(rows.max()) + 1,), -math.inf, dtype=scores.dtype, device=scores.device)
     best = best.scatter_reduce(0, rows, scores, "amax")
     position = torch.arange(len(rows), device=rows.device)

@@ -22,9 +22,8 @@ UNREADABLE_FIX = "pass an encoder written by the train stage (repsim.models.save
 
 def backbone(name: str, in_channels: int, image_size: int, small_images: bool = True, patch_size: int = 4,
              depth: int = 12, init: str | Path | None = None) -> nn.Module:
-    """The backbone ``name``: a :func:`resnet` (``small_images``) or a ViT (``vit_tiny``, ``vit_small``:
-    :func:`repsim.models.vit.vit` for ``image_size`` inputs, ``patch_size``, ``depth``); random
-    weights, or those of the saved encoder ``init`` (:func:`start_from`)."""
+    """The backbone ``name``, a :func:`resnet` or a ViT (``vit_tiny``, ``vit_small``: :func:`repsim.models.vit.vit`),
+    with random weights or those of the saved encoder ``init`` (:func:`start_from`)."""
     if name in VITS:
         network = vit(name.removeprefix("vit_"), image_size, patch_size, depth, in_channels)
     else:
