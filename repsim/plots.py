@@ -1,11 +1,7 @@
-"""PNG figures: t-SNE of features, confusion matrix and histogram (evaluation, X-CLR targets), and
-the heat map of any (C, C) matrix in [0, 1] (confusion matrices, WordNet class similarities).
-
-The module sits below every module that draws a figure, so the similarity stages draw theirs
-without importing :mod:`repsim.eval`.
-
-Figures are drawn on matplotlib's Agg canvas without pyplot, so nothing global changes and no
-display is needed. Each function writes ``path`` (creating its folder) and returns it.
+"""PNG figures drawn on matplotlib's Agg canvas without pyplot (no global state, no display): t-SNE,
+confusion matrix, histogram and the heat map of any (C, C) matrix in [0, 1]. Each function writes
+``path`` (creating its folder) and returns it. Kept apart from :mod:`repsim.eval` so that metric code
+never loads matplotlib.
 """
 
 from __future__ import annotations
@@ -77,11 +73,8 @@ def confusion_matrix_plot(labels: ArrayLike, predictions: ArrayLike, path: str |
 
 def matrix_plot(matrix: ArrayLike, path: str | Path, *, names: Sequence[str] | None = None, title: str = "",
                 xlabel: str = "", ylabel: str = "", cmap: str = "viridis") -> Path:
-    """A square (C, C) matrix of values in [0, 1] as a heat map with a colour bar.
-
-    ``names`` label the rows and columns (shown up to TICK_LABELS_MAX_CLASSES); each cell shows its
-    value up to ANNOTATE_MAX_CLASSES, in white on dark cells and black on light ones.
-    """
+    """A square (C, C) matrix of values in [0, 1] as a heat map with a colour bar, ``names`` on the rows and
+    columns up to TICK_LABELS_MAX_CLASSES, and each cell's value up to ANNOTATE_MAX_CLASSES."""
     matrix = np.asarray(matrix, dtype=np.float64)
     if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1] or matrix.size == 0:
         raise EvalError(f"matrix has shape {matrix.shape}, expected (C, C)", "pass a non-empty square matrix")

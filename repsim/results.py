@@ -1,9 +1,5 @@
 """An experiment's result table: one row per grid point and encoder, each metric's mean ± standard
-deviation over the seeds.
-
-Members of a sweep share the stages that their overrides do not reach, so one stage output (the raw
-pixels' evaluation, say) can score several seeds; it counts once, and ``n`` says how many distinct
-stage outputs a row averages.
+deviation over the seeds. A stage output shared by several members counts once (``n``: distinct outputs).
 """
 
 from __future__ import annotations
@@ -81,8 +77,7 @@ def as_records(rows: Sequence[Row], first: Iterable[str] = ()) -> list[dict]:
 
 
 def markdown(rows: Sequence[Row], columns: dict[str, str]) -> str:
-    """The rows as a markdown table of the ``columns`` ({title: metric name}), with the grid point
-    when there is one."""
+    """The rows as a markdown table of the ``columns`` ({title: metric name}), with any grid point."""
     swept = any(row.point for row in rows)
     header = [*(["grid point"] if swept else []), "encoder", *columns]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * (len(header) - len(columns)) + "---:|" * len(columns)]

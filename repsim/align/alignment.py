@@ -1,26 +1,8 @@
 """The align stage: GeRA (or contrastive alignment alone, alpha = 0) between frozen image and text
-embeddings, with ASIF as the training-free baseline, as one cached stage.
-
-Upstream (each cached): the shards of ``data.spec``, then the embedding tables of the train and test
-splits (:mod:`repsim.align.tables`). Output (``$REPSIM_HOME/artifacts/align/<key>/`` unless given),
-besides ``stage.json``:
-
-- ``paired.npy`` (M,), ``unpaired_image.npy``, ``unpaired_text.npy``: train table rows (the seeded
-  pairing, :mod:`repsim.align.pairing`), and ``neighbors_image.npy``, ``neighbors_text.npy`` (M, L):
-  the L nearest unpaired rows of each paired row in its own modality;
-- ``alignment.pt``: f and g (:func:`repsim.align.train.load_alignment`);
-- ``metrics.jsonl``: per step ``loss``, ``contrastive``, ``geo_a``, ``geo_b``, ``lr``;
-- ``results.json``: ``{"suites": {"zeroshot": {...}, "retrieval": {...}}, "baselines": {"asif":
-  {"suites": ...}}, "samples": {...}}`` on the test split (the held-out part of the train split when
-  ``data.holdout`` > 0), as the evaluate stage writes it;
-- ``loss.png``: the loss curves.
-
-``stage.json`` metrics: the training summary (``loss``, ``final_loss``, ``steps``, ``epochs``), every
-suite metric (``zeroshot_top1``, ``i2t_r1``, ...) and the same for ASIF prefixed ``asif_``. The key
-covers the config without ``image``, ``text``, ``data`` but its ``holdout`` (the tables' keys stand
-for them), ``optim.num_workers`` and ``optim.checkpoint_every``, plus the two tables' keys; the
-pairing is a function of ``pairing`` and the train table. An interrupted run resumes from
-``$REPSIM_HOME/scratch/align/<key>/``.
+embeddings of the cached embedding tables, with ASIF as the training-free baseline. It writes the
+pairing and neighbors, ``alignment.pt`` (:func:`repsim.align.train.load_alignment`), ``metrics.jsonl``,
+``loss.png`` and ``results.json`` on the test split (or the ``data.holdout`` part of the train split),
+and resumes an interrupted run from ``$REPSIM_HOME/scratch/align/<key>/``.
 """
 
 from __future__ import annotations
@@ -34,7 +16,7 @@ import torch
 from matplotlib.figure import Figure
 
 from repsim.align.config import AlignConfig
-from repsim.align.evaluate import SharedSpace, networks_space, score_space
+from repsim.align.evaluate import Map, network_map, score_space
 from repsim.align.pairing import NEIGHBOUR_FILES, draw_pairing, neighbor_lists
 from repsim.align.tables import EmbeddingTables, embedding_tables, embedding_tables_stage_of, hold_out, load_tables
 from repsim.align.train import ALIGNMENT_FILE, AlignmentMethod, PairedBatches, save_alignment
@@ -75,14 +57,8 @@ def _stage(config: AlignConfig, train_key: str, test_key: str) -> Stage:
 def align(config: AlignConfig, out_dir: str | Path | None = None, log: LogFn | None = None,
           shards: ShardResult | str | Path | None = None, device: str | torch.device | None = None,
           progress: bool = True) -> StageOutput:
-    """Align ``config`` into its stage directory, or return the cached output at once.
-
-    Shards the data spec and builds the train and test embedding tables (all cached) unless
-    ``shards`` is given, then pairs, finds neighbors, trains f and g on ``device`` (default: the GPU
-    when present) and scores them and ASIF on the test split. ``log(metrics, step)`` receives the
-    per-step curves. With ``data.holdout`` > 0 the held-out part of the train split is scored instead
-    of the test split.
-    """
+    """Align ``config`` into its stage directory (f and g trained on ``device``, default the GPU when
+    present), or return the cached output at once; ``log(metrics, step)`` receives the per-step curves."""
     spec = load_spec(config.data.spec)
     shards = sharded(spec, shards, progress)
     train_tables, test_tables = (embedding_tables(shards, spec, config.image, config.text, split, device,
@@ -123,8 +99,8 @@ class _AlignRun:
         loss_plot(out / METRICS_FILE, out / LOSS_PLOT_FILE)
         anchors = ASIF(train.image[pairing.paired], train.text[pairing.paired],
                        min(config.asif.k, len(pairing.paired)), config.asif.p, config.asif.backend)
-        results = {"suites": self._score(networks_space(method.image_net, method.text_net)),
-                   "baselines": {"asif": {"suites": self._score(SharedSpace(anchors.embed_a, anchors.embed_b))}},
+        results = {"suites": self._score(network_map(method.image_net), network_map(method.text_net)),
+                   "baselines": {"asif": {"suites": self._score(anchors.embed_a, anchors.embed_b)}},
                    "samples": {"paired": len(pairing.paired), "unpaired_image": len(pairing.unpaired_image),
                                "unpaired_text": len(pairing.unpaired_text), "test": len(self.test.indices)}}
         (out / RESULTS_FILE).write_text(json.dumps(results, indent=2))
@@ -143,9 +119,9 @@ class _AlignRun:
         trainer.fit()
         return method.eval(), trainer.steps_per_epoch
 
-    def _score(self, space: SharedSpace) -> dict[str, dict[str, float]]:
+    def _score(self, image: Map, text: Map) -> dict[str, dict[str, float]]:
         evaluation = self.config.evaluation
-        return score_space(space, self.test, evaluation.templates or self.spec.captions.templates,
+        return score_space(image, text, self.test, evaluation.templates or self.spec.captions.templates,
                            self.config.text.model, evaluation.retrieval_k)
 
 

@@ -1,14 +1,8 @@
 """ASIF: cross-modal similarity without training, through relative representations (Norelli et al., 2023).
 
-M anchor pairs (a_i, b_i) connect two frozen embedding spaces. A query of modality A becomes its
-relative representation over the anchors of A: the cosine similarities to the M anchors, only the
-top k kept (the rest 0), negative ones clipped to 0, raised to the power p and L2-normalised. Row i
-of a representation in either modality refers to the same anchor pair, so queries of A and B compare
-by the inner product of their relative representations (their cosine similarity).
-
-Each query's top k anchors come from an exact search (:func:`repsim.similarity.neighbors.nearest`):
-``backend="exact"`` scores every anchor with torch, ``backend="faiss"`` with a flat FAISS index
-(on FAISS's GPU when it has one), for many anchors.
+A query becomes its relative representation over M anchors of its modality: cosine similarities to
+its top k anchors (exact search, ``exact`` with torch or ``faiss``), clipped at 0, raised to the power
+p and L2-normalised. Anchor i of either modality is one pair, so queries of both compare by inner product.
 """
 
 from __future__ import annotations

@@ -1,8 +1,4 @@
-"""Alignment configs: pydantic models read from YAML (``configs/gera.yaml``), overridable by ``a.b=value``.
-
-Loaded with :func:`load_align_config`, which is :func:`repsim.methods.config.load_config` with this
-schema and without the training defaults: the same one-line errors naming the file and the field.
-"""
+"""Alignment configs: pydantic models read from YAML (``configs/gera.yaml``), overridable by ``a.b=value``."""
 
 from __future__ import annotations
 
@@ -22,11 +18,8 @@ STRATEGIES = ("nearest", "uniform", "rank")
 
 
 class AlignData(Strict):
-    """The data spec whose samples are embedded, the split pairs are drawn from, and the split scored.
-
-    ``holdout`` > 0 holds out that fraction of ``train_split`` (the same seeded rows for every
-    pairing seed) and scores it instead of ``test_split``: a validation split for choosing alpha, n
-    or sigma without looking at the test split."""
+    """The data spec, the split pairs are drawn from and the split scored; ``holdout`` > 0 scores that
+    seeded fraction of ``train_split`` instead of ``test_split`` (a validation split, whatever the pairing seed)."""
 
     spec: Path
     train_split: str = "train"
@@ -35,9 +28,8 @@ class AlignData(Strict):
 
 
 class EncoderImages(Strict):
-    """Image embeddings from an encoder: a train stage directory, its ``encoder.pt``, or any file
-    written by :func:`repsim.models.save_encoder` (the features stage extracts them, cached). A plain
-    torchvision state dict has no recipe to rebuild the network from: save it with ``save_encoder``."""
+    """Image embeddings (from the cached features stage) of an encoder: a train stage directory, its
+    ``encoder.pt`` or any :func:`repsim.models.save_encoder` file (a plain state dict has no recipe)."""
 
     type: Literal["encoder"]
     path: Path
@@ -63,13 +55,9 @@ ImageSource = Annotated[EncoderImages | PixelImages | TableImages, Field(discrim
 
 
 class AlignText(Strict):
-    """Caption embeddings from a frozen sentence-transformer (default all-MiniLM-L6-v2).
-
-    ``source: classes`` (labelled data) draws each sample's caption, seeded by ``seed``, from its
-    class's captions: ``templates`` (default: the data spec's) × the class name and its synset's
-    lemmas, plus, if asked, the templates followed by the synset's ``gloss`` or "a kind of <hypernym>".
-    ``source: manifest`` uses each sample's own caption.
-    """
+    """Caption embeddings from a frozen sentence-transformer (default all-MiniLM-L6-v2): ``source: manifest``
+    embeds each sample's own caption, ``classes`` one drawn (``seed``) from its class's captions
+    (:func:`repsim.align.tables.class_captions`, ``templates`` defaulting to the data spec's)."""
 
     model: str | None = None
     source: Literal["classes", "manifest"] = "classes"
@@ -97,11 +85,9 @@ class NeighborConfig(Strict):
 
 
 class GeometryConfig(Strict):
-    """The geometric regulariser (see :mod:`repsim.losses.gera`): weight ``alpha``; ``samples`` (n)
-    neighbors drawn per paired point and step by ``strategy`` (``rank``: probability ∝
-    (rank + 1)^-rank_exponent, without replacement); the ``kernel`` with its ``sigma`` (``heat``, the
-    paper's ε = σ · mean pairwise distance, or ``heat_squared``, ε from squared distances) or ``knn_k``
-    (binary kNN, which passes no gradient and so needs alpha 0)."""
+    """The geometric regulariser (:mod:`repsim.losses.gera`): weight ``alpha``, ``samples`` (n) neighbors
+    drawn per paired point and step by ``strategy`` (:func:`repsim.align.train.sample_neighbors`), and
+    the ``kernel`` with its ``sigma`` or ``knn_k`` (binary kNN passes no gradient, so needs alpha 0)."""
 
     alpha: float = Field(1000.0, ge=0)
     samples: int = Field(16, ge=1)

@@ -1,15 +1,10 @@
-"""Scoring a shared image-text space with the evaluation suites: zero-shot classification
-(:mod:`repsim.eval.zeroshot`) and image↔text retrieval (:mod:`repsim.eval.retrieval`).
-
-A space is two maps from the frozen embeddings into it: ``image`` (N, D_a) -> (N, d) and ``text``
-(P, D_b) -> (P, d) — the alignment networks f and g, or ASIF's relative representations. Zero-shot
-prompts (class names × templates) are embedded by the same text model as the captions, then mapped.
+"""Scoring a shared image-text space, two maps (f and g, or ASIF's) from the frozen embeddings into
+it, by zero-shot classification (prompts embedded by the caption text model) and retrieval.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -22,35 +17,26 @@ from repsim.similarity.captions import embed_captions
 Map = Callable[[np.ndarray], torch.Tensor]
 
 
-@dataclass(frozen=True)
-class SharedSpace:
-    """``image`` and ``text``: the maps of each modality's frozen embeddings into one space."""
+def network_map(network: torch.nn.Module) -> Map:
+    """A trained alignment network (f or g) as a map, run without gradients on its device."""
+    device = next(network.parameters()).device
 
-    image: Map
-    text: Map
-
-
-def networks_space(image_net: torch.nn.Module, text_net: torch.nn.Module) -> SharedSpace:
-    """The space of trained alignment networks f, g (run without gradients on their device)."""
-    def apply(network: torch.nn.Module) -> Map:
-        device = next(network.parameters()).device
-
-        @torch.no_grad()
-        def mapped(embeddings: np.ndarray) -> torch.Tensor:
-            return network(torch.as_tensor(np.asarray(embeddings, dtype=np.float32), device=device)).float().cpu()
-        return mapped
-    return SharedSpace(apply(image_net), apply(text_net))
+    @torch.no_grad()
+    def mapped(embeddings: np.ndarray) -> torch.Tensor:
+        return network(torch.as_tensor(np.asarray(embeddings, dtype=np.float32), device=device)).float().cpu()
+    return mapped
 
 
-def score_space(space: SharedSpace, test: EmbeddingTables, templates: Sequence[str], text_model: str | None,
+def score_space(image: Map, text: Map, test: EmbeddingTables, templates: Sequence[str], text_model: str | None,
                 retrieval_k: Sequence[int] = (1, 5, 10)) -> dict[str, dict[str, float]]:
-    """``{"zeroshot": {...}, "retrieval": {...}}`` on the test tables (zero-shot only when labelled)."""
-    images = space.image(test.image)
+    """``{"zeroshot": {...}, "retrieval": {...}}`` on the test tables (zero-shot only when labelled) of the
+    space that ``image`` and ``text`` map each modality's frozen embeddings into."""
+    images = image(test.image)
     suites = {}
     if test.class_names and (test.labels >= 0).all():
         def encode_prompts(prompts: list[str]) -> torch.Tensor:
-            return space.text(embed_captions(prompts, model=text_model))
+            return text(embed_captions(prompts, model=text_model))
         classifier = zero_shot_classifier(test.class_names, list(templates), encode_prompts)
         suites["zeroshot"] = zero_shot_accuracy(images, test.labels, classifier)
-    suites["retrieval"] = paired_retrieval(images, space.text(test.text), tuple(retrieval_k))
+    suites["retrieval"] = paired_retrieval(images, text(test.text), tuple(retrieval_k))
     return suites

@@ -1,14 +1,9 @@
-"""Which training samples are paired, which are unpaired in each modality, and the neighbors of
-each paired point among the unpaired points of its own modality.
-
-Of N training samples, M are drawn as pairs; of the N - M others each modality draws its own
-unpaired pool, independently, so a sample unpaired in both modalities is not known to be one pair.
-All draws are seeded. Rows index the split's embedding tables.
-"""
+"""The seeded pairing of training table rows (M pairs, and per modality an independent pool of unpaired
+rows, so a sample unpaired in both is not known to be one pair) and each paired row's unpaired neighbors."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -16,29 +11,25 @@ import numpy as np
 from repsim.errors import SpecError
 from repsim.similarity.neighbors import knn
 
-PAIRED_FILE = "paired.npy"
-UNPAIRED_FILES = {"image": "unpaired_image.npy", "text": "unpaired_text.npy"}
 NEIGHBOUR_FILES = {"image": "neighbors_image.npy", "text": "neighbors_text.npy"}
 
 
 @dataclass(frozen=True)
 class Pairing:
     """``paired`` (M,), ``unpaired_image`` (U_a,) and ``unpaired_text`` (U_b,): sorted int64 table rows;
-    ``paired`` is disjoint from both pools."""
+    ``paired`` is disjoint from both pools. Saved as ``<field>.npy``."""
 
     paired: np.ndarray
     unpaired_image: np.ndarray
     unpaired_text: np.ndarray
 
     def save(self, folder: Path) -> None:
-        np.save(folder / PAIRED_FILE, self.paired)
-        np.save(folder / UNPAIRED_FILES["image"], self.unpaired_image)
-        np.save(folder / UNPAIRED_FILES["text"], self.unpaired_text)
+        for field in fields(self):
+            np.save(folder / f"{field.name}.npy", getattr(self, field.name))
 
     @classmethod
     def load(cls, folder: Path) -> Pairing:
-        return cls(np.load(folder / PAIRED_FILE), np.load(folder / UNPAIRED_FILES["image"]),
-                   np.load(folder / UNPAIRED_FILES["text"]))
+        return cls(*(np.load(folder / f"{field.name}.npy") for field in fields(cls)))
 
 
 def draw_pairing(count: int, pairs: int, unpaired: int | None = None, seed: int = 0) -> Pairing:
@@ -60,8 +51,7 @@ def draw_pairing(count: int, pairs: int, unpaired: int | None = None, seed: int 
 
 def neighbor_lists(embeddings: np.ndarray, paired: np.ndarray, pool: np.ndarray, count: int,
                     index: str = "flat") -> np.ndarray:
-    """(M, L) int64 table rows: the ``count`` (L) nearest ``pool`` rows of each paired row, by cosine,
-    nearest first."""
+    """(M, L) int64 table rows: the ``count`` (L) nearest ``pool`` rows of each paired row by cosine, nearest first."""
     if count > len(pool):
         raise SpecError(f"neighbors.count (L = {count}) exceeds the {len(pool)} unpaired points",
                         f"choose L from 1 to {len(pool)}, or pair fewer points")

@@ -1,18 +1,7 @@
-"""The embedding tables stage: frozen image and text embeddings of one split, row-aligned and keyed
-like the shard manifest, with the contract of :mod:`repsim.stage`.
-
-Output (``$REPSIM_HOME/artifacts/embedding_tables/<key>/`` unless given), besides ``stage.json``:
-``image.npy`` (N, D_a) float32, ``text.npy`` (N, D_b) float32 unit rows, and ``rows.parquet``
-(index, key, label, caption) aligned with them, in manifest order, plus ``classes.json``. Both
-tables are written and read memory-mapped, a chunk of rows at a time.
-
-Image side (``image.type``): ``encoder`` or ``pixels`` reuse the cached features stage
-(:func:`repsim.eval.evaluation.extract_features`); ``table`` reads a user's Parquet (``key``,
-``embedding``) or ``.npy`` (row i = manifest index i). Text side: captions embedded by a frozen
-sentence-transformer; for labelled data each sample's caption is drawn, seeded by manifest index,
-from its class's captions (:func:`class_captions`), so the text space is not C identical points.
-The key covers the shard key, the image source's key (features stage key or file digest), the
-split, the caption recipe and the text model's identity.
+"""The cached embedding tables stage: one split's frozen image and text embeddings in manifest order,
+``image.npy`` (N, D_a) and ``text.npy`` (N, D_b) float32 (memory-mapped), ``rows.parquet`` (index, key,
+label, caption) and ``classes.json``. Images come from the features stage or a user's table; captions,
+drawn from each sample's class captions (:func:`class_captions`) when labelled, from a sentence-transformer.
 """
 
 from __future__ import annotations
@@ -80,9 +69,8 @@ def embedding_tables(shards: ShardResult, spec: DataSpec, image: ImageSource, te
                      device: str | torch.device | None = None, out_dir: str | Path | None = None,
                      progress: bool = True) -> StageOutput:
     """The image and text embeddings of ``split``, or the cached output at once."""
-    features = None
-    if image.type != "table":
-        features = extract_features(shards, _encoder(image), split, image.batch_size, device, progress=progress)
+    features = (None if image.type == "table"
+                else extract_features(shards, _encoder(image), split, image.batch_size, device, progress=progress))
     stage = embedding_tables_stage_of(shards, image, text, split, device)
     return run_stage(stage, lambda tmp: _write(shards, spec, image, text, split, features, device, progress, tmp),
                      out_dir)
@@ -118,9 +106,6 @@ def load_tables(tables: StageOutput | str | Path) -> EmbeddingTables:
                            rows["caption"].combine_chunks(), [entry["name"] for entry in classes], record["key"])
 
 
-# ---------------------------------------------------------------------------------------------
-# Building
-
 def _write(shards: ShardResult, spec: DataSpec, image: ImageSource, text: AlignText, split: str,
            features: StageOutput | None, device: str | torch.device | None, progress: bool,
            out: Path) -> dict[str, float]:
@@ -145,15 +130,17 @@ def _write(shards: ShardResult, spec: DataSpec, image: ImageSource, text: AlignT
 
 
 def _copy_rows(source: np.ndarray, rows: np.ndarray | None, path: Path, name: str) -> np.ndarray:
-    """``source[rows]`` (all rows when None) written to a float32 ``.npy`` at ``path`` a chunk of rows at
-    a time, so that a memory-mapped source is never read whole; EvalError naming the first row with a
-    NaN or an infinite value."""
+    """``source[rows]`` (all rows when None) written to a float32 ``.npy`` at ``path`` a chunk at a time (a
+    memory-mapped source is never read whole); EvalError naming the first row with a NaN or an inf."""
     count = len(source) if rows is None else len(rows)
     table = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(count, source.shape[1]))
     for start in range(0, count, COPY_ROWS):
         stop = min(start + COPY_ROWS, count)
         chunk = np.asarray(source[start:stop] if rows is None else source[rows[start:stop]], dtype=np.float32)
-        _check_finite(chunk, name, start)
+        bad = np.flatnonzero(~np.isfinite(chunk).all(axis=1))
+        if len(bad):
+            raise EvalError(f"{name} hold NaN or infinite values (first: row {start + bad[0]})",
+                            "repair or drop those samples before aligning")
         table[start:stop] = chunk
     table.flush()
     return table
@@ -182,22 +169,11 @@ def _user_table(image: TableImages, rows: pa.Table) -> tuple[np.ndarray, np.ndar
     return np.asarray(table["embedding"].to_pylist(), dtype=np.float32)[wanted], None
 
 
-def _check_finite(embeddings: np.ndarray, name: str, offset: int = 0) -> None:
-    """EvalError naming the first row (counted from ``offset``) of ``embeddings`` with a NaN or an inf."""
-    bad = np.flatnonzero(~np.isfinite(embeddings).all(axis=1))
-    if len(bad):
-        raise EvalError(f"{name} hold NaN or infinite values (first: row {offset + bad[0]})",
-                        "repair or drop those samples before aligning")
-
-
-# ---------------------------------------------------------------------------------------------
-# Captions
-
 def class_captions(name: str, synset: str, templates: tuple[str, ...], lemmas: bool = True, gloss: bool = True,
                    hypernym: bool = True) -> list[str]:
-    """The distinct captions of one class: each template with the class name and, if asked, each
-    lemma of its synset; then each template with the name followed by the synset's gloss and by
-    "a kind of <first hypernym lemma>", hypernyms ordered by name (NLTK's order varies between runs)."""
+    """The distinct captions of one class: each template with the class name and, if asked, its synset's
+    lemmas; then each template with the name followed by the gloss and by "a kind of <first hypernym
+    lemma>" (hypernyms ordered by name: NLTK's order varies between runs)."""
     entry = lookup(synset)
     names = [name] + ([lemma.replace("_", " ") for lemma in entry.lemma_names()] if lemmas else [])
     names = list(dict.fromkeys(names))
@@ -211,9 +187,8 @@ def class_captions(name: str, synset: str, templates: tuple[str, ...], lemmas: b
 
 def sample_captions(spec: DataSpec, text: AlignText, indices: np.ndarray, labels: np.ndarray,
                     manifest_captions: pa.Array) -> pa.Array:
-    """One caption per row, as a pyarrow string array: its manifest caption (``source: manifest``), or one
-    of its class's captions drawn with ``default_rng(text.seed)`` at its manifest index (the same on every
-    split)."""
+    """One caption per row (pyarrow strings): its manifest caption (``source: manifest``), or one of its
+    class's captions drawn with ``default_rng(text.seed)`` at its manifest index (the same on every split)."""
     if text.source == "manifest":
         return manifest_captions
     if spec.classes is None or (labels < 0).any():

@@ -1,13 +1,6 @@
-"""Training the alignment networks with the shared :class:`~repsim.methods.train.Trainer`.
-
-The Trainer's loader interface (``len``, ``batch_size``, ``set_epoch`` and an iterable of dict
-batches that replays an epoch identically for the same seed) fits an in-memory dataset in a few
-lines (:class:`PairedBatches`), so alignment gets AdamW, the warm-up cosine schedule, seeding,
-progress, checkpoints with exact resume and logging from the same code as the image methods.
-
-A batch holds B paired points with n sampled neighbors each, per modality: ``x`` (B, n + 1, D_a)
-and ``y`` (B, n + 1, D_b), the paired point first. Neighbors are sampled from each paired point's
-L precomputed nearest unpaired points (:func:`sample_neighbors`), afresh every step.
+"""Training the alignment networks with the shared :class:`~repsim.methods.train.Trainer`, which
+:class:`PairedBatches` feeds: per modality, B paired points each followed by n neighbors sampled
+afresh every step from its L nearest unpaired points, ``x`` (B, n + 1, D_a) and ``y`` (B, n + 1, D_b).
 """
 
 from __future__ import annotations
@@ -31,11 +24,8 @@ ALIGNMENT_FILE = "alignment.pt"
 
 def sample_neighbors(rows: int, available: int, samples: int, strategy: str, generator: torch.Generator,
                       rank_exponent: float = 1.0) -> torch.Tensor:
-    """(rows, samples) distinct ranks in [0, available) per row: which of L nearest-first neighbors to use.
-
-    ``nearest``: ranks 0..n-1. ``uniform``: n ranks uniformly without replacement. ``rank``: n ranks
-    without replacement, each draw ∝ (rank + 1)^-rank_exponent among those left (Gumbel top-k).
-    """
+    """(rows, samples) distinct ranks in [0, available) per row of nearest-first neighbors: ``nearest`` 0..n-1,
+    ``uniform``, or ``rank``, each draw ∝ (rank + 1)^-rank_exponent among those left (Gumbel top-k)."""
     if not 1 <= samples <= available:
         raise ValueError(f"cannot sample {samples} of {available} neighbors")
     if strategy == "nearest":
@@ -50,12 +40,9 @@ def sample_neighbors(rows: int, available: int, samples: int, strategy: str, gen
 
 
 class PairedBatches:
-    """Each epoch the M paired points in a seeded random order, as ceil(M / batch_size) batches of
-    near-equal size (``batch_size`` is capped at M), each ``{"x", "y"}`` neighborhoods (module docstring).
-
-    image (N, D_a) and text (N, D_b): the training tables; paired (M,) their paired rows; neighbors
-    of each modality (M, L): table rows of the L nearest unpaired points of each paired point.
-    """
+    """Each epoch the M ``paired`` rows (M,) in a seeded order, as ceil(M / batch_size) near-equal
+    ``{"x", "y"}`` batches (module docstring) of the tables image (N, D_a) and text (N, D_b); neighbors
+    per modality (M, L): table rows of the L nearest unpaired points of each paired point."""
 
     def __init__(self, image: np.ndarray, text: np.ndarray, paired: np.ndarray, image_neighbors: np.ndarray,
                  text_neighbors: np.ndarray, geometry: GeometryConfig, batch_size: int, seed: int = 0):
@@ -94,8 +81,8 @@ class AlignmentMethod(Method):
     def __init__(self, image_dim: int, text_dim: int, config: AlignConfig):
         super().__init__()
         model, geometry = config.model, config.geometry
-        self.image_net = AlignmentNetwork(image_dim, model.dim, model.kind, model.hidden_dim, model.blocks)
-        self.text_net = AlignmentNetwork(text_dim, model.dim, model.kind, model.hidden_dim, model.blocks)
+        self.image_net, self.text_net = (AlignmentNetwork(dim, model.dim, model.kind, model.hidden_dim, model.blocks)
+                                         for dim in (image_dim, text_dim))
         self.loss = GeRALoss(geometry.alpha, config.loss.temperature, config.loss.learn_temperature,
                              geometry.kernel, geometry.sigma, geometry.knn_k)
 

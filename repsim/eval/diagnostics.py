@@ -1,9 +1,4 @@
-"""Embedding diagnostics: effective rank, per-dimension spread, alignment and uniformity.
-
-All are computed in float64; those that sum over many rows or pairs work in chunks of rows.
-:func:`embedding_diagnostics` bundles the label-free ones under ``effective_rank``,
-``embedding_std`` and ``uniformity``.
-"""
+"""Embedding diagnostics (effective rank, spread, alignment, uniformity), in float64 and in chunks of rows."""
 
 from __future__ import annotations
 
@@ -22,11 +17,8 @@ RANKME_EPS = 1e-7
 
 
 def effective_rank(embeddings: ArrayLike, *, device: str | torch.device | None = None) -> float:
-    """RankMe (Garrido et al. 2023) of embeddings (N, D): exp of the entropy of p_k = σ_k / Σσ + ε.
-
-    σ are the singular values of the (uncentred) embedding matrix, from the eigenvalues of its
-    D×D Gram matrix. D for isotropic data, 1 for rank-one data, in [1, min(N, D)] up to ε.
-    """
+    """RankMe (Garrido et al. 2023) of embeddings (N, D): exp of the entropy of p_k = σ_k / Σσ + ε, σ the
+    singular values of the uncentred matrix; in [1, min(N, D)] up to ε (D for isotropic data)."""
     embeddings = as_features(embeddings, "embeddings")
     device = resolve_device(device)
     gram = sum(chunk.T @ chunk for chunk in _chunks(embeddings, device, normalise=False))
@@ -36,10 +28,8 @@ def effective_rank(embeddings: ArrayLike, *, device: str | torch.device | None =
 
 
 def embedding_std(embeddings: ArrayLike, *, device: str | torch.device | None = None) -> float:
-    """Mean over dimensions of the (population) std of the L2-normalised embeddings (N, D).
-
-    0 when every sample maps to one point (collapse); about 1/sqrt(D) for well-spread embeddings.
-    """
+    """Mean over dimensions of the (population) std of the L2-normalised embeddings (N, D): 0 at
+    collapse, about 1/sqrt(D) for well-spread embeddings."""
     embeddings = as_features(embeddings, "embeddings")
     device = resolve_device(device)
     mean = sum(chunk.sum(dim=0) for chunk in _chunks(embeddings, device, normalise=True)) / len(embeddings)
@@ -48,10 +38,8 @@ def embedding_std(embeddings: ArrayLike, *, device: str | torch.device | None = 
 
 
 def mean_cosine(embeddings: ArrayLike, *, device: str | torch.device | None = None) -> float:
-    """Mean cosine similarity between distinct rows of embeddings (N ≥ 2, D), from the norm of their sum.
-
-    Near 1 when every row points one way (a narrow cone), near 0 for directions spread around the origin.
-    """
+    """Mean cosine similarity between distinct rows of embeddings (N ≥ 2, D): near 1 for a narrow cone,
+    near 0 for directions spread around the origin."""
     embeddings = as_features(embeddings, "embeddings")
     if len(embeddings) < 2:
         raise EvalError(f"mean_cosine needs at least 2 embeddings, got {len(embeddings)}", "pass more rows")
@@ -72,10 +60,8 @@ def alignment(x: ArrayLike, y: ArrayLike, alpha: float = 2) -> float:
 
 def uniformity(x: ArrayLike, t: float = 2, *, max_samples: int = 10000, seed: int = 0,
                device: str | torch.device | None = None) -> float:
-    """Wang & Isola's uniformity log E_{i<j} exp(−t ‖x̂_i − x̂_j‖²) of unit-normalised rows of x (N, D).
-
-    Above ``max_samples`` rows, a seeded random subset of that size is used (the pair count is quadratic).
-    """
+    """Wang & Isola's uniformity log E_{i<j} exp(−t ‖x̂_i − x̂_j‖²) of unit-normalised rows of x (N, D),
+    on a seeded subset of ``max_samples`` rows when there are more."""
     x = as_features(x, "x")
     check_positive(t, "t")
     if len(x) < 2:

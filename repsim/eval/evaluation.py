@@ -1,32 +1,10 @@
-"""The evaluation stages: features of a frozen encoder, and the evaluation suites run on them, each a
-cached stage with the contract of :mod:`repsim.stage`.
+"""The cached ``features`` and ``evaluate`` stages (:mod:`repsim.stage`), each with a ``*_stage_of`` planner.
 
-Output directories (``$REPSIM_HOME/artifacts/<stage>/<key>/`` unless given), besides ``stage.json``:
-
-- ``features``: ``features.npy`` (N, F) float32, one row per sample of one split in manifest order,
-  with ``labels.npy`` (N,) int64 (-1 when unlabelled) and ``indices.npy`` (N,) int64 (manifest rows)
-  aligned with it, and ``classes.json`` (``[{"name", "synset"}]`` in label order; empty when the data
-  has no classes). The key covers the shard key, the encoder (``pixels``, the train stage key, or an
-  encoder file's path, size and time), the split, the eval view (size and normalisation) and
-  the precision (bfloat16 autocast for a model on a GPU, else float32); batch size does not change it.
-- ``evaluate``: ``results.json`` — ``{"suites": {suite: {metric: value}}, "seconds": {suite: s},
-  "samples": {"train": N, "test": M}}`` — and the figures of the suites that ran:
-  ``knn_confusion.png`` (kNN predictions on the test split at k=20, or the smallest k when 20 is not
-  asked for), ``similarity_histogram.png`` (cosine similarities between test features) and
-  ``tsne.png`` (test features coloured by class). Stage metrics: every metric, ``seconds_<suite>``,
-  ``samples_train`` and ``samples_test``.
-
-Encoders: ``"pixels"`` flattens the normalised eval view (the raw-pixel baseline); anything else is
-a train stage directory or an encoder file written by :func:`repsim.models.save_encoder`. A train
-stage's encoder sees the view size and normalisation it was trained with, unless told otherwise.
-
-Suites (:data:`SUITES`; metric names as in :mod:`repsim.eval`), all on the test split unless said:
-``knn`` (train as memory), ``linear`` (probe fitted on train), ``map`` (mAP@R), ``diagnostics``,
-``plots`` (t-SNE), ``zeroshot`` (needs a :class:`TextEncoder`) and ``retrieval`` (image↔caption
-recall; needs the caption stage's embeddings, in the same space as the image features).
-
-Every stage has a planner (``*_stage_of``) that gives its :class:`~repsim.stage.Stage`, and thus its
-key, without doing the work.
+``features`` writes one split's ``features.npy`` (N, F) float32 in manifest order with ``labels.npy``,
+``indices.npy`` and ``classes.json``, from an encoder (``"pixels"``, a train stage directory or a
+:func:`repsim.models.save_encoder` file) on the eval view. ``evaluate`` runs :data:`SUITES` on the test
+split (train as kNN memory and probe training set) into ``results.json`` (``{"suites", "seconds",
+"samples"}``) and the suites' PNG figures.
 """
 
 from __future__ import annotations
@@ -50,7 +28,7 @@ from repsim.data.sharding import ShardResult
 from repsim.errors import EvalError, StageError, first_line
 from repsim._checks import ArrayLike, as_ks, resolve_device
 from repsim.eval.diagnostics import embedding_diagnostics
-from repsim.eval.knn import knn_rankings, top_k_accuracy
+from repsim.eval.knn import knn_metrics, knn_rankings
 from repsim.eval.linear import linear_probe
 from repsim.eval.retrieval import map_at_r, paired_retrieval
 from repsim.eval.zeroshot import zero_shot_accuracy, zero_shot_classifier
@@ -78,9 +56,6 @@ VIEW_OPTIONS = ("mean", "std")  # the training preset options that the eval view
 
 ShardsLike = ShardResult | str | Path
 
-
-# ---------------------------------------------------------------------------------------------
-# Encoders
 
 @dataclass(frozen=True)
 class EncoderSource:
@@ -122,23 +97,13 @@ def _load_model(source: EncoderSource, device: torch.device) -> torch.nn.Module:
         raise EvalError(f"cannot load encoder {source.file} ({first_line(err)})", UNREADABLE_FIX) from None
 
 
-def _precision(source: EncoderSource, device: torch.device) -> str:
-    return "bfloat16" if source.file is not None and device.type == "cuda" else "float32"
-
-
-# ---------------------------------------------------------------------------------------------
-# Feature extraction
-
 def extract_features(shards: ShardsLike, encoder: str | Path = PIXELS, split: str = "test", batch_size: int = 512,
                      device: str | torch.device | None = None, *, image_size: int | None = None,
                      preset_options: Mapping[str, Any] | None = None, num_workers: int = 0,
                      out_dir: str | Path | None = None, progress: bool = True) -> StageOutput:
-    """Features (N, F) of every ``split`` sample of ``shards`` under ``encoder``, or the cached output.
-
-    Images go through the ``eval`` preset (``image_size`` and ``preset_options`` override what the
-    encoder was trained with), in batches of ``batch_size``, without gradients, under bfloat16
-    autocast on a GPU. ``device`` defaults to the GPU when there is one.
-    """
+    """Features (N, F) of every ``split`` sample of ``shards`` under ``encoder``, or the cached output: the
+    ``eval`` preset's view (``image_size`` and ``preset_options`` override the encoder's training), encoded
+    without gradients on ``device`` (default: the GPU when there is one)."""
     shards, source, device = ShardResult.of(shards), encoder_source(encoder), resolve_device(device)
     stage = _features_stage(shards, source, split, device, image_size, preset_options)
     return run_stage(stage, lambda tmp: _write_features(shards, source, stage.config, batch_size, device,
@@ -167,7 +132,7 @@ def _features_stage(shards: ShardResult, source: EncoderSource, split: str, devi
     check_split(shards, split)
     config = {"split": split, "image_size": image_size or source.image_size,
               "preset_options": {**source.view_options, **(preset_options or {})},
-              "precision": _precision(source, device)}
+              "precision": "bfloat16" if source.file is not None and device.type == "cuda" else "float32"}
     return Stage("features", STAGE_VERSION, config, inputs={"shards": shards.key, "encoder": source.key})
 
 
@@ -261,9 +226,6 @@ def load_features(features: StageLike) -> Features:
     return Features(np.load(path / FEATURES_FILE, mmap_mode="r"), np.load(path / LABELS_FILE),
                     np.load(path / INDICES_FILE), [entry["name"] for entry in classes], record["key"])
 
-
-# ---------------------------------------------------------------------------------------------
-# Evaluation
 
 @dataclass(frozen=True)
 class TextEncoder:
@@ -393,8 +355,7 @@ class _SuiteRun:
         confusion_matrix_plot(self.test.labels, rankings[k][:, 0], out / CONFUSION_FILE,
                               class_names=self.test.class_names or None, num_classes=self.num_classes,
                               title=f"kNN (k={k}) on the test split")
-        return {f"knn_top{top}_k{k}": accuracy for k, ranked in rankings.items()
-                for top, accuracy in top_k_accuracy(ranked, self.test.labels).items()}
+        return knn_metrics(rankings, self.test.labels)
 
     def _linear(self, out: Path) -> dict[str, float]:
         return linear_probe(self.train.features, self.train.labels, self.test.features, self.test.labels,

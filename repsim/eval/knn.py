@@ -1,20 +1,12 @@
-"""Weighted k-nearest-neighbor classification on cosine similarity.
-
-Both sides are L2-normalised; each test sample takes its top max(k) training neighbors once and,
-for every requested k, each of its first k neighbors votes for its class with weight
-``exp(similarity / temperature)``. Work is chunked over test rows and over training rows (with a
-running top-k merge), so memory stays bounded however large both sets are.
-
-Ties are broken deterministically: among equally similar neighbors the lower training row comes
-first, and among classes with equal votes the lower class id wins.
-
-:func:`knn_accuracy` returns fractions in [0, 1] under the keys ``knn_top1_k{k}`` and
-``knn_top5_k{k}`` for each k (top-5 is 1.0 when there are at most five classes).
+"""Weighted kNN classification on cosine similarity: each of a test sample's first k training
+neighbors votes for its class with weight ``exp(similarity / temperature)``. Chunked over test and
+training rows, so memory stays bounded. Ties go to the lower training row, then the lower class id.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,13 +21,8 @@ def cosine_top_k(queries: ArrayLike, keys: ArrayLike, k: int, *, exclude_self: b
                  chunk_size: int = QUERY_CHUNK, key_chunk_size: int = KEY_CHUNK,
                  device: str | torch.device | None = None,
                  dtype: torch.dtype = torch.float32) -> Iterator[NeighborChunk]:
-    """The k most cosine-similar keys of every query, one :class:`NeighborChunk` per query chunk
-    (:func:`~repsim.similarity.neighbors.exact_search`, its scores the cosine similarities).
-
-    queries (Nq, D), keys (Nk, D). ``exclude_self`` treats queries and keys as the same set and
-    leaves each row out of its own neighbors. Inputs are checked at the call (EvalError); keys are
-    normalised once onto ``device``; at most ``chunk_size × key_chunk_size`` similarities exist at a time.
-    """
+    """The k most cosine-similar keys (Nk, D) of every query (Nq, D), one :class:`NeighborChunk` per query
+    chunk (inputs checked at the call); ``exclude_self``: queries and keys are one set, each row not its own."""
     queries, keys = as_features(queries, "queries"), as_features(keys, "keys")
     check_same_width(queries, "queries", keys, "keys")
     if exclude_self:
@@ -54,11 +41,8 @@ def knn_rankings(train_x: ArrayLike, train_y: ArrayLike, test_x: ArrayLike, k: i
                  chunk_size: int = QUERY_CHUNK, train_chunk_size: int = KEY_CHUNK,
                  device: str | torch.device | None = None,
                  dtype: torch.dtype = torch.float32) -> dict[int, np.ndarray]:
-    """Per k: class ids (N_test, min(top, C)) ranked by weighted vote, best first.
-
-    train_x (N, D), train_y (N,) ints in [0, C), test_x (M, D); C = ``num_classes`` or max label + 1.
-    ``dtype`` is the compute precision (float64 reproduces float64 references exactly).
-    """
+    """Per k: class ids (M, min(top, C)) ranked by weighted vote, best first, of test_x (M, D) against
+    train_x (N, D) with train_y (N,) in [0, C), C = ``num_classes`` or max label + 1; ``dtype``: compute precision."""
     ks = as_ks(k)
     train_x, test_x = as_features(train_x, "train_x"), as_features(test_x, "test_x")
     check_same_width(test_x, "test_x", train_x, "train_x")
@@ -80,37 +64,38 @@ def knn_rankings(train_x: ArrayLike, train_y: ArrayLike, test_x: ArrayLike, k: i
         for k in ks:
             votes = weights.new_zeros((len(weights), num_classes))
             votes.scatter_add_(1, neighbor_labels[:, :k], weights[:, :k])
-            rankings[k][rows] = votes.sort(dim=1, descending=True, stable=True).indices[:, :top].cpu().numpy()
+            rankings[k][rows] = ranked_classes(votes, top)
     return rankings
 
 
-def knn_predict(train_x: ArrayLike, train_y: ArrayLike, test_x: ArrayLike, k: int | Iterable[int] = 20, *,
-                temperature: float = 0.07, num_classes: int | None = None, chunk_size: int = QUERY_CHUNK,
-                train_chunk_size: int = KEY_CHUNK, device: str | torch.device | None = None,
-                dtype: torch.dtype = torch.float32) -> dict[int, np.ndarray]:
-    """Per k: the predicted class (N_test,) int64; see :func:`knn_rankings`."""
-    rankings = knn_rankings(train_x, train_y, test_x, k, temperature=temperature, num_classes=num_classes, top=1,
-                            chunk_size=chunk_size, train_chunk_size=train_chunk_size, device=device, dtype=dtype)
-    return {k: ranked[:, 0] for k, ranked in rankings.items()}
+def ranked_classes(scores: torch.Tensor, top: int = 5) -> np.ndarray:
+    """Class ids (N, min(top, C)) of scores (N, C) by descending score, ties to the lower class id."""
+    return scores.sort(dim=1, descending=True, stable=True).indices[:, :top].cpu().numpy()
+
+
+def knn_predict(train_x: ArrayLike, train_y: ArrayLike, test_x: ArrayLike, k: int | Iterable[int] = 20,
+                **options: Any) -> dict[int, np.ndarray]:
+    """Per k: the predicted class (N_test,) int64; ``options`` as in :func:`knn_rankings`."""
+    return {k: ranked[:, 0] for k, ranked in knn_rankings(train_x, train_y, test_x, k, top=1, **options).items()}
 
 
 def knn_accuracy(train_x: ArrayLike, train_y: ArrayLike, test_x: ArrayLike, test_y: ArrayLike,
-                 k: int | Iterable[int] = 20, *, temperature: float = 0.07, num_classes: int | None = None,
-                 chunk_size: int = QUERY_CHUNK, train_chunk_size: int = KEY_CHUNK,
-                 device: str | torch.device | None = None, dtype: torch.dtype = torch.float32) -> dict[str, float]:
-    """``{"knn_top1_k{k}": ..., "knn_top5_k{k}": ...}`` for each k, fractions in [0, 1]."""
+                 k: int | Iterable[int] = 20, **options: Any) -> dict[str, float]:
+    """``{"knn_top1_k{k}": ..., "knn_top5_k{k}": ...}`` for each k, fractions in [0, 1] (top-5 is 1 for ≤ 5
+    classes); ``options`` as in :func:`knn_rankings`."""
     test_y = as_labels(test_y, len(test_x), "test_y", "test_x")
-    rankings = knn_rankings(train_x, train_y, test_x, k, temperature=temperature, num_classes=num_classes, top=5,
-                            chunk_size=chunk_size, train_chunk_size=train_chunk_size, device=device, dtype=dtype)
+    return knn_metrics(knn_rankings(train_x, train_y, test_x, k, top=5, **options), test_y)
+
+
+def knn_metrics(rankings: dict[int, np.ndarray], labels: ArrayLike) -> dict[str, float]:
+    """``{"knn_top1_k{k}", "knn_top5_k{k}"}`` of :func:`knn_rankings` against the test labels (M,)."""
     return {f"knn_top{top}_k{k}": accuracy
-            for k, ranked in rankings.items() for top, accuracy in top_k_accuracy(ranked, test_y).items()}
+            for k, ranked in rankings.items() for top, accuracy in top_k_accuracy(ranked, labels).items()}
 
 
 def top_k_accuracy(rankings: ArrayLike, labels: ArrayLike, tops: Sequence[int] = (1, 5)) -> dict[int, float]:
-    """Per t in ``tops``: the fraction of rows whose label is among their first t ranked classes.
-
-    rankings (N, T) class ids best first; labels (N,). A t beyond T counts all T columns.
-    """
+    """Per t in ``tops``: the fraction of rows whose label (N,) is among their first t ranked classes
+    (rankings (N, T), best first; a t beyond T counts all T columns)."""
     rankings, labels = np.asarray(rankings), np.asarray(labels)
     hits = rankings == labels[:, None]
     return {top: float(hits[:, :top].any(axis=1).mean()) for top in tops}

@@ -1,20 +1,7 @@
-"""Linear probe: multinomial logistic regression on frozen, standardised features.
-
-Features are standardised with the mean and std of the training rows, a chunk of rows at a time
-whenever they are read, so the features (possibly memory-mapped) are never copied whole. The model minimises
-``mean cross-entropy + weight_decay / 2 · ‖W‖²`` (bias not penalised), which is scikit-learn's
-``LogisticRegression`` objective with ``C = 1 / (weight_decay · n_samples)``. The weight decay is
-chosen on a seeded, stratified held-out slice of the training set (ties go to the larger decay),
-then the model is refit on all training rows.
-
-Solvers: full-batch L-BFGS when the training set and its logits would fit in ``FULL_BATCH_BYTES``
-(or a quarter of the GPU's memory, if larger), else minibatch Adam on the same objective (``solver``
-forces either). L-BFGS sums the loss and its gradient over chunks of ``CHUNK_ROWS`` rows, so its
-memory holds one chunk whatever N is; on a GPU, rows that fit the budget are moved there once.
-
-:func:`linear_probe` returns fractions in [0, 1]: ``linear_top1``, ``linear_top5``,
-``linear_weight_decay`` (the chosen one) and ``linear_val_top1_wd{wd:g}`` per candidate decay
-(absent when a single decay is given, since nothing is chosen).
+"""Linear probe: multinomial logistic regression on frozen features standardised by the training rows,
+minimising ``mean cross-entropy + weight_decay / 2 · ‖W‖²`` (scikit-learn's with ``C = 1 / (weight_decay ·
+n_samples)``), the decay chosen on a seeded stratified held-out slice (ties to the larger). Full-batch
+L-BFGS when features and logits fit in ``FULL_BATCH_BYTES`` (or a quarter of the GPU), else minibatch Adam.
 """
 
 from __future__ import annotations
@@ -29,7 +16,7 @@ import torch.nn.functional as F
 from repsim.errors import EvalError
 from repsim._checks import (ArrayLike, as_features, as_labels, check_same_width,
                                  check_several_classes, count_classes, resolve_device)
-from repsim.eval.knn import top_k_accuracy
+from repsim.eval.knn import ranked_classes, top_k_accuracy
 
 DEFAULT_WEIGHT_DECAYS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
 FULL_BATCH_BYTES = 8 * 2**30
@@ -40,11 +27,8 @@ Parameters = tuple[torch.Tensor, torch.Tensor]  # weight (D, C), bias (C,)
 
 
 def stratified_split(labels: ArrayLike, fraction: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted row indices (kept, held_out): each class holds out round(fraction · its size) rows.
-
-    Each class is permuted with ``numpy.random.default_rng(seed)``; a class never gives up all of
-    its rows, so a class with one row stays wholly in ``kept``.
-    """
+    """Sorted row indices (kept, held_out): each class, permuted by ``default_rng(seed)``, holds out
+    round(fraction · its size) rows but never all of them."""
     labels = np.asarray(labels)
     if not 0 < fraction < 1:
         raise EvalError(f"fraction={fraction} is outside (0, 1)", "pass a fraction such as 0.1")
@@ -108,10 +92,8 @@ class _Solver:
 
     def fit(self, data: _Rows, weight_decay: float, init: Parameters) -> Parameters:
         weight, bias = (p.detach().clone().to(self.device).requires_grad_() for p in init)
-        if self.kind == "lbfgs":
-            self._lbfgs(data, weight_decay, weight, bias)
-        else:
-            self._adam(data, weight_decay, weight, bias)
+        fit = self._lbfgs if self.kind == "lbfgs" else self._adam
+        fit(data, weight_decay, weight, bias)
         return weight.detach(), bias.detach()
 
     def _lbfgs(self, data: _Rows, weight_decay: float, weight: torch.Tensor, bias: torch.Tensor) -> None:
@@ -156,10 +138,9 @@ def linear_probe(train_x: ArrayLike, train_y: ArrayLike, test_x: ArrayLike, test
                  weight_decays: Sequence[float] = DEFAULT_WEIGHT_DECAYS, *, val_fraction: float = 0.1, seed: int = 0,
                  max_iter: int = 1000, epochs: int = 30, batch_size: int = 4096, solver: str = "auto",
                  num_classes: int | None = None, device: str | torch.device | None = None) -> dict[str, float]:
-    """Train on (train_x (N, D), train_y (N,)), report top-1/top-5 on (test_x (M, D), test_y (M,)).
-
-    ``max_iter`` bounds L-BFGS iterations per fit; ``epochs`` and ``batch_size`` configure Adam.
-    """
+    """Train on (train_x (N, D), train_y (N,)), score (test_x (M, D), test_y (M,)): ``linear_top1``,
+    ``linear_top5``, ``linear_weight_decay`` (the chosen one) and, for several decays, ``linear_val_top1_wd{wd:g}``.
+    ``max_iter`` bounds L-BFGS iterations per fit; ``epochs`` and ``batch_size`` configure Adam."""
     train_x, test_x = as_features(train_x, "train_x"), as_features(test_x, "test_x")
     check_same_width(train_x, "train_x", test_x, "test_x")
     train_y = as_labels(train_y, len(train_x), "train_y", "train_x")
@@ -175,11 +156,10 @@ def linear_probe(train_x: ArrayLike, train_y: ArrayLike, test_x: ArrayLike, test
     solver = _Solver(_solver_kind(solver, train_x.shape, num_classes, device), device, max_iter, epochs, batch_size, seed)
     if solver.kind == "lbfgs":  # full-batch: on a GPU, move the features once, not once per fit
         train = train.on(device)
-    zeros = (torch.zeros(train_x.shape[1], num_classes), torch.zeros(num_classes))
+    init = (torch.zeros(train_x.shape[1], num_classes), torch.zeros(num_classes))
     metrics: dict[str, float] = {}
-    init = zeros
     if len(decays) > 1:
-        val_accuracies, fitted = _validate(solver, train, decays, val_fraction, seed, zeros)
+        val_accuracies, fitted = _validate(solver, train, decays, val_fraction, seed, init)
         metrics |= {f"linear_val_top1_wd{wd:g}": accuracy for wd, accuracy in val_accuracies.items()}
         decays = [max(val_accuracies, key=lambda wd: (val_accuracies[wd], wd))]
         init = fitted[decays[0]]
@@ -229,8 +209,4 @@ def _validate(solver: _Solver, train: _Rows, decays: list[float], val_fraction: 
 def _rank_classes(data: _Rows, parameters: Parameters, top: int = 5) -> np.ndarray:
     """Class ids (N, min(top, C)) by descending logit, ties to the lower class id."""
     weight, bias = parameters
-    ranked = []
-    for features, _ in data.chunks():
-        logits = features.to(weight.device) @ weight + bias
-        ranked.append(logits.sort(dim=1, descending=True, stable=True).indices[:, :top].cpu())
-    return torch.cat(ranked).numpy()
+    return np.concatenate([ranked_classes(features.to(weight.device) @ weight + bias, top) for features, _ in data.chunks()])

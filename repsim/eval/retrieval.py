@@ -1,10 +1,5 @@
-"""Retrieval on cosine similarity: cross-modal recall@k and image-to-image mAP@R.
-
-A gallery is ranked by descending similarity to the query, ties to the lower gallery row.
-Recall@k is the fraction of queries with at least one matching item in their first k.
-:func:`paired_retrieval` returns fractions in [0, 1] under ``i2t_r{k}`` and ``t2i_r{k}``;
-:func:`map_at_r` returns one fraction (Musgrave et al. 2020, "A Metric Learning Reality Check").
-"""
+"""Retrieval on cosine similarity (ties to the lower gallery row): cross-modal recall@k, the fraction of
+queries with a match in their first k, and mAP@R (Musgrave et al. 2020), fractions in [0, 1]."""
 
 from __future__ import annotations
 
@@ -23,11 +18,8 @@ SIMILARITY_BUDGET = 2**25  # similarities held at once when the chunk size is ch
 def retrieval_recall(query: ArrayLike, gallery: ArrayLike, ks: int | Iterable[int] = (1, 5, 10), *,
                      query_ids: ArrayLike | None = None, gallery_ids: ArrayLike | None = None,
                      chunk_size: int | None = None, device: str | torch.device | None = None) -> dict[int, float]:
-    """Per k: the fraction of queries (Nq, D) with a matching gallery row (Ng, D) among their top k.
-
-    Query i matches gallery row j when ``query_ids[i] == gallery_ids[j]``; ids default to row
-    numbers, so without them row i of the query matches row i of the gallery (Nq == Ng).
-    """
+    """Per k: the fraction of queries (Nq, D) with a matching gallery row (Ng, D) among their top k; query i
+    matches row j when ``query_ids[i] == gallery_ids[j]``, ids defaulting to row numbers (then Nq == Ng)."""
     ks = as_ks(ks, "ks")
     query, gallery = as_features(query, "query"), as_features(gallery, "gallery")
     check_same_width(query, "query", gallery, "gallery")
@@ -39,11 +31,8 @@ def retrieval_recall(query: ArrayLike, gallery: ArrayLike, ks: int | Iterable[in
 def paired_retrieval(image_embeddings: ArrayLike, text_embeddings: ArrayLike, ks: int | Iterable[int] = (1, 5, 10), *,
                      text_owner: ArrayLike | None = None, chunk_size: int | None = None,
                      device: str | torch.device | None = None) -> dict[str, float]:
-    """Image→text and text→image recall: ``{"i2t_r1": ..., "t2i_r1": ..., ...}``.
-
-    images (Ni, D), texts (Nt, D); ``text_owner[t]`` is the image row of text t (several captions
-    per image); by default text t belongs to image t.
-    """
+    """Image→text and text→image recall ``{"i2t_r1": ..., "t2i_r1": ..., ...}`` of images (Ni, D) and texts
+    (Nt, D); ``text_owner[t]`` is the image row of text t (default: t)."""
     images = as_features(image_embeddings, "image_embeddings")
     texts = as_features(text_embeddings, "text_embeddings")
     if text_owner is None:
@@ -91,12 +80,8 @@ def _first_match_ranks(query: torch.Tensor, gallery: torch.Tensor, query_ids: to
 
 def map_at_r(embeddings: ArrayLike, labels: ArrayLike, *, chunk_size: int | None = None,
              device: str | torch.device | None = None, dtype: torch.dtype = torch.float32) -> float:
-    """Mean average precision at R over embeddings (N, D) with class labels (N,).
-
-    Each sample queries all others; R is the number of other samples of its class and
-    AP@R = (1/R) Σ_{i≤R} precision@i · [i-th retrieved is of its class]. Samples alone in their
-    class (R = 0) are left out of the mean.
-    """
+    """Mean average precision at R over embeddings (N, D) with labels (N,): each sample queries all others,
+    R = the other samples of its class, AP@R = (1/R) Σ_{i≤R} precision@i · [i-th is of its class]; R = 0 left out."""
     embeddings = as_features(embeddings, "embeddings")
     labels = as_labels(labels, len(embeddings), "labels", "embeddings")
     relevant = torch.bincount(labels)[labels] - 1

@@ -1,9 +1,5 @@
-"""Zero-shot classification: classes become text prompts, images go to the most similar class.
-
-A class embedding is the mean of its L2-normalised prompt embeddings (one prompt per template,
-``template.format(name=class_name)``), renormalised. :func:`zero_shot_accuracy` returns fractions
-in [0, 1] under ``zeroshot_top1`` and ``zeroshot_top5``.
-"""
+"""Zero-shot classification: images go to the class whose embedding, the renormalised mean of its
+unit prompt embeddings (``template.format(name=class_name)``), is most cosine-similar."""
 
 from __future__ import annotations
 
@@ -16,17 +12,15 @@ import torch.nn.functional as F
 from repsim.errors import EvalError
 from repsim._checks import (ArrayLike, as_features, as_labels, check_same_width, count_classes,
                                  resolve_device, unit_rows)
-from repsim.eval.knn import top_k_accuracy
+from repsim.eval.knn import ranked_classes, top_k_accuracy
 
 SCORE_CHUNK = 8192
 
 
 def zero_shot_classifier(class_names: Sequence[str], templates: Sequence[str],
                          encode_text: Callable[[list[str]], ArrayLike]) -> torch.Tensor:
-    """Class embeddings (C, D) float32, unit norm, from C names × T templates.
-
-    ``encode_text`` maps a list of prompts (C·T, class-major) to their embeddings (C·T, D).
-    """
+    """Class embeddings (C, D) float32, unit norm, from C names × T templates; ``encode_text`` maps the
+    prompts (C·T, class-major) to embeddings (C·T, D)."""
     if not class_names or not templates:
         raise EvalError(f"zero-shot needs class names and templates, got {len(class_names)} and {len(templates)}",
                         "pass at least one of each")
@@ -49,10 +43,8 @@ def _prompt(template: str, class_name: str) -> str:
 
 def zero_shot_accuracy(image_embeddings: ArrayLike, labels: ArrayLike, class_embeddings: ArrayLike, *,
                        device: str | torch.device | None = None) -> dict[str, float]:
-    """Top-1/top-5 of classifying images (N, D) by cosine similarity to class embeddings (C, D).
-
-    labels (N,) index the rows of ``class_embeddings``; ties go to the lower class id.
-    """
+    """``zeroshot_top1`` and ``zeroshot_top5`` of images (N, D) by cosine similarity to class embeddings
+    (C, D), which labels (N,) index; ties go to the lower class id."""
     images = as_features(image_embeddings, "image_embeddings")
     classes = as_features(class_embeddings, "class_embeddings")
     check_same_width(images, "image_embeddings", classes, "class_embeddings")
@@ -60,12 +52,7 @@ def zero_shot_accuracy(image_embeddings: ArrayLike, labels: ArrayLike, class_emb
     count_classes(labels, len(classes), "labels")
     device = resolve_device(device)
     classes = unit_rows(classes, device)
-    rankings = np.concatenate([_rank(chunk, classes) for chunk in images.split(SCORE_CHUNK)])
+    rankings = np.concatenate([ranked_classes(unit_rows(chunk, device) @ classes.T) for chunk in images.split(SCORE_CHUNK)])
     accuracy = top_k_accuracy(rankings, labels.numpy())
     return {"zeroshot_top1": accuracy[1], "zeroshot_top5": accuracy[5]}
 
-
-def _rank(images: torch.Tensor, classes: torch.Tensor, top: int = 5) -> np.ndarray:
-    """Class ids (B, min(top, C)) by descending cosine similarity, ties to the lower class id."""
-    similarities = unit_rows(images, classes.device) @ classes.T
-    return similarities.sort(dim=1, descending=True, stable=True).indices[:, :top].cpu().numpy()

@@ -42,12 +42,9 @@ def gather_no_grad(x: torch.Tensor, gather: bool) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ViewPairs:
-    """Cosine logits of this rank's 2B views (rows) against all 2B' views (columns).
-
-    Rows are ``[view1; view2]`` of the local batch; columns are ``[view1; view2]`` of the global batch
-    (B' = world size x B). ``row_ids[r]`` is row r's own column, where ``logits`` holds the dtype's
-    most negative value, ``torch.finfo(dtype).min``: a softmax gives it 0 and, unlike -inf, 0 · logit stays 0.
-    """
+    """Cosine logits of this rank's 2B views ``[view1; view2]`` (rows) against the global batch's 2B'
+    (columns). Row r's own column ``row_ids[r]`` holds ``torch.finfo(dtype).min``: a softmax gives it 0
+    and, unlike -inf, 0 · logit stays 0."""
 
     logits: torch.Tensor   # (2B, 2B') = z_r . z_c / temperature, self excluded
     row_ids: torch.Tensor  # (2B,) long

@@ -12,14 +12,9 @@ from repsim.losses._pairs import at_least_float32, gather_with_grad
 
 
 class ClipLoss(nn.Module):
-    """Mean of image->text and text->image cross-entropy; row i of each side is a pair.
-
-    Args:
-        temperature: initial temperature; the logit scale 1/temperature is learned when
-            ``learnable`` (clamped at ``max_scale``, as in CLIP).
-        gather: under DDP, contrast against every rank's pairs.
-
-    Shapes: image, text (B, D) embeddings (normalised here). Returns a scalar.
+    """Mean of image->text and text->image cross-entropy of image, text (B, D) (normalised here), row i
+    of each side a pair. The logit scale 1/temperature is learned when ``learnable`` (clamped at
+    ``max_scale``, as in CLIP); ``gather`` contrasts against every rank's pairs under DDP.
 
     >>> loss = ClipLoss(temperature=0.07)
     >>> image, text = torch.randn(8, 32), torch.randn(8, 32)  # B = 8 pairs, D = 32

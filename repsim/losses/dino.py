@@ -1,9 +1,5 @@
-"""DINO's self-distillation loss (Caron et al., 2021): a sharpened, centred teacher against the student.
-
-Over K prototype logits, the teacher's target is ``softmax((t − c) / τ_t)`` with the centre c an EMA
-of the teacher's mean logits (``c ← m·c + (1 − m)·mean(t)``, all ranks' batches), the student's
-prediction ``softmax(s / τ_s)``. Multi-crop pairing: every teacher (global) view is the target of
-every student view but the one of the same index; the loss is the mean cross-entropy over those pairs.
+"""DINO's self-distillation loss (Caron et al., 2021): the teacher's ``softmax((t − c) / τ_t)``, c an EMA
+of its mean logits over all ranks, against the student's ``softmax(s / τ_s)``, over multi-crop view pairs.
 """
 
 from __future__ import annotations
@@ -19,11 +15,8 @@ from repsim.losses._pairs import at_least_float32
 
 
 def cross_view_cross_entropy(teacher: Sequence[torch.Tensor], student_log: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Mean of −Σ t·log s over the samples and the pairs (teacher view i, student view j ≠ i).
-
-    ``teacher``: target distributions, one (B, K) per global view; ``student_log``: log-probabilities,
-    one (B, K) per student view, the global views first in the teacher's order.
-    """
+    """Mean of −Σ t·log s over the samples and the pairs (teacher view i, student view j ≠ i) of target
+    distributions (B, K) per global view and log-probabilities (B, K) per student view, global ones first."""
     losses = [-(target * log_probs).sum(dim=1).mean()
               for i, target in enumerate(teacher) for j, log_probs in enumerate(student_log) if i != j]
     if not losses:

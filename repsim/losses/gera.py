@@ -1,36 +1,16 @@
 """GeRA: geometrically regularised alignment of two frozen embedding spaces (Klebe et al.).
 
-Alignment networks f, g map paired embeddings x (modality A) and y (modality B) into a shared space.
-The loss is CLIP's symmetric InfoNCE on the paired points plus ``alpha · (geo_A + geo_B)``, where a
-geometric term compares, for each paired point, a kernel over the point and n of its neighbors among
-the unpaired points of its own modality, before and after alignment.
+The loss is CLIP's symmetric InfoNCE on the aligned paired points plus ``alpha · (geo_A + geo_B)``;
+a geometric term is the mean ``KL(P_row ‖ Q_row)`` (nats, like InfoNCE) between the rows of a kernel
+over each paired point and n of its unpaired neighbors in its own modality, before (P) and after (Q)
+alignment. Kernels over m = n + 1 points, entries floored at ``KERNEL_FLOOR``, rows normalised to 1:
 
-Kernels over a neighborhood of m = n + 1 points (the paired point first), each entry floored at
-``KERNEL_FLOOR`` (every kernel's largest entry, a point with itself, is 1) and each row normalised to
-sum to 1, so every row is a strictly positive distribution over the neighborhood:
-
-- ``heat`` (the paper's): ``exp(-‖a - b‖² / ε)`` with ε = σ · the mean Euclidean distance between
-  the m(m - 1) ordered pairs of distinct points of that neighborhood. It is invariant to rotations
-  and translations, not to scaling: ε grows like the distances, the exponent like their squares, so
-  a space's scale sharpens or flattens its kernel and σ is tuned per pair of embedding spaces.
-- ``heat_squared``: the same with ε = σ · the mean *squared* distance, which also makes the kernel
-  invariant to uniform scaling (an ablation of the paper's ε).
-- ``cosine``: ``(1 + cos(a, b)) / 2``, in [0, 1]; invariant to rotations and uniform scaling.
-- ``knn``: 1 where b is among the ``knn_k`` nearest points of a in the neighborhood (a itself
-  included), else 0 (the floor). It is piecewise constant, so it passes no gradient: a measure of
-  how well neighborhoods are kept, not a training signal.
-
-The geometric term of one modality is ``KL(P_row ‖ Q_row)`` between each row P of the input-space
-kernel and the same row Q of the aligned-space kernel, averaged over rows and paired points — the
-divergence SNE and t-SNE minimise for exactly such row-normalised neighborhood kernels. It is
-measured in nats, like InfoNCE (the cross-entropy of each paired point's softmax row against its
-partner), so α weighs the two terms in the same units whatever the neighborhood size m or the
-embedding scale. The term itself stays small (with ``heat_squared``, about 0.002 nats for a random
-linear map, which nearly preserves distances, and 0.02 after contrastive training alone), so the
-useful α is large; the shipped α and σ were chosen on held-out data (``configs/gera.yaml``). A squared distance between rows,
-the obvious alternative, shrinks like 1/m as the entries do, and rescaling it by m or by its value
-at initialisation would only tie α to m or to the initial map. For ``knn`` each lost neighbor
-costs about ``-log(KERNEL_FLOOR) / k`` nats, so the term counts neighbors lost.
+- ``heat`` (the paper's): ``exp(-‖a - b‖² / ε)``, ε = σ · the mean distance between distinct points,
+  so not scale-invariant: σ is tuned per pair of spaces;
+- ``heat_squared``: ε = σ · the mean *squared* distance, invariant to uniform scaling too;
+- ``cosine``: ``(1 + cos(a, b)) / 2``;
+- ``knn``: 1 where b is among a's ``knn_k`` nearest (a included), else the floor; no gradient, so a
+  measure of kept neighbors (about ``-log(KERNEL_FLOOR) / k`` nats per lost one), not a training signal.
 """
 
 from __future__ import annotations
@@ -52,11 +32,8 @@ KERNEL_FLOOR = 1e-12
 
 def neighborhood_kernel(points: torch.Tensor, kind: Kernel = "heat", sigma: float = 1.0,
                          knn_k: int = 5) -> torch.Tensor:
-    """Row-normalised kernels over neighborhoods: points (B, m, D) -> (B, m, m), every row a strictly
-    positive distribution (entries floored at ``KERNEL_FLOOR`` before normalising).
-
-    See the module docstring for the kernels; ``sigma`` scales the heat kernels' ε, ``knn_k`` is the
-    binary kernel's neighbor count (self included, at most m).
+    """Row-normalised kernels (module docstring) over neighborhoods: points (B, m, D) -> (B, m, m), every
+    row a strictly positive distribution; ``sigma`` scales the heat kernels' ε, ``knn_k`` counts self.
 
     >>> points = torch.tensor([[[0.0, 0.0], [3.0, 0.0], [0.0, 4.0]]])  # distances 3, 4 and 5: ε = 4
     >>> neighborhood_kernel(points)[0, 0]  # ∝ exp(-[0, 9, 16] / 4)
@@ -96,11 +73,8 @@ def _binary_knn(points: torch.Tensor, k: int) -> torch.Tensor:
 
 
 class GeometricLoss(nn.Module):
-    """How much alignment distorts neighborhoods: mean over paired points and rows of
-    ``KL(K(inputs)_row ‖ K(aligned)_row)``, in nats.
-
-    Shapes: inputs (B, m, D_in) and aligned (B, m, D_out), the same m points per neighborhood in the
-    same order (the paired point first). Returns a scalar.
+    """Mean over neighborhoods and rows of ``KL(K(inputs)_row ‖ K(aligned)_row)`` in nats, of inputs
+    (B, m, D_in) and aligned (B, m, D_out), the same m points in the same order. Returns a scalar.
 
     >>> loss = GeometricLoss(kernel="heat", sigma=1.0)
     >>> inputs, aligned = torch.randn(4, 6, 32), torch.randn(4, 6, 8)  # B = 4 neighborhoods of m = 6 points
@@ -127,13 +101,11 @@ class GeometricLoss(nn.Module):
 
 
 class GeRALoss(nn.Module):
-    """Symmetric InfoNCE on the paired points + ``alpha · (geo_A + geo_B)``.
+    """Symmetric InfoNCE on the paired points + ``alpha · (geo_A + geo_B)``, as scalars ``{"loss",
+    "contrastive", "geo_a", "geo_b"}`` (with alpha 0 the geometric terms carry no gradient).
 
-    Shapes: x (B, m, D_a) and y (B, m, D_b) frozen neighborhoods, fx (B, m, d) and gy (B, m, d) their
-    aligned images; row 0 of each neighborhood is the paired point (x[:, 0] pairs with y[:, 0]), the
-    other rows its sampled unpaired neighbors in its own modality. With m = 1 only InfoNCE is left.
-    Returns ``{"loss", "contrastive", "geo_a", "geo_b"}`` scalars; with ``alpha == 0`` the geometric
-    terms are still reported (when m > 1) but carry no gradient.
+    x (B, m, D_a) and y (B, m, D_b) are frozen neighborhoods, fx and gy (B, m, d) their aligned images;
+    row 0 is the paired point (x[:, 0] pairs with y[:, 0]). With m = 1 only InfoNCE is left.
 
     >>> loss = GeRALoss(alpha=1.0)
     >>> x, y, fx, gy = torch.randn(4, 6, 32), torch.randn(4, 6, 24), torch.randn(4, 6, 8), torch.randn(4, 6, 8)

@@ -1,9 +1,6 @@
-"""iBOT's masked-patch loss (Zhou et al., 2022) over learnable prototypes.
-
-At every masked patch of a student's global view, the cross-entropy between the teacher's centred,
-sharpened prototype distribution of that patch (the teacher saw the view unmasked) and the student's
-``softmax(s / τ_s)``; the mean over the masked patches, as SOP's MIM loss takes it. Centring and
-sharpening are :class:`~repsim.losses.dino.DINOLoss`'s, with a centre of the patch logits' own.
+"""iBOT's masked-patch loss (Zhou et al., 2022): at every masked patch, the cross-entropy between the
+teacher's centred, sharpened prototype distribution (:class:`~repsim.losses.dino.DINOLoss`'s, with its
+own centre) and the student's ``softmax(s / τ_s)``, averaged over the masked patches.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Self-organizing visual prototypes (SOP): distributions over prototypes built from a memory.
 
-An SOP is an anchor embedding from the memory and its k nearest other memory entries (its support
-embeddings). With K anchors the M = K(k+1) elements carry a weight w (an anchor 1 − ε, a support
-embedding its cosine score with the anchor, clipped to [0, 1]) and the label matrix Y (M × K) puts w
-on the element's own SOP and (1 − w) / (K − 1) on each other SOP, so every row sums to 1 (one-hot:
-1 on its own SOP). An embedding's distribution over SOPs is ``softmax(e · elementsᵀ / τ) · Y``.
-A memory entry may support several anchors, as in the paper; with non-shared supports (the ablation
-of the paper's rebuttal) it supports only the anchor it scores highest with, and none if it is an
-anchor itself, so an SOP may hold fewer than k supports and M ≤ K(k+1).
-
-:class:`SOPLoss` is the [CLS] loss: cross-entropy between the teacher's and the student's
-distributions of different views, paired as in DINO. :class:`MaskedSOPLoss` is the MIM loss:
-the student's masked patch tokens against the teacher's tokens at the same positions of the same
-view, over patch SOPs; unmasked positions take no part.
+An SOP is an anchor from the memory and its k nearest other entries (supports). Each of the
+M ≤ K(k+1) elements has a weight w (an anchor 1 − ε, a support its cosine with the anchor, clipped
+to [0, 1]; one-hot: 1); the label matrix Y (M, K) puts w on its own SOP and (1 − w) / (K − 1) on
+each other. An embedding's distribution over SOPs is ``softmax(e · elementsᵀ / τ) · Y``. Non-shared
+supports (an ablation) keep each entry for the anchor it scores highest with, none if it is an anchor.
 """
 
 from __future__ import annotations
@@ -31,10 +23,8 @@ from repsim.similarity.neighbors import BACKENDS, nearest
 
 @dataclass(frozen=True)
 class SOPs:
-    """K SOPs as M = K(k+1) elements with the rows of their label matrix in factored form.
-
-    Row m of Y is ``spread[m]`` everywhere but column ``sop_of[m]``, which holds ``own[m]``.
-    """
+    """K SOPs as M elements with their label matrix factored: row m of Y is ``spread[m]`` everywhere but
+    column ``sop_of[m]``, which holds ``own[m]``."""
 
     elements: torch.Tensor  # (M, D) unit rows: the K anchors, then the k support embeddings of each
     sop_of: torch.Tensor    # (M,) long, the SOP of each element
@@ -61,15 +51,9 @@ class SOPs:
 
 def nearest_supports(anchors: torch.Tensor, anchor_ids: torch.Tensor, memory: torch.Tensor,
                      memory_ids: torch.Tensor, k: int, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """(cosine scores (K, k), memory rows (K, k)) of each anchor's k nearest memory entries, nearest first.
-
-    ``anchors`` (K, D) and ``memory`` (N, D) are unit rows; an entry whose id (``memory_ids`` (N,))
-    equals the anchor's (``anchor_ids`` (K,)) is the anchor itself and is never its own support.
-    An exact inner-product search (:func:`repsim.similarity.neighbors.nearest`) with ``backend``
-    ``torch`` (on the memory's device), ``faiss`` (an index on the host, built from the memory each
-    call) or ``auto``: FAISS for a memory on the CPU, where it was 1.3-2.2x faster than torch from
-    1024 x 4096 to 4096 x 65536 anchors x entries (``benchmarks/sop_cost.py``), torch on a GPU.
-    """
+    """(cosine scores (K, k), memory rows (K, k)) of each unit anchor's (K, D) k nearest unit memory entries
+    (N, D), nearest first, never the entry of its own id; ``backend`` ``auto``: FAISS for a memory on the CPU
+    (1.3-2.2x faster there, ``benchmarks/sop_cost.py``), torch on a GPU."""
     if k >= len(memory):
         raise ValueError(f"{k} support embeddings need more than {len(memory)} memory entries")
     if backend not in ("auto", *BACKENDS):
@@ -126,9 +110,8 @@ def build_sops(anchors: torch.Tensor, anchor_ids: torch.Tensor, memory: torch.Te
 
 def exclusive_supports(scores: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor,
                        anchor_ids: torch.Tensor) -> torch.Tensor:
-    """(K·k,) bool: which of the drawn supports (flat ``scores``, memory ``rows`` and their ``ids``)
-    each memory entry keeps, at most one: the anchor it scores highest with (ties: the first such
-    anchor), none for an entry that is itself an anchor."""
+    """(K·k,) bool: the drawn supports (flat ``scores``, memory ``rows``, their ``ids``) kept, each memory entry
+    for the anchor it scores highest with (ties: the first), none for an entry that is itself an anchor."""
     best = torch.full((int(rows.max()) + 1,), -math.inf, dtype=scores.dtype, device=scores.device)
     best = best.scatter_reduce(0, rows, scores, "amax")
     position = torch.arange(len(rows), device=rows.device)

@@ -9,16 +9,11 @@ from repsim.losses._pairs import at_least_float32, view_pairs
 
 
 def target_mass(similarity: torch.Tensor, target_temperature: float, offset: int = 0) -> torch.Tensor:
-    """X-CLR's target distribution per view: (R, B'), entry [i, j] the target probability that a view
-    of sample i puts on each view of sample j (on i's other view for j = i).
+    """X-CLR's target (R, B'): [i, j] the probability a view of sample i puts on each view of sample j
+    (on i's other view for j = i), from ``similarity`` rows (R, B') of samples offset, ..., offset + R - 1.
 
-    ``similarity`` holds the rows (R, B') of samples offset, ..., offset + R - 1 against all B'
-    samples (R = B' and offset 0 for the whole batch), so sample i's own entry lies on the diagonal
-    at ``offset``. A view's target row runs over the 2B' - 1 other views: ``softmax(s / target_temperature)``
-    with s[i, i] = 1. Both views of j share s[i, j], so with q the softmax over the B' samples the
-    row is ``q / (2 - q[i, i])``, and rows of the full (2R, 2B') target are [P_i, P_i] with the
-    view's own entry set to 0.
-    """
+    Over the 2B' - 1 other views the target is ``softmax(s / target_temperature)`` with s[i, i] = 1; both
+    views of j share s[i, j], so with q the softmax over the B' samples the row is ``q / (2 - q[i, i])``."""
     scaled = at_least_float32(similarity) / target_temperature
     scaled.diagonal(offset).fill_(1.0 / target_temperature)
     probabilities = torch.softmax(scaled, dim=1)
@@ -26,20 +21,10 @@ def target_mass(similarity: torch.Tensor, target_temperature: float, offset: int
 
 
 class _SoftViewCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of softmax(logits) against the view-pair target built from ``mass``,
-    without materialising that (2B, 2B') target.
-
-    Row (a, i), view a of local sample i, targets ``mass[i, j]`` on both views of every sample j,
-    except its own column (a, offset + i), which gets 0. Seen as blocks (view of row, view of
-    column) of (B, B'), a row's own column lies on the diagonal at ``offset`` of the block (a, a)
-    and its other view's on that of the block (a, 1 - a). The loss of a row is
-    ``-Σ_c target[r, c] log p[r, c]`` and its gradient ``p[r] - target[r]`` (each target row sums
-    to 1): both are formed from these blocks of the log-probabilities, in place.
-
-    Shapes: logits (2B, 2B') with the own column at a large negative value; mass (B, B') rows of the
-    local samples; offset, this rank's first sample in the global batch. ``mass`` is a target: no
-    gradient flows to it.
-    """
+    """Mean cross-entropy of softmax(logits (2B, 2B')) against the view-pair target of ``mass`` (B, B'),
+    without materialising it: row (a, i) targets ``mass[i, j]`` on both views of every j but its own
+    column, which lies on the diagonal at ``offset`` of block (a, a) of the (2, B, 2, B') view. The
+    gradient is ``p[r] - target[r]``; none flows to ``mass``."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, mass: torch.Tensor, offset: int) -> torch.Tensor:
@@ -47,8 +32,7 @@ class _SoftViewCrossEntropy(torch.autograd.Function):
         mass = mass.to(logits.dtype)
         log_probs = torch.log_softmax(logits, dim=1)
         blocks = log_probs.view(2, batch, 2, global_batch)
-        # Both views of sample j share the target mass[i, j]; the own column adds nothing, so the
-        # folded entry of sample i is its other view alone.
+        # the own column adds nothing: sample i's folded entry is its other view alone
         folded = blocks.sum(dim=2)                                                         # (2, B, B')
         for view in (0, 1):
             folded[view].diagonal(offset).copy_(blocks[view, :, 1 - view].diagonal(offset))
@@ -71,23 +55,12 @@ class _SoftViewCrossEntropy(torch.autograd.Function):
 
 
 class XCLRLoss(nn.Module):
-    """Cross-entropy between ``softmax(s / target_temperature)`` and ``softmax(z z^T / temperature)``.
+    """Cross-entropy between ``softmax(s / target_temperature)`` and ``softmax(z z^T / temperature)`` over
+    the 2B views, self excluded; s between views of i and j is ``similarity[i, j]``, 1 for i = j. With s =
+    identity and target_temperature -> 0 this is NT-Xent; with s = same-label, SupCon.
 
-    Over the 2B views, each view's pairing with itself excluded; ``s`` between views of samples i and
-    j is ``similarity[i, j]``, and ``similarity[i, i] = 1`` by definition. With s = identity and
-    target_temperature -> 0 this is SimCLR's NT-Xent; with s = same-label it is SupCon.
-
-    The target is built from the (B, B) :func:`target_mass`, so only one exponential per sample pair
-    is taken, not one per view pair, and the (2B, 2B') target is never materialised.
-
-    Args:
-        temperature: of the predicted distribution.
-        target_temperature: of the target distribution, > 0.
-        gather: under DDP, contrast against every rank's views (gradients flow across ranks); then
-            ``similarity`` must cover the global batch, in rank order.
-
-    Shapes: z1, z2 (B, D) projections of the two views (normalised here); similarity (B', B') with
-    B' = world size x B when gathering, else B. Returns a scalar.
+    Shapes: z1, z2 (B, D) projections of the two views (normalised here); similarity (B', B'), B' the
+    global batch (world size x B) when ``gather`` (DDP, gradients across ranks), else B. Returns a scalar.
 
     >>> loss = XCLRLoss(temperature=0.1, target_temperature=0.1)
     >>> z1, z2, similarity = torch.randn(8, 128), torch.randn(8, 128), torch.rand(8, 8)  # B = 8, D = 128

@@ -23,12 +23,8 @@ class ResidualBlock(nn.Module):
 
 
 class AlignmentNetwork(nn.Sequential):
-    """(..., in_dim) -> (..., out_dim), applied to the last dimension.
-
-    ``linear``: one affine map. ``mlp``: an affine map to ``hidden_dim``, ``blocks`` pre-norm
-    residual blocks (:class:`ResidualBlock`, inner width 2 · hidden_dim), and an affine map to
-    ``out_dim``. ``recipe`` records the arguments, so a saved network can be rebuilt.
-    """
+    """(..., in_dim) -> (..., out_dim): ``linear``, one affine map, or ``mlp``, affine maps to and from
+    ``hidden_dim`` around ``blocks`` :class:`ResidualBlock` (inner width 2 · hidden_dim). ``recipe`` records the arguments."""
 
     def __init__(self, in_dim: int, out_dim: int, kind: AlignmentKind = "linear", hidden_dim: int = 512,
                  blocks: int = 1):

@@ -1,8 +1,5 @@
-"""Image backbones: torchvision ResNets (random init) that return pooled features instead of logits,
-and the ViTs of :mod:`repsim.models.vit`.
-
-Every backbone records how it was built in its ``recipe`` attribute, so :func:`save_encoder` can
-store it beside its weights and :func:`load_encoder` can rebuild it without the training config.
+"""Image backbones: torchvision ResNets (random init) that return pooled features, and the ViTs of
+:mod:`repsim.models.vit`; each records its ``recipe``, so :func:`load_encoder` rebuilds a saved one.
 """
 
 from __future__ import annotations
@@ -25,9 +22,8 @@ UNREADABLE_FIX = "pass an encoder written by the train stage (repsim.models.save
 
 def backbone(name: str, in_channels: int, image_size: int, small_images: bool = True, patch_size: int = 4,
              depth: int = 12, init: str | Path | None = None) -> nn.Module:
-    """The backbone ``name``: a :func:`resnet` (``small_images``) or a ViT (``vit_tiny``, ``vit_small``:
-    :func:`repsim.models.vit.vit` for ``image_size`` inputs, ``patch_size``, ``depth``); random
-    weights, or those of the saved encoder ``init`` (:func:`start_from`)."""
+    """The backbone ``name``, a :func:`resnet` or a ViT (``vit_tiny``, ``vit_small``: :func:`repsim.models.vit.vit`),
+    with random weights or those of the saved encoder ``init`` (:func:`start_from`)."""
     if name in VITS:
         network = vit(name.removeprefix("vit_"), image_size, patch_size, depth, in_channels)
     else:
@@ -36,13 +32,8 @@ def backbone(name: str, in_channels: int, image_size: int, small_images: bool = 
 
 
 def resnet(name: str = "resnet18", small_images: bool = False, in_channels: int = 3) -> nn.Module:
-    """A torchvision ResNet without weights and without its classifier: (B, C, H, W) -> (B, F).
-
-    ``small_images`` swaps the 7×7 stride-2 stem and its max-pool for one 3×3 stride-1 conv, as for
-    CIFAR-size inputs (28–32 px), so the first stage keeps the full resolution. ``in_channels`` is 1
-    for grayscale or 3 for colour. The module's ``feature_dim`` is F (512 for resnet18/34, 2048 for
-    resnet50).
-    """
+    """A torchvision ResNet without weights or classifier: (B, C, H, W) -> (B, F), ``feature_dim`` F;
+    ``small_images`` swaps the 7×7 stride-2 stem and its max-pool for one 3×3 stride-1 conv (CIFAR-size inputs)."""
     if name not in RESNETS:
         raise SpecError(f"unknown backbone {name!r}", f"use one of {', '.join(RESNETS + VITS)}")
     network = getattr(torchvision.models, name)(weights=None)

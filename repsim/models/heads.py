@@ -6,11 +6,8 @@ from torch import nn
 
 
 class ProjectionMLP(nn.Sequential):
-    """SimCLR's projection head: (B, in_dim) -> (B, out_dim).
-
-    ``layers`` linear maps; every one but the last is followed by BatchNorm and ReLU (and has no bias,
-    which BatchNorm would cancel); the last is a plain linear map. ``layers=1`` is one linear map.
-    """
+    """SimCLR's projection head: (B, in_dim) -> (B, out_dim), ``layers`` linear maps, each but the last
+    without bias (BatchNorm cancels it) and followed by BatchNorm and ReLU."""
 
     def __init__(self, in_dim: int, hidden_dim: int, out_dim: int, layers: int = 2):
         if layers < 1:

@@ -1,17 +1,7 @@
-"""Vision Transformers for self-distillation: torchvision's ``VisionTransformer`` with masked patches,
-token outputs and inputs of any size.
-
-Built on :class:`torchvision.models.vision_transformer.VisionTransformer` (its patch embedding,
-[CLS] token, position embedding and encoder blocks); this subclass adds what DINO/iBOT/SOP need:
-
-- ``forward_tokens(images, mask)`` returns the [CLS] token (B, D) and the patch tokens (B, P, D);
-  patches where ``mask`` (B, P) is True have their embedding replaced by a learned mask token
-  before the position embedding is added (masked image modelling);
-- the position embedding is interpolated (bicubic) to the patch grid of the input, so local crops
-  smaller than the global views, or non-square inputs, go through the same network;
-- ``forward(images)`` is the [CLS] feature (B, D) and ``feature_dim`` is D, like
-  :func:`repsim.models.backbones.resnet`, so the kNN monitor and the evaluate stage use it as is;
-- 1- or 3-channel input, and no classification head.
+"""Vision Transformers for self-distillation: torchvision's ``VisionTransformer`` with 1 or 3 input
+channels, no head, a learned mask token for masked patches (``forward_tokens``), and a position
+embedding interpolated (bicubic) to any input's patch grid, so local crops use the same network;
+``forward`` gives the [CLS] feature (B, D) and ``feature_dim`` is D, like :func:`repsim.models.resnet`.
 """
 
 from __future__ import annotations
