@@ -1,14 +1,7 @@
-"""Config layering: YAML files and ``key.sub=value`` overrides as nested mappings, merged in order.
-
-A :class:`Layer` is one source of settings (a YAML file, one override) with the name errors give it.
-Layers merge in order, the later winning key by key (:func:`merge`). Override values parse as YAML
-(``optim.lr=0.1``, ``monitor.knn=false``, ``tags=[a, b]``, ``optim.grad_clip=null``), and
-:func:`as_overrides` writes a nested mapping back as overrides that parse to it. Path fields are
-dotted names (``*`` steps into every item of a list); their relative paths resolve against the
-folder of the file that names them, or, in overrides, against the working directory.
-Pydantic validates the merged mapping into a :class:`Strict` model (:func:`load_model`, the one way a
-settings file is read), and an error names the layer it came from (:func:`origin`).
-"""
+"""Config layering: YAML files and ``key.sub=value`` overrides (values parsed as YAML) as nested
+mappings (:class:`Layer`), merged in order, the later winning key by key. Relative paths at path
+fields (dotted names, ``*`` for every list item) resolve against the naming file's folder, or the
+working directory for overrides. :func:`load_model` validates the result; errors name their layer."""
 
 from __future__ import annotations
 
@@ -137,10 +130,7 @@ def parse_override(override: str, example: str) -> tuple[list[str], Any]:
 
 def merge_layers(layers: Iterable[Layer]) -> dict[str, Any]:
     """The values of ``layers`` merged in order (see :func:`merge`)."""
-    merged: dict[str, Any] = {}
-    for layer in layers:
-        merged = merge(merged, layer.values)
-    return merged
+    return functools.reduce(merge, (layer.values for layer in layers), {})
 
 
 def merge(base: Any, update: Any) -> Any:
@@ -159,11 +149,7 @@ def origin(layers: Sequence[Layer], field: Sequence[str]) -> str | None:
 
 
 def _sets(values: Any, field: Sequence[str]) -> bool:
-    for key in field:
-        if not isinstance(values, dict) or key not in values:
-            return False
-        values = values[key]
-    return True
+    return not field or isinstance(values, dict) and field[0] in values and _sets(values[field[0]], field[1:])
 
 
 def set_dotted(tree: dict[str, Any], keys: Sequence[str], value: Any) -> dict[str, Any]:
