@@ -1,14 +1,5 @@
-"""Experiment configs: pydantic models read from YAML, merged over defaults, overridable by ``a.b=value``.
-
-A config file (a path, or the name of a shipped config: ``xclr``) sets what differs from the
-models' defaults here, the one place defaults live; then each override is applied in order
-(mappings merge key by key; a mapping whose ``type`` or ``name`` changes is replaced whole, so
-switching a similarity source drops the old source's fields). Override values are parsed as YAML
-(``optim.lr=0.1``, ``monitor.knn=false``, ``optim.grad_clip=null``). Relative paths resolve against
-the folder of the file that names them; paths given in overrides resolve against the working
-directory (see :mod:`repsim.layering`). Every error is one line naming the file (or the override),
-the field and the fix.
-"""
+"""Training configs: pydantic models (the one place defaults live) read from a YAML file or a shipped
+config's name (``xclr``), then ``a.b=value`` overrides in order (see :mod:`repsim.layering`)."""
 
 from __future__ import annotations
 
@@ -154,9 +145,6 @@ def _name_of(settings: type[BaseModel]) -> str | None:
     tags = get_args(field.annotation) if field is not None else ()
     return tags[0] if len(tags) == 1 else None
 
-
-# ---------------------------------------------------------------------------------------------
-# Loading
 
 def load_config(path: str | Path, overrides: Sequence[str] = (), schema: type[BaseModel] = Config) -> Any:
     """Read the config at ``path`` (or the shipped config of that name) and apply ``overrides``
