@@ -1,16 +1,8 @@
-"""The experiment flow: shard the data spec, then run the experiment's stage sections in order
-(precompute, train, evaluate, align), each stage a cached task tracked as a nested MLflow run; end
-with the result table on the parent run and as a Prefect artifact.
-
-An experiment with ``seeds`` or a ``sweep`` runs as members (:func:`repsim.experiment.expand`). Each
-section runs for every member at once: its step submits the tasks of all members before it waits on
-any, so that independent stages run concurrently, up to the task runner's ``max_workers``
-(:func:`concurrency`). A task called twice with the same arguments (a stage that the members' overrides
-do not reach) is submitted once and its future shared.
-
-Each section kind has one step here (:data:`STEPS`). A new stage kind is a section model in
-:mod:`repsim.experiment` and one step.
-"""
+"""The experiment flow: shard the data spec, then run the experiment's sections in order, each stage a
+cached task tracked as a nested MLflow run; the result table goes on the parent run and a Prefect
+artifact. Each step (:data:`STEPS`) submits the tasks of all members (:func:`repsim.experiment.expand`)
+before waiting on any, so independent stages run concurrently (:func:`concurrency`); a request made
+twice is submitted once and its future shared."""
 
 from __future__ import annotations
 
@@ -132,7 +124,16 @@ class Planner:
                out_dir: str | None = None, label: str | None = None, **_: Any) -> str:
         call = _call(kind, params, options or {}, out_dir)
         if call not in self._outputs:
-            self._outputs[call] = self._plan(KINDS[kind], call, label, params, out_dir)
+            try:
+                stage, out = planned(KINDS[kind], params, out_dir)
+            except (RepsimError, OSError):  # an input is not built yet
+                stage, out = None, None
+            record = current_record(stage, out) if stage is not None else None
+            summary = {"stage": kind, "detail": label or "", "key": stage.key if stage else "", "members": 0,
+                       "status": "cached" if record else "runs" if stage else "runs after its inputs"}
+            self.summaries.append(summary)
+            path = out if record else Path(f"<{kind} {hashlib.sha256(call.encode()).hexdigest()[:8]}, not built>")
+            self._outputs[call] = StageOutput(kind, summary["key"], path, record is not None, record or {}), summary
         self._outputs[call][1]["members"] += 1
         return call
 
@@ -141,22 +142,6 @@ class Planner:
 
     def log_figures(self, draw: Callable[[Path], list[Path]]) -> None:
         """Nothing: a plan draws no figures."""
-
-    def _plan(self, kind: StageKind, call: str, label: str | None, params: dict[str, Any],
-              out_dir: str | None) -> tuple[StageOutput, dict]:
-        """The request's output (found, or a stand-in for one not built) and its summary."""
-        try:
-            stage, out = planned(kind, params, out_dir)
-        except (RepsimError, OSError):  # an input is not built yet
-            stage, out = None, None
-        record = current_record(stage, out) if stage is not None else None
-        summary = {"stage": kind.name, "detail": label or "", "key": stage.key if stage else "", "members": 0,
-                   "status": "cached" if record else "runs" if stage else "runs after its inputs"}
-        self.summaries.append(summary)
-        if record is None:
-            unbuilt = Path(f"<{kind.name} {hashlib.sha256(call.encode()).hexdigest()[:8]}, not built>")
-            return StageOutput(kind.name, stage.key if stage else "", unbuilt, False, {}), summary
-        return StageOutput(kind.name, stage.key, out, True, record), summary
 
 
 @dataclass(eq=False)
@@ -376,12 +361,9 @@ def run_name() -> str:
 @flow(name="experiment", flow_run_name=run_name, task_runner=ThreadPoolTaskRunner(max_workers=concurrency()))
 def experiment_flow(experiment: Experiment, overrides: list[str] | None = None,
                     force: list[str] | None = None, spread: str | None = None, member: str = "") -> dict[str, Any]:
-    """Run ``experiment`` with ``overrides`` (``"train.settings.optim.lr=0.01"``), rebuilding the
-    outputs of the stages named in ``force`` (e.g. ``["train"]``) even when they are cached; with
-    ``experiment.verify``, cache hits are checked by the sha256 of their files (always by size). With
-    ``spread`` (a deployment of this flow, ``experiment/<name>``), the members run first as flow runs
-    of that deployment (:func:`run_members_on`), and this run then finds every stage cached. ``member``:
-    the label of the member a flow run of a spread runs, which names it.
+    """Run ``experiment`` with ``overrides`` (``"train.settings.optim.lr=0.01"``), rebuilding the stages
+    named in ``force`` (``["train"]``) even when cached. With ``spread`` (a deployment of this flow), the
+    members first run as its flow runs (:func:`run_members_on`; ``member`` names such a run's member).
 
     Returns ``{"name", "stages": [one summary per distinct stage: stage, detail, key, path, cached],
     "rows": [one result row per grid point and encoder], "columns": {title: headline metric},
