@@ -264,9 +264,6 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 class _VersionAction(argparse.Action):
     """``--version``: repsim's version with torch's and FAISS's, and the GPUs each sees."""
 
-    def __init__(self, option_strings, dest, **kwargs):
-        super().__init__(option_strings, dest, nargs=0, help="print repsim's, torch's and FAISS's versions and GPUs")
-
     def __call__(self, parser, namespace, values, option_string=None):
         from repsim.doctor import version_line
 
@@ -379,7 +376,8 @@ def add_overrides(parser: argparse.ArgumentParser, what: str, example: str) -> N
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="repsim", description="Learn visual representations from relations between samples.")
-    parser.add_argument("--version", action=_VersionAction)
+    parser.add_argument("--version", action=_VersionAction, nargs=0,
+                        help="print repsim's, torch's and FAISS's versions and GPUs")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def command(name: str, run: Callable[[argparse.Namespace], int | None], **options: str) -> argparse.ArgumentParser:
