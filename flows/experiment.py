@@ -62,9 +62,8 @@ def _call(kind: str, params: dict[str, Any], options: dict[str, Any], out_dir: s
 
 @dataclass
 class Stages:
-    """The stage tasks of one flow run: each distinct request submitted once, each finished stage
-    tracked once (one row of ``summaries``, with how many members submitted it: the first one's label
-    names it; a stage Prefect served from its cache did not run, so its nested run is logged here)."""
+    """The stage tasks of one flow run: each distinct request submitted once, each finished stage tracked
+    once (a row of ``summaries`` with how many members submitted it; a nested run for a Prefect cache hit)."""
 
     tracker: Tracker
     parent: StageRun
@@ -113,9 +112,8 @@ class Stages:
 
 @dataclass
 class Planner:
-    """Stands in for :class:`Stages` to plan a run without running it: each distinct request is planned,
-    its output found complete (cached) or not. A stage whose inputs are not built yet has no key until
-    they are; it is counted all the same."""
+    """Stands in for :class:`Stages` to plan a run without running it: each distinct request planned and
+    found cached or not (a stage whose inputs are not built yet has no key, but is counted)."""
 
     summaries: list[dict] = field(default_factory=list)
     _outputs: dict[str, tuple[StageOutput, dict]] = field(default_factory=dict)
@@ -211,9 +209,8 @@ def precompute_step(stages: Stages, members: Members) -> None:
 
 def target_histograms(run: MemberRun, wordnet: dict[str, StageOutput], target_temperature: float,
                       folder: Path) -> list[Path]:
-    """``target_similarity_<source>.png`` in ``folder`` for each similarity source a precompute section
-    prepared (captions, each WordNet measure, and labels for labelled data): the histogram of X-CLR's
-    targets on random batches after the softmax with ``target_temperature``."""
+    """``target_similarity_<source>.png`` in ``folder`` for each source the precompute section prepared (and
+    labels, if labelled): the histogram of X-CLR's targets on random batches at ``target_temperature``."""
     labels = manifest_labels(run.shards.path / MANIFEST)
     sources: dict[str, SimilaritySource] = {"labels": LabelSource()} if (labels >= 0).all() else {}
     if run.captions is not None:
@@ -255,9 +252,8 @@ def evaluate_step(stages: Stages, members: Members) -> None:
 
 
 def _encoders(run: MemberRun, section: EvaluateSection) -> list[tuple[str, str, str]]:
-    """(label, label shown with the member when it differs between members, encoder) of each encoder to
-    evaluate: the raw pixels, those the section names (a registered ``models:/`` one fetched), then
-    those trained (the only ones whose label shows the member)."""
+    """(label, label shown with the member, encoder) of each encoder to evaluate: the raw pixels, those the
+    section names (``models:/`` ones fetched), then those trained (the only ones whose label shows the member)."""
     named = {label: str(model_directory(encoder)) if encoder.startswith(MODEL_URI) else encoder
              for label, encoder in (({PIXELS: PIXELS} if section.pixels else {}) | section.encoders).items()}
     trained = [(label, run.tag(label, "evaluate"), str(output.path)) for label, output in run.encoders.items()]
@@ -305,9 +301,8 @@ def plan_experiment(experiment: Experiment, force: Sequence[str] = ()) -> dict[s
 
 
 def run_members_on(deployment: str, members: list[Member], force: Sequence[str], poll_seconds: float = 5) -> None:
-    """Run every member as a flow run of ``deployment`` (``experiment/<name>``), all at once, so that the
-    processes serving it (``repsim serve`` on several machines, or a work pool's workers) share them
-    out; wait for all. Their outputs land in the ``$REPSIM_HOME`` they share with this process.
+    """Run every member at once as a flow run of ``deployment`` (``experiment/<name>``), for the processes
+    serving it to share out, and wait for all (their outputs land in the shared ``$REPSIM_HOME``).
     StageError naming the members that did not complete."""
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
@@ -347,9 +342,8 @@ def publish(parent: StageRun, rows: list[Row], columns: dict[str, str], name: st
 
 
 def run_name() -> str:
-    """``animal-mnist 2026-12-04 23:10:05``: the experiment's name (with the run's overrides) and when
-    the run started, or the member it runs (``animal-mnist seed=1``), for its Prefect flow run and its
-    parent MLflow run."""
+    """``animal-mnist 2026-12-04 23:10:05``: the experiment's name (overrides applied) and the start time,
+    or the member it runs (``animal-mnist seed=1``); names the flow run and its parent MLflow run."""
     parameters = prefect_flow_run.parameters
     try:
         name = with_overrides(Experiment.model_validate(parameters["experiment"]), parameters.get("overrides") or []).name

@@ -234,9 +234,8 @@ class Member:
         return _label(self.point, self.seed)
 
     def label_through(self, kind: str, method: str) -> str:
-        """The label of a ``kind`` stage of the encoder trained by ``method`` (its label): the seed and the
-        grid values that can change it, those of later sections and of other methods' settings left
-        out, so that a stage members share is named by what they share."""
+        """The label of a ``kind`` stage of ``method``'s encoder: the seed and only the grid values that can
+        change it, so that a stage members share is named by what they share."""
         kinds = [section.kind for section in self.experiment.stages]
         later = set(kinds[kinds.index(kind) + 1:])
         return _label([(key, value) for key, value in self.point if _can_change(key, later, method)], self.seed)
@@ -257,9 +256,8 @@ def _label(point: Sequence[tuple[str, Any]], seed: int | None) -> str:
 
 
 def expand(experiment: Experiment) -> list[Member]:
-    """Every grid point of ``experiment.sweep`` (in the order its keys and values are listed) times every
-    seed; an experiment with neither is its only member. SpecError in one line for a sweep key or value
-    that the experiment refuses."""
+    """Every grid point of ``experiment.sweep`` (in the order listed) times every seed; without either, the
+    experiment itself. SpecError in one line for a sweep key or value that the experiment refuses."""
     single = experiment.model_copy(update={"seeds": [], "sweep": {}})
     points = [tuple(zip(experiment.sweep, values)) for values in itertools.product(*experiment.sweep.values())]
     return [Member(point, seed, _member(single, point, seed)) for point in points for seed in experiment.seeds or [None]]

@@ -63,11 +63,9 @@ def read_once() -> Iterator[None]:
 
 def load_model(schema: type[M], path: str | Path, file: SettingsFile, overrides: Sequence[str] = (),
                explain: Explain = describe, prepare: Callable[[dict[str, Any]], object] | None = None) -> M:
-    """The ``file`` at ``path`` (or the shipped file of that name) with each ``key=value`` override
-    merged over it in order, validated once as ``schema``, whose defaults fill in the rest. A
-    SpecError in one line names the file or override that set the failing field and the fix
-    (``explain``: what and fix of a validation error, given the layer's name). ``prepare`` sees the
-    merged values first (to import what they name)."""
+    """The ``file`` at ``path`` (or the shipped file of that name) with each override merged over it in order,
+    validated as ``schema``; a SpecError in one line names the layer that set the failing field and the fix
+    (``explain``). ``prepare`` sees the merged values first (to import what they name)."""
     path = locate(path, file.kind)
     layers = [read_layer(path, file.kind, file.example, file.paths)]
     layers += [override_layer(override, file.override_example, file.paths) for override in overrides]
@@ -90,9 +88,8 @@ class Layer:
 
 
 def read_layer(path: Path, kind: str, example: str, paths: Iterable[str] = ()) -> Layer:
-    """The ``kind`` YAML file at ``path`` as a layer, its ``paths`` resolved against its folder;
-    SpecError in one line when it is no YAML mapping (the fix points at ``example``). Inside
-    :func:`read_once`, the layer of the first read."""
+    """The ``kind`` YAML file at ``path`` as a layer, its ``paths`` resolved against its folder (inside
+    :func:`read_once`, read once); SpecError in one line when it is no YAML mapping (the fix shows ``example``)."""
     read = _READ.get()
     if read is None:
         return _read_layer(path, kind, example, paths)
@@ -190,9 +187,8 @@ def inline(value: Any) -> str:
 
 
 def resolve_paths(tree: Any, fields: Iterable[str], base: Path) -> Any:
-    """A copy of ``tree`` with the relative path (a string) at each dotted field made absolute
-    against ``base`` (see :func:`resolve_path`); ``*`` steps into every item of a list, and fields
-    that are absent or no string stay as they are."""
+    """A copy of ``tree`` with the path string at each dotted field (``*``: every list item) made absolute
+    against ``base`` (:func:`resolve_path`); fields that are absent or no string stay as they are."""
     for field in fields:
         tree = _resolve_at(tree, field.split("."), base)
     return tree

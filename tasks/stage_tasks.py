@@ -56,11 +56,9 @@ def cache_key(stage: Stage, out: Path) -> str | None:
 
 
 def stage_task(kind: StageKind) -> Task:
-    """The Prefect task of ``kind``: ``task(params, options, out_dir, parent_run_id, label, encoder,
-    register)`` builds the stage of ``params`` (with ``options``, which do not change it) into
-    ``out_dir`` (default: its own directory) inside a nested run under ``parent_run_id`` named
-    ``<stage> <label>`` and tagged with the ``encoder`` it is about (default ``label``); with
-    ``register``, the output's encoder is registered as an MLflow model of that name."""
+    """The Prefect task of ``kind``: it builds the stage of ``params`` (``options`` do not change it) into
+    ``out_dir`` (default: its own) in a nested run under ``parent_run_id`` named ``<stage> <label>``, tagged
+    with ``encoder`` (default ``label``); with ``register``, registers the encoder as that MLflow model."""
     def run(params: dict[str, Any], options: dict[str, Any] | None = None, out_dir: str | None = None,
             parent_run_id: str = "", label: str | None = None, encoder: str | None = None,
             register: str | None = None) -> StageOutput:

@@ -106,9 +106,8 @@ class Config(Strict):
 
 
 def accept_method(name: str, settings: type[BaseModel]) -> None:
-    """Let ``method.name: <name>`` validate into ``settings``, a model whose ``name`` is
-    ``Literal["<name>"]``: how every method (see :func:`repsim.methods.base.register`) has its settings
-    read, and their errors described. Settings accepted under the same name before are replaced."""
+    """Let ``method.name: <name>`` validate into ``settings``, a model whose ``name`` is ``Literal["<name>"]``
+    (see :func:`repsim.methods.base.register`); it replaces settings accepted under that name before."""
     if _name_of(settings) != name:
         raise TypeError(f"the settings of method {name!r} must be a model with name: Literal[{name!r}]")
     _settings[name] = settings
@@ -128,9 +127,8 @@ def accepted_methods() -> tuple[str, ...]:
 
 
 def import_outside_method(name: str) -> None:
-    """Import the module that a package names for method ``name`` under the entry-point group
-    ``repsim.methods``, so that it registers itself (and its settings); nothing when none does.
-    SpecError in one line when that module does not import."""
+    """Import the module a package names for method ``name`` under the ``repsim.methods`` entry points, so that
+    it registers itself (nothing when none does); SpecError in one line when that module does not import."""
     for point in entry_points(group=ENTRY_POINTS, name=name):
         try:
             point.load()
@@ -147,9 +145,8 @@ def _name_of(settings: type[BaseModel]) -> str | None:
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = (), schema: type[BaseModel] = Config) -> Any:
-    """Read the config at ``path`` (or the shipped config of that name) and apply ``overrides``
-    (``"optim.lr=0.01"``), as a ``schema`` (default: a training :class:`Config`) whose defaults fill
-    in the rest. Raises SpecError in one line naming file and field."""
+    """The config at ``path`` (or the shipped config of that name) with ``overrides`` (``"optim.lr=0.01"``), as a
+    ``schema`` (default: a training :class:`Config`); SpecError in one line naming file and field."""
     return load_model(schema, path, CONFIG_FILE, overrides, prepare=_import_method if schema is Config else None)
 
 
