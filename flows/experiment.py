@@ -1,16 +1,8 @@
-"""The experiment flow: shard the data spec, then run the experiment's stage sections in order
-(precompute, train, evaluate, align), each stage a cached task tracked as a nested MLflow run; end
-with the result table on the parent run and as a Prefect artifact.
-
-An experiment with ``seeds`` or a ``sweep`` runs as members (:func:`repsim.experiment.expand`). Each
-section runs for every member at once: its step submits the tasks of all members before it waits on
-any, so that independent stages run concurrently, up to the task runner's ``max_workers``
-(:func:`concurrency`). A task called twice with the same arguments (a stage that the members' overrides
-do not reach) is submitted once and its future shared.
-
-Each section kind has one step here (:data:`STEPS`). A new stage kind is a section model in
-:mod:`repsim.experiment` and one step.
-"""
+"""The experiment flow: shard the data spec, then run the experiment's sections in order, each stage a
+cached task tracked as a nested MLflow run; the result table goes on the parent run and a Prefect
+artifact. Each step (:data:`STEPS`) submits the tasks of all members (:func:`repsim.experiment.expand`)
+before waiting on any, so independent stages run concurrently (:func:`concurrency`); a request made
+twice is submitted once and its future shared."""
 
 from __future__ import annotations
 
@@ -70,9 +62,8 @@ def _call(kind: str, params: dict[str, Any], options: dict[str, Any], out_dir: s
 
 @dataclass
 class Stages:
-    """The stage tasks of one flow run: each distinct request submitted once, each finished stage
-    tracked once (one row of ``summaries``, with how many members submitted it: the first one's label
-    names it; a stage Prefect served from its cache did not run, so its nested run is logged here)."""
+    """The stage tasks of one flow run: each distinct request submitted once, each finished stage tracked
+    once (a row of ``summaries`` with how many members submitted it; a nested run for a Prefect cache hit)."""
 
     tracker: Tracker
     parent: StageRun
@@ -121,9 +112,8 @@ class Stages:
 
 @dataclass
 class Planner:
-    """Stands in for :class:`Stages` to plan a run without running it: each distinct request is planned,
-    its output found complete (cached) or not. A stage whose inputs are not built yet has no key until
-    they are; it is counted all the same."""
+    """Stands in for :class:`Stages` to plan a run without running it: each distinct request planned and
+    found cached or not (a stage whose inputs are not built yet has no key, but is counted)."""
 
     summaries: list[dict] = field(default_factory=list)
     _outputs: dict[str, tuple[StageOutput, dict]] = field(default_factory=dict)
@@ -132,7 +122,16 @@ class Planner:
                out_dir: str | None = None, label: str | None = None, **_: Any) -> str:
         call = _call(kind, params, options or {}, out_dir)
         if call not in self._outputs:
-            self._outputs[call] = self._plan(KINDS[kind], call, label, params, out_dir)
+            try:
+                stage, out = planned(KINDS[kind], params, out_dir)
+            except (RepsimError, OSError):  # an input is not built yet
+                stage, out = None, None
+            record = current_record(stage, out) if stage is not None else None
+            summary = {"stage": kind, "detail": label or "", "key": stage.key if stage else "", "members": 0,
+                       "status": "cached" if record else "runs" if stage else "runs after its inputs"}
+            self.summaries.append(summary)
+            path = out if record else Path(f"<{kind} {hashlib.sha256(call.encode()).hexdigest()[:8]}, not built>")
+            self._outputs[call] = StageOutput(kind, summary["key"], path, record is not None, record or {}), summary
         self._outputs[call][1]["members"] += 1
         return call
 
@@ -141,22 +140,6 @@ class Planner:
 
     def log_figures(self, draw: Callable[[Path], list[Path]]) -> None:
         """Nothing: a plan draws no figures."""
-
-    def _plan(self, kind: StageKind, call: str, label: str | None, params: dict[str, Any],
-              out_dir: str | None) -> tuple[StageOutput, dict]:
-        """The request's output (found, or a stand-in for one not built) and its summary."""
-        try:
-            stage, out = planned(kind, params, out_dir)
-        except (RepsimError, OSError):  # an input is not built yet
-            stage, out = None, None
-        record = current_record(stage, out) if stage is not None else None
-        summary = {"stage": kind.name, "detail": label or "", "key": stage.key if stage else "", "members": 0,
-                   "status": "cached" if record else "runs" if stage else "runs after its inputs"}
-        self.summaries.append(summary)
-        if record is None:
-            unbuilt = Path(f"<{kind.name} {hashlib.sha256(call.encode()).hexdigest()[:8]}, not built>")
-            return StageOutput(kind.name, stage.key if stage else "", unbuilt, False, {}), summary
-        return StageOutput(kind.name, stage.key, out, True, record), summary
 
 
 @dataclass(eq=False)
@@ -226,9 +209,8 @@ def precompute_step(stages: Stages, members: Members) -> None:
 
 def target_histograms(run: MemberRun, wordnet: dict[str, StageOutput], target_temperature: float,
                       folder: Path) -> list[Path]:
-    """``target_similarity_<source>.png`` in ``folder`` for each similarity source a precompute section
-    prepared (captions, each WordNet measure, and labels for labelled data): the histogram of X-CLR's
-    targets on random batches after the softmax with ``target_temperature``."""
+    """``target_similarity_<source>.png`` in ``folder`` for each source the precompute section prepared (and
+    labels, if labelled): the histogram of X-CLR's targets on random batches at ``target_temperature``."""
     labels = manifest_labels(run.shards.path / MANIFEST)
     sources: dict[str, SimilaritySource] = {"labels": LabelSource()} if (labels >= 0).all() else {}
     if run.captions is not None:
@@ -270,9 +252,8 @@ def evaluate_step(stages: Stages, members: Members) -> None:
 
 
 def _encoders(run: MemberRun, section: EvaluateSection) -> list[tuple[str, str, str]]:
-    """(label, label shown with the member when it differs between members, encoder) of each encoder to
-    evaluate: the raw pixels, those the section names (a registered ``models:/`` one fetched), then
-    those trained (the only ones whose label shows the member)."""
+    """(label, label shown with the member, encoder) of each encoder to evaluate: the raw pixels, those the
+    section names (``models:/`` ones fetched), then those trained (the only ones whose label shows the member)."""
     named = {label: str(model_directory(encoder)) if encoder.startswith(MODEL_URI) else encoder
              for label, encoder in (({PIXELS: PIXELS} if section.pixels else {}) | section.encoders).items()}
     trained = [(label, run.tag(label, "evaluate"), str(output.path)) for label, output in run.encoders.items()]
@@ -320,9 +301,8 @@ def plan_experiment(experiment: Experiment, force: Sequence[str] = ()) -> dict[s
 
 
 def run_members_on(deployment: str, members: list[Member], force: Sequence[str], poll_seconds: float = 5) -> None:
-    """Run every member as a flow run of ``deployment`` (``experiment/<name>``), all at once, so that the
-    processes serving it (``repsim serve`` on several machines, or a work pool's workers) share them
-    out; wait for all. Their outputs land in the ``$REPSIM_HOME`` they share with this process.
+    """Run every member at once as a flow run of ``deployment`` (``experiment/<name>``), for the processes
+    serving it to share out, and wait for all (their outputs land in the shared ``$REPSIM_HOME``).
     StageError naming the members that did not complete."""
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
@@ -362,9 +342,8 @@ def publish(parent: StageRun, rows: list[Row], columns: dict[str, str], name: st
 
 
 def run_name() -> str:
-    """``animal-mnist 2026-12-04 23:10:05``: the experiment's name (with the run's overrides) and when
-    the run started, or the member it runs (``animal-mnist seed=1``), for its Prefect flow run and its
-    parent MLflow run."""
+    """``animal-mnist 2026-12-04 23:10:05``: the experiment's name (overrides applied) and the start time,
+    or the member it runs (``animal-mnist seed=1``); names the flow run and its parent MLflow run."""
     parameters = prefect_flow_run.parameters
     try:
         name = with_overrides(Experiment.model_validate(parameters["experiment"]), parameters.get("overrides") or []).name
@@ -376,12 +355,9 @@ def run_name() -> str:
 @flow(name="experiment", flow_run_name=run_name, task_runner=ThreadPoolTaskRunner(max_workers=concurrency()))
 def experiment_flow(experiment: Experiment, overrides: list[str] | None = None,
                     force: list[str] | None = None, spread: str | None = None, member: str = "") -> dict[str, Any]:
-    """Run ``experiment`` with ``overrides`` (``"train.settings.optim.lr=0.01"``), rebuilding the
-    outputs of the stages named in ``force`` (e.g. ``["train"]``) even when they are cached; with
-    ``experiment.verify``, cache hits are checked by the sha256 of their files (always by size). With
-    ``spread`` (a deployment of this flow, ``experiment/<name>``), the members run first as flow runs
-    of that deployment (:func:`run_members_on`), and this run then finds every stage cached. ``member``:
-    the label of the member a flow run of a spread runs, which names it.
+    """Run ``experiment`` with ``overrides`` (``"train.settings.optim.lr=0.01"``), rebuilding the stages
+    named in ``force`` (``["train"]``) even when cached. With ``spread`` (a deployment of this flow), the
+    members first run as its flow runs (:func:`run_members_on`; ``member`` names such a run's member).
 
     Returns ``{"name", "stages": [one summary per distinct stage: stage, detail, key, path, cached],
     "rows": [one result row per grid point and encoder], "columns": {title: headline metric},

@@ -1,8 +1,5 @@
-"""repsim: learn visual representations from relations between samples.
-
-The library is pure Python and torch; it never imports Prefect or MLflow. Orchestration lives in
-``repsim.tasks`` and ``repsim.flows`` (the repository's top-level ``tasks/`` and ``flows/``).
-"""
+"""repsim: learn visual representations from relations between samples. Pure Python and torch, it never
+imports Prefect or MLflow; orchestration lives in ``repsim.tasks`` and ``repsim.flows`` (``tasks/``, ``flows/``)."""
 
 from repsim.errors import RepsimError
 

@@ -46,8 +46,7 @@ def cmd_shard(args: argparse.Namespace) -> None:
 
 
 def _run_section(name: str, data: str | os.PathLike, section: dict) -> dict:
-    """Run the one-section experiment ``name`` (made a valid experiment name) on the data spec ``data``
-    through the experiment flow, as ``repsim run`` runs a whole one; its outcome."""
+    """The outcome of the one-section experiment ``name`` on the data spec ``data``, run by the experiment flow."""
     from repsim.experiment import single_section
 
     experiment = single_section(name, data, section)
@@ -97,8 +96,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     _print_stages(stages)
     [evaluated] = [stage["path"] for stage in stages if stage["stage"] == "evaluate"]
     rows = result_rows(read_results(evaluated))
-    print()
-    print(_table(["suite", "metric", "value"], [[suite, name, f"{value:.4g}"] for suite, name, value in rows]))
+    print("\n" + _table(["suite", "metric", "value"], [[suite, name, f"{value:.4g}"] for suite, name, value in rows]))
     print(f"\nresults: {os.path.join(evaluated, RESULTS_FILE)}")
 
 
@@ -124,10 +122,11 @@ def cmd_train(args: argparse.Namespace) -> None:
     spec = load_spec(config.data.spec)  # validate before orchestration
     # Under torchrun, rank 0 orchestrates and the others train alongside; with --direct (how the train
     # task launches torchrun) every rank trains directly.
-    if args.direct or int(os.environ.get("RANK", "0")) > 0:
+    rank = int(os.environ.get("RANK", "0"))
+    if args.direct or rank > 0:
         from repsim.methods.training import train
 
-        train(config, progress=args.direct and int(os.environ.get("RANK", "0")) == 0)
+        train(config, progress=args.direct and rank == 0)
         return
     method = {"config": args.config, "settings": as_settings(args.overrides, "optim.lr=0.01")}
     outcome = _run_section(spec.name, config.data.spec, {"kind": "train", "methods": [method]})
@@ -136,8 +135,6 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def _print_stage_summary(stages: list[dict], stage: str, done: str) -> None:
     """The metrics of the flow's ``stage`` as a table, then whether it was ``done`` or found cached, and where."""
-    from pathlib import Path
-
     from repsim.stage import read_record
 
     [summary] = [summary for summary in stages if summary["stage"] == stage]
@@ -191,15 +188,13 @@ def _print_outcome(outcome: dict) -> None:
     rows, columns = outcome["rows"], outcome["columns"]
     swept = any(row.point for row in rows)
     _print_stages(outcome["stages"])
-    print()
-    print(_table([*(["grid point"] if swept else []), "method", *columns],
-                 [[*([row.point] if swept else []), row.encoder, *(cell(row, name) for name in columns.values())]
-                  for row in rows]))
+    print("\n" + _table([*(["grid point"] if swept else []), "method", *columns],
+                        [[*([row.point] if swept else []), row.encoder, *(cell(row, name) for name in columns.values())]
+                         for row in rows]))
 
 
 def _print_stages(stages: list[dict]) -> None:
-    """One row per stage summary: stage, detail, how many members share it (when any is shared),
-    whether it was cached, and its output."""
+    """One row per stage: stage, detail, members sharing it (when any is shared), cached, output."""
     shared = any(s.get("members", 1) > 1 for s in stages)
     print(_table(["stage", "detail", *(["members"] if shared else []), "cached", "output"], [
         [s["stage"], s["detail"], *([s["members"]] if shared else []), "yes" if s["cached"] else "no", s["path"]]
@@ -268,9 +263,6 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 class _VersionAction(argparse.Action):
     """``--version``: repsim's version with torch's and FAISS's, and the GPUs each sees."""
-
-    def __init__(self, option_strings, dest, **kwargs):
-        super().__init__(option_strings, dest, nargs=0, help="print repsim's, torch's and FAISS's versions and GPUs")
 
     def __call__(self, parser, namespace, values, option_string=None):
         from repsim.doctor import version_line
@@ -343,10 +335,8 @@ class _NoTracebackForUserErrors(logging.Filter):
 
 
 def _filled_a_disk(err: BaseException) -> DiskFull | None:
-    """The one-line error for ``err``, raised outside a stage's build, if a full disk is its cause: it
-    says so (ENOSPC), or it did not but $REPSIM_HOME's file system has (nearly) no space left, as when
-    Prefect's temporary API dies on its full SQLite store. Names the file it was writing, else the run
-    records (MLflow's and Prefect's stores) under $REPSIM_HOME."""
+    """The one-line error for ``err`` if a full disk caused it (ENOSPC, or $REPSIM_HOME's file system is
+    nearly full, as when Prefect's temporary API dies on its full SQLite store), naming the file it wrote."""
     from repsim.stage import repsim_home
 
     if not disk_full(err) and shutil.disk_usage(mount_point(repsim_home())).free >= NEARLY_FULL_BYTES:
@@ -359,16 +349,15 @@ def _filled_a_disk(err: BaseException) -> DiskFull | None:
 
 
 def _start_orchestration(stop_on_signals: bool = False) -> None:
-    """Before a flow starts: stop at once if a configured server does not answer, start the embedded
-    stores under their lock, and keep Prefect's console line for a RepsimError but drop its traceback;
-    with ``stop_on_signals``, SIGTERM and SIGINT stop the run (:mod:`repsim.stopping`)."""
+    """Before a flow starts: check the configured servers and free space, start the embedded stores, drop
+    RepsimError tracebacks from the logs; with ``stop_on_signals``, SIGTERM and SIGINT stop the run."""
     from repsim.stage import repsim_home
     from repsim.tasks.servers import check_servers
     from repsim.tasks.settings import start_embedded_stores
 
     check_servers()
     require_free_space(repsim_home(), MIN_FREE_BYTES, "a run (its stage outputs and run records)")
-    start_embedded_stores()  # created one process at a time on a fresh $REPSIM_HOME
+    start_embedded_stores()
     from prefect.logging.configuration import setup_logging
 
     setup_logging()
@@ -387,14 +376,20 @@ def add_overrides(parser: argparse.ArgumentParser, what: str, example: str) -> N
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="repsim", description="Learn visual representations from relations between samples.")
-    parser.add_argument("--version", action=_VersionAction)
+    parser.add_argument("--version", action=_VersionAction, nargs=0,
+                        help="print repsim's, torch's and FAISS's versions and GPUs")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    shard = commands.add_parser("shard", help="shard data specs into WebDataset tars + manifest (cached)")
+
+    def command(name: str, run: Callable[[argparse.Namespace], int | None], **options: str) -> argparse.ArgumentParser:
+        subparser = commands.add_parser(name, **options)
+        subparser.set_defaults(run=run)
+        return subparser
+
+    shard = command("shard", cmd_shard, help="shard data specs into WebDataset tars + manifest (cached)")
     shard.add_argument("specs", nargs="+", metavar="SPEC",
                        help="data spec YAML file(s) or shipped name(s), e.g. animal-mnist")
     shard.add_argument("--out", metavar="DIR", help="output directory (default: $REPSIM_HOME/artifacts/shard/<key>), "
                        "or a folder URL (s3://bucket/prefix/) to upload the output to, its manifest last")
-    shard.set_defaults(run=cmd_shard)
     precompute = commands.add_parser(
         "precompute", help="shard a data spec, then embed captions, WordNet similarities, neighbors (cached)")
     stages = precompute.add_subparsers(dest="stages", metavar="STAGES", required=True)
@@ -404,8 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
                        ("neighbors", "caption embeddings and each caption's k nearest others")):
         _add_precompute_options(stages.add_parser(name, help=what, description=f"Shard SPEC, then compute {what}."),
                                 name)
-    evaluate = commands.add_parser(
-        "eval", help="evaluate an encoder on a data spec: kNN, linear probe, diagnostics, plots (cached)")
+    evaluate = command(
+        "eval", cmd_eval, help="evaluate an encoder on a data spec: kNN, linear probe, diagnostics, plots (cached)")
     evaluate.add_argument("spec", metavar="SPEC", help="data spec YAML file or shipped name, e.g. animal-mnist")
     evaluate.add_argument("--encoder", default="pixels", metavar="pixels|PATH|models:/NAME/VERSION",
                           help="'pixels' (raw-pixel baseline, default), a train stage directory or its encoder.pt, "
@@ -416,19 +411,16 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--k", type=int, action="append", help="kNN neighbors, repeatable (default: 10, 20, 200)")
     evaluate.add_argument("--batch-size", type=int, default=512, help="feature extraction batch size (default: 512)")
     evaluate.add_argument("--device", help="torch device, e.g. cpu or cuda (default: cuda when present)")
-    evaluate.set_defaults(run=cmd_eval)
-    train = commands.add_parser("train", help="train an experiment config (cached; resumes if interrupted)")
+    train = command("train", cmd_train, help="train an experiment config (cached; resumes if interrupted)")
     train.add_argument("config", metavar="CONFIG", help="experiment config YAML or shipped name, e.g. xclr")
     add_overrides(train, "a config", "optim.lr=0.1")
     train.add_argument("--direct", action="store_true", help=argparse.SUPPRESS)
-    train.set_defaults(run=cmd_train)
-    align = commands.add_parser("align", help="align frozen image and text embeddings from few pairs: GeRA, "
-                                "contrastive alone (alpha=0) and ASIF, scored zero-shot and by retrieval (cached)")
+    align = command("align", cmd_align, help="align frozen image and text embeddings from few pairs: GeRA, "
+                    "contrastive alone (alpha=0) and ASIF, scored zero-shot and by retrieval (cached)")
     align.add_argument("config", metavar="CONFIG", help="alignment config YAML or shipped name, e.g. gera")
     add_overrides(align, "a config", "geometry.alpha=0")
-    align.set_defaults(run=cmd_align)
-    run = commands.add_parser("run", help="run an experiment end to end: shard, precompute, train, evaluate, align "
-                              "(every stage cached)")
+    run = command("run", cmd_run, help="run an experiment end to end: shard, precompute, train, evaluate, align "
+                  "(every stage cached)")
     run.add_argument("experiment", metavar="EXPERIMENT", help="experiment YAML or shipped name, e.g. default")
     add_overrides(run, "an experiment", "train.settings.optim.lr=0.01")
     run.add_argument("--force", action="append", default=[], metavar="STAGE", choices=FORCEABLE,
@@ -440,29 +432,23 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--spread", metavar="DEPLOYMENT",
                      help="run each member as a flow run of this deployment of the experiment flow "
                           "(e.g. experiment/sweep-worker), on whichever processes serve it; needs a Prefect server")
-    run.set_defaults(run=cmd_run)
-    stages = commands.add_parser("stages", help="list stage outputs: key, status (complete/damaged/incomplete/"
-                                 "locked/in use), path")
+    stages = command("stages", cmd_stages, help="list stage outputs: key, status (complete/damaged/incomplete/"
+                     "locked/in use), path")
     stages.add_argument("stages", nargs="*", metavar="STAGE", help="only these stages (default: all)")
     stages.add_argument("--verify", action="store_true",
                         help="also compare every output file's sha256 with its record (default: sizes only)")
-    stages.set_defaults(run=cmd_stages)
-    clean = commands.add_parser("clean", help="remove old stage outputs that no newer complete output depends on")
+    clean = command("clean", cmd_clean, help="remove old stage outputs that no newer complete output depends on")
     clean.add_argument("--older-than", required=True, type=duration, metavar="DURATION",
                        help="only outputs completed (or, if incomplete, last written) longer ago: 30m, 12h, 7d, 2w")
     clean.add_argument("--yes", action="store_true", help="remove them (default: only list what would go)")
-    clean.set_defaults(run=cmd_clean)
-    serve = commands.add_parser("serve", help="serve deployments of the experiment flow (cron schedules, UI runs)")
+    serve = command("serve", cmd_serve, help="serve deployments of the experiment flow (cron schedules, UI runs)")
     serve.add_argument("deployments", nargs="?", default="deployments", metavar="DEPLOYMENTS",
                        help="deployments YAML or shipped name (default: deployments, the shipped "
                        "experiments/deployments.yaml)")
-    serve.set_defaults(run=cmd_serve)
-    synsets = commands.add_parser("synsets", help="list WordNet noun synsets for class names (to write specs)")
+    synsets = command("synsets", cmd_synsets, help="list WordNet noun synsets for class names (to write specs)")
     synsets.add_argument("names", nargs="+", metavar="NAME", help='a class name, e.g. "Ankle boot"')
-    synsets.set_defaults(run=cmd_synsets)
-    doctor = commands.add_parser("doctor", help="what this installation has: torch and its GPUs, which FAISS build, "
-                                 "offline data and model, where runs are tracked (exit 1 on a problem)")
-    doctor.set_defaults(run=cmd_doctor)
+    command("doctor", cmd_doctor, help="what this installation has: torch and its GPUs, which FAISS build, "
+            "offline data and model, where runs are tracked (exit 1 on a problem)")
     return parser
 
 

@@ -1,20 +1,9 @@
-"""Experiments: one YAML file that names a data spec and the stages to run on it, in order.
-
-An experiment is a list of stage sections, each with a ``kind``: ``precompute`` (caption
-embeddings, WordNet class similarities, caption neighbors), ``train`` (one or several method
-configs, optionally launched with torchrun), ``evaluate`` (kNN, linear probe, ... of every trained
-encoder) and ``align`` (a GeRA config aligning image and text embeddings, then zero-shot). The data
-spec is always sharded first. A new stage kind is one more section model in :data:`Section` and one
-more step in the experiment flow.
-
-``seeds`` and a ``sweep`` grid expand one experiment into members (:func:`expand`), one per grid point
-and seed; stages that members share run once (see :mod:`repsim.flows.experiment`).
-
-Overrides (``--set``) address a top-level field (``name=...``) or a section by its kind
-(``train.settings.optim.lr=0.01``, ``evaluate.suites=[knn]``), and one method of the train section
-by its label (``train.methods.xclr.settings.method.target_temperature=0.05``); values parse as
-YAML. Relative paths resolve against the experiment file's folder; paths given in overrides against
-the working directory. Every error is one line naming the file (or the overrides), the field and the fix.
+"""Experiments: one YAML file naming a data spec and the stage sections to run on it, in order
+(:data:`Section`; the data is always sharded first). ``seeds`` and a ``sweep`` grid expand it into
+members (:func:`expand`). Overrides (``--set``) address a top-level field (``name=...``), a section by
+its kind (``train.settings.optim.lr=0.01``) or a train method by its label
+(``train.methods.xclr.settings.method.target_temperature=0.05``); values parse as YAML. Relative
+paths resolve against the experiment file's folder, those in overrides against the working directory.
 """
 
 from __future__ import annotations
@@ -227,9 +216,6 @@ class Experiment(Strict):
         return next((section for section in self.stages if section.kind == kind), None)
 
 
-# ---------------------------------------------------------------------------------------------
-# Seeds and sweeps
-
 @dataclass(frozen=True)
 class Member:
     """One grid point and seed of an experiment, as an experiment of its own (no seeds, no sweep)."""
@@ -241,20 +227,18 @@ class Member:
     @property
     def point_label(self) -> str:
         """The grid point as ``key=value`` pairs with each key's last part (``target_temperature=0.05``)."""
-        return _point_label(self.point)
+        return _label(self.point, None)
 
     @property
     def label(self) -> str:
-        return _with_seed(self.point_label, self.seed)
+        return _label(self.point, self.seed)
 
     def label_through(self, kind: str, method: str) -> str:
-        """The label of a ``kind`` stage of the encoder trained by ``method`` (its label): the seed and the
-        grid values that can change it, those of later sections and of other methods' settings left
-        out, so that a stage members share is named by what they share."""
+        """The label of a ``kind`` stage of ``method``'s encoder: the seed and only the grid values that can
+        change it, so that a stage members share is named by what they share."""
         kinds = [section.kind for section in self.experiment.stages]
         later = set(kinds[kinds.index(kind) + 1:])
-        return _with_seed(_point_label([(key, value) for key, value in self.point
-                                        if _can_change(key, later, method)]), self.seed)
+        return _label([(key, value) for key, value in self.point if _can_change(key, later, method)], self.seed)
 
 
 def _can_change(key: str, later: set[str], method: str) -> bool:
@@ -266,18 +250,14 @@ def _can_change(key: str, later: set[str], method: str) -> bool:
     return parts[0] not in later and not (parts[:2] == ["train", "methods"] and parts[2] != method)
 
 
-def _point_label(point: Sequence[tuple[str, Any]]) -> str:
-    return " ".join(f"{key.rsplit('.', 1)[-1]}={inline(value)}" for key, value in point)
-
-
-def _with_seed(point_label: str, seed: int | None) -> str:
-    return " ".join(filter(None, [point_label, "" if seed is None else f"seed={seed}"]))
+def _label(point: Sequence[tuple[str, Any]], seed: int | None) -> str:
+    pairs = [f"{key.rsplit('.', 1)[-1]}={inline(value)}" for key, value in point]
+    return " ".join(pairs + ([] if seed is None else [f"seed={seed}"]))
 
 
 def expand(experiment: Experiment) -> list[Member]:
-    """Every grid point of ``experiment.sweep`` (in the order its keys and values are listed) times every
-    seed; an experiment with neither is its only member. SpecError in one line for a sweep key or value
-    that the experiment refuses."""
+    """Every grid point of ``experiment.sweep`` (in the order listed) times every seed; without either, the
+    experiment itself. SpecError in one line for a sweep key or value that the experiment refuses."""
     single = experiment.model_copy(update={"seeds": [], "sweep": {}})
     points = [tuple(zip(experiment.sweep, values)) for values in itertools.product(*experiment.sweep.values())]
     return [Member(point, seed, _member(single, point, seed)) for point in points for seed in experiment.seeds or [None]]
@@ -292,9 +272,6 @@ def _member(single: Experiment, point: tuple[tuple[str, Any], ...], seed: int | 
     except SpecError as err:
         raise SpecError(f"sweep {', '.join(sweep) or f'seed {seed}'}: {err.what}", err.fix) from None
 
-
-# ---------------------------------------------------------------------------------------------
-# Loading
 
 def load_experiment(path: str | Path, overrides: Sequence[str] = ()) -> Experiment:
     """Read the experiment at ``path`` (or the shipped experiment of that name: ``default``) and apply
@@ -380,9 +357,6 @@ def check_experiment(experiment: Experiment) -> list[Member]:
             raise SpecError(f"sweep member {member.label}: {err.what}" if member.label else err.what, err.fix) from None
     return members
 
-
-# ---------------------------------------------------------------------------------------------
-# Deployments (``repsim serve``)
 
 class DeploymentSpec(Strict):
     """A deployment of the experiment flow: an experiment file with overrides, and an optional cron schedule."""

@@ -1,14 +1,7 @@
-"""Config layering: YAML files and ``key.sub=value`` overrides as nested mappings, merged in order.
-
-A :class:`Layer` is one source of settings (a YAML file, one override) with the name errors give it.
-Layers merge in order, the later winning key by key (:func:`merge`). Override values parse as YAML
-(``optim.lr=0.1``, ``monitor.knn=false``, ``tags=[a, b]``, ``optim.grad_clip=null``), and
-:func:`as_overrides` writes a nested mapping back as overrides that parse to it. Path fields are
-dotted names (``*`` steps into every item of a list); their relative paths resolve against the
-folder of the file that names them, or, in overrides, against the working directory.
-Pydantic validates the merged mapping into a :class:`Strict` model (:func:`load_model`, the one way a
-settings file is read), and an error names the layer it came from (:func:`origin`).
-"""
+"""Config layering: YAML files and ``key.sub=value`` overrides (values parsed as YAML) as nested
+mappings (:class:`Layer`), merged in order, the later winning key by key. Relative paths at path
+fields (dotted names, ``*`` for every list item) resolve against the naming file's folder, or the
+working directory for overrides. :func:`load_model` validates the result; errors name their layer."""
 
 from __future__ import annotations
 
@@ -70,11 +63,9 @@ def read_once() -> Iterator[None]:
 
 def load_model(schema: type[M], path: str | Path, file: SettingsFile, overrides: Sequence[str] = (),
                explain: Explain = describe, prepare: Callable[[dict[str, Any]], object] | None = None) -> M:
-    """The ``file`` at ``path`` (or the shipped file of that name) with each ``key=value`` override
-    merged over it in order, validated once as ``schema``, whose defaults fill in the rest. A
-    SpecError in one line names the file or override that set the failing field and the fix
-    (``explain``: what and fix of a validation error, given the layer's name). ``prepare`` sees the
-    merged values first (to import what they name)."""
+    """The ``file`` at ``path`` (or the shipped file of that name) with each override merged over it in order,
+    validated as ``schema``; a SpecError in one line names the layer that set the failing field and the fix
+    (``explain``). ``prepare`` sees the merged values first (to import what they name)."""
     path = locate(path, file.kind)
     layers = [read_layer(path, file.kind, file.example, file.paths)]
     layers += [override_layer(override, file.override_example, file.paths) for override in overrides]
@@ -97,9 +88,8 @@ class Layer:
 
 
 def read_layer(path: Path, kind: str, example: str, paths: Iterable[str] = ()) -> Layer:
-    """The ``kind`` YAML file at ``path`` as a layer, its ``paths`` resolved against its folder;
-    SpecError in one line when it is no YAML mapping (the fix points at ``example``). Inside
-    :func:`read_once`, the layer of the first read."""
+    """The ``kind`` YAML file at ``path`` as a layer, its ``paths`` resolved against its folder (inside
+    :func:`read_once`, read once); SpecError in one line when it is no YAML mapping (the fix shows ``example``)."""
     read = _READ.get()
     if read is None:
         return _read_layer(path, kind, example, paths)
@@ -137,10 +127,7 @@ def parse_override(override: str, example: str) -> tuple[list[str], Any]:
 
 def merge_layers(layers: Iterable[Layer]) -> dict[str, Any]:
     """The values of ``layers`` merged in order (see :func:`merge`)."""
-    merged: dict[str, Any] = {}
-    for layer in layers:
-        merged = merge(merged, layer.values)
-    return merged
+    return functools.reduce(merge, (layer.values for layer in layers), {})
 
 
 def merge(base: Any, update: Any) -> Any:
@@ -159,11 +146,7 @@ def origin(layers: Sequence[Layer], field: Sequence[str]) -> str | None:
 
 
 def _sets(values: Any, field: Sequence[str]) -> bool:
-    for key in field:
-        if not isinstance(values, dict) or key not in values:
-            return False
-        values = values[key]
-    return True
+    return not field or isinstance(values, dict) and field[0] in values and _sets(values[field[0]], field[1:])
 
 
 def set_dotted(tree: dict[str, Any], keys: Sequence[str], value: Any) -> dict[str, Any]:
@@ -204,9 +187,8 @@ def inline(value: Any) -> str:
 
 
 def resolve_paths(tree: Any, fields: Iterable[str], base: Path) -> Any:
-    """A copy of ``tree`` with the relative path (a string) at each dotted field made absolute
-    against ``base`` (see :func:`resolve_path`); ``*`` steps into every item of a list, and fields
-    that are absent or no string stay as they are."""
+    """A copy of ``tree`` with the path string at each dotted field (``*``: every list item) made absolute
+    against ``base`` (:func:`resolve_path`); fields that are absent or no string stay as they are."""
     for field in fields:
         tree = _resolve_at(tree, field.split("."), base)
     return tree

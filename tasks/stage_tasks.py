@@ -1,12 +1,7 @@
-"""Every stage task, made by one factory (:func:`stage_task`) from the stage's declaration
-(:class:`repsim.stage.StageKind`), and what the flow needs to track them.
-
-Prefect's cache key is the stage key; a built output's result is stored under that key at once, so
-the first rerun shows as *Cached*. Each task runs inside a nested MLflow run under the flow's parent
-run, so the curves of a streaming stage reach MLflow while it runs; a task that Prefect serves from
-its cache did not run, and the flow logs its run (:func:`log_stage`). Each task run, cached or not, logs
-one summary line through Prefect's run logger; only transient failures (a connection) are retried.
-"""
+"""Every stage task, made by :func:`stage_task` from the stage's :class:`repsim.stage.StageKind`.
+Prefect's cache key is the stage key, and a built output's result is stored under it at once. Each task
+runs in a nested MLflow run (a task served from Prefect's cache did not: the flow logs it, :func:`log_stage`)
+and logs one summary line; only transient failures (a connection) are retried."""
 
 from __future__ import annotations
 
@@ -48,19 +43,10 @@ def planned(kind: StageKind, params: Mapping[str, Any], out_dir: str | None = No
 
 
 def stage_cache_key(kind: StageKind) -> Callable[[TaskRunContext | None, dict[str, Any]], str | None]:
-    """A Prefect ``cache_key_fn`` for the task of ``kind``.
-
-    The key is the stage key and the output directory once that directory is complete and intact, and
-    None (no cache) before, while it is being rebuilt (:func:`repsim.stage.rebuilding`) or once it is
-    damaged, so a deleted, forced or damaged output is built again rather than served stale from
-    Prefect's result store, and a result is never served for another directory (another
-    ``REPSIM_HOME`` sharing the Prefect store).
-    """
-
-    def key(_: TaskRunContext | None, parameters: dict[str, Any]) -> str | None:
-        return cache_key(*planned(kind, parameters["params"], parameters.get("out_dir")))
-
-    return key
+    """A Prefect ``cache_key_fn`` for ``kind``: the stage key and output directory once that directory is
+    complete and intact; None (no cache) before, while it is rebuilt (:func:`repsim.stage.rebuilding`) or
+    once damaged, so such an output is built again, never served stale or for another directory."""
+    return lambda _, parameters: cache_key(*planned(kind, parameters["params"], parameters.get("out_dir")))
 
 
 def cache_key(stage: Stage, out: Path) -> str | None:
@@ -70,11 +56,9 @@ def cache_key(stage: Stage, out: Path) -> str | None:
 
 
 def stage_task(kind: StageKind) -> Task:
-    """The Prefect task of ``kind``: ``task(params, options, out_dir, parent_run_id, label, encoder,
-    register)`` builds the stage of ``params`` (with ``options``, which do not change it) into
-    ``out_dir`` (default: its own directory) inside a nested run under ``parent_run_id`` named
-    ``<stage> <label>`` and tagged with the ``encoder`` it is about (default ``label``); with
-    ``register``, the output's encoder is registered as an MLflow model of that name."""
+    """The Prefect task of ``kind``: it builds the stage of ``params`` (``options`` do not change it) into
+    ``out_dir`` (default: its own) in a nested run under ``parent_run_id`` named ``<stage> <label>``, tagged
+    with ``encoder`` (default ``label``); with ``register``, registers the encoder as that MLflow model."""
     def run(params: dict[str, Any], options: dict[str, Any] | None = None, out_dir: str | None = None,
             parent_run_id: str = "", label: str | None = None, encoder: str | None = None,
             register: str | None = None) -> StageOutput:
@@ -92,7 +76,7 @@ def stage_task(kind: StageKind) -> Task:
             tracked.log_stage_output(output.path, output.cached, artifact_files(kind, output.path), streamed)
             if register:
                 tracked.log_encoder(output.path, register)
-        key = cache_key(stage, out)  # the stage planned before the build: no second planning
+        key = cache_key(stage, out)
         if key is not None:
             get_result_store().write(output, key=key)
         get_run_logger().info(summary_line(output, task_run.get_name()))

@@ -1,14 +1,5 @@
-"""Experiment configs: pydantic models read from YAML, merged over defaults, overridable by ``a.b=value``.
-
-A config file (a path, or the name of a shipped config: ``xclr``) sets what differs from the
-models' defaults here, the one place defaults live; then each override is applied in order
-(mappings merge key by key; a mapping whose ``type`` or ``name`` changes is replaced whole, so
-switching a similarity source drops the old source's fields). Override values are parsed as YAML
-(``optim.lr=0.1``, ``monitor.knn=false``, ``optim.grad_clip=null``). Relative paths resolve against
-the folder of the file that names them; paths given in overrides resolve against the working
-directory (see :mod:`repsim.layering`). Every error is one line naming the file (or the override),
-the field and the fix.
-"""
+"""Training configs: pydantic models (the one place defaults live) read from a YAML file or a shipped
+config's name (``xclr``), then ``a.b=value`` overrides in order (see :mod:`repsim.layering`)."""
 
 from __future__ import annotations
 
@@ -115,9 +106,8 @@ class Config(Strict):
 
 
 def accept_method(name: str, settings: type[BaseModel]) -> None:
-    """Let ``method.name: <name>`` validate into ``settings``, a model whose ``name`` is
-    ``Literal["<name>"]``: how every method (see :func:`repsim.methods.base.register`) has its settings
-    read, and their errors described. Settings accepted under the same name before are replaced."""
+    """Let ``method.name: <name>`` validate into ``settings``, a model whose ``name`` is ``Literal["<name>"]``
+    (see :func:`repsim.methods.base.register`); it replaces settings accepted under that name before."""
     if _name_of(settings) != name:
         raise TypeError(f"the settings of method {name!r} must be a model with name: Literal[{name!r}]")
     _settings[name] = settings
@@ -137,9 +127,8 @@ def accepted_methods() -> tuple[str, ...]:
 
 
 def import_outside_method(name: str) -> None:
-    """Import the module that a package names for method ``name`` under the entry-point group
-    ``repsim.methods``, so that it registers itself (and its settings); nothing when none does.
-    SpecError in one line when that module does not import."""
+    """Import the module a package names for method ``name`` under the ``repsim.methods`` entry points, so that
+    it registers itself (nothing when none does); SpecError in one line when that module does not import."""
     for point in entry_points(group=ENTRY_POINTS, name=name):
         try:
             point.load()
@@ -155,13 +144,9 @@ def _name_of(settings: type[BaseModel]) -> str | None:
     return tags[0] if len(tags) == 1 else None
 
 
-# ---------------------------------------------------------------------------------------------
-# Loading
-
 def load_config(path: str | Path, overrides: Sequence[str] = (), schema: type[BaseModel] = Config) -> Any:
-    """Read the config at ``path`` (or the shipped config of that name) and apply ``overrides``
-    (``"optim.lr=0.01"``), as a ``schema`` (default: a training :class:`Config`) whose defaults fill
-    in the rest. Raises SpecError in one line naming file and field."""
+    """The config at ``path`` (or the shipped config of that name) with ``overrides`` (``"optim.lr=0.01"``), as a
+    ``schema`` (default: a training :class:`Config`); SpecError in one line naming file and field."""
     return load_model(schema, path, CONFIG_FILE, overrides, prepare=_import_method if schema is Config else None)
 
 
