@@ -24,8 +24,7 @@ SMALL_CPU = 4  # cores up to which a CPU-only process reads its own data
 
 
 def resolve_device(device: str | torch.device | None = None) -> torch.device:
-    """``device`` as a torch device; None picks this process's GPU (``LOCAL_RANK``) when CUDA is
-    present, else the CPU."""
+    """``device`` as a torch device; None: this process's GPU (``LOCAL_RANK``) if CUDA is present, else the CPU."""
     if device is not None:
         return torch.device(device)
     if torch.cuda.is_available():

@@ -165,22 +165,17 @@ REBUILD_ENV = "REPSIM_REBUILD"
 VERIFY_ENV = "REPSIM_VERIFY"
 
 
-@contextlib.contextmanager
-def rebuilding(stages: Iterable[str]) -> Iterator[None]:
+def rebuilding(stages: Iterable[str]) -> contextlib.AbstractContextManager[None]:
     """Within the block, outputs of the named stages completed before it began are built again, the old
     one kept until the new one is complete; those built inside it are reused. Set in ``REPSIM_REBUILD``,
     so subprocesses (e.g. torchrun ranks) see it too."""
     names = sorted(set(stages))
-    with _environment(REBUILD_ENV, f"{','.join(names)}@{time.time()!r}" if names else None):
-        yield
+    return _environment(REBUILD_ENV, f"{','.join(names)}@{time.time()!r}" if names else None)
 
 
-@contextlib.contextmanager
-def verifying(enabled: bool = True) -> Iterator[None]:
-    """Within the block (if ``enabled``), a cache hit also checks every file's sha256, not only its size.
-    Set in ``REPSIM_VERIFY``, so subprocesses see it too."""
-    with _environment(VERIFY_ENV, "1" if enabled else None):
-        yield
+def verifying(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
+    """Within the block (if ``enabled``), cache hits also check sha256 (via ``REPSIM_VERIFY``: subprocesses too)."""
+    return _environment(VERIFY_ENV, "1" if enabled else None)
 
 
 def verification_requested() -> bool:
@@ -436,8 +431,7 @@ def unreferenced_outputs(older_than: float, now: float | None = None) -> list[St
 
 
 def remove_output(output: StoredOutput) -> bool:
-    """Remove ``output`` (renamed aside first, so it never looks complete half-removed); False, leaving it,
-    while a process holds its lock."""
+    """Remove ``output`` (renamed aside first); False, leaving it, while a process holds its lock."""
     with OutputLock(artifacts_root() / output.stage / output.key).held(blocking=False) as locked:
         if not locked or not output.path.exists():
             return False

@@ -60,8 +60,7 @@ class Method(nn.Module, ABC):
 
 @dataclass(frozen=True)
 class Upstream:
-    """What a method consumes besides the shards: its cache key, and how to produce it (None for a
-    user's file, whose key is its digest)."""
+    """What a method consumes besides the shards: its cache key, and how to produce it (None: a user's file)."""
 
     key: str
     run: Callable[[], StageOutput] | None = None
@@ -69,8 +68,7 @@ class Upstream:
 
 @dataclass(frozen=True)
 class TrainingData:
-    """What a method is built from: the data spec, its shards, the images' channels and view size,
-    and the output of the method's upstream stage, if any."""
+    """What a method is built from: spec, shards, the images' channels and view size, and its upstream output."""
 
     spec: DataSpec
     shards: ShardResult
@@ -110,8 +108,7 @@ _methods: dict[str, MethodSpec] = {}
 def register(name: str, *, upstream: Callable[[Config, TrainingData], Upstream | None] = no_upstream,
              write_figures: Callable[[Method, Path], None] = no_figures,
              settings: type[BaseModel] | None = None) -> Callable[[Build], Build]:
-    """Decorator registering ``build`` as method ``name`` (see :class:`MethodSpec`), with the ``settings`` model
-    the config reads ``method`` into."""
+    """Decorator registering ``build`` as method ``name`` (see :class:`MethodSpec`) with its ``settings`` model."""
     def decorate(build: Build) -> Build:
         taken = _methods.get(name)
         if taken is not None and taken.build.__module__ != build.__module__:
@@ -124,8 +121,7 @@ def register(name: str, *, upstream: Callable[[Config, TrainingData], Upstream |
 
 
 def method_spec(name: str) -> MethodSpec:
-    """The method registered as ``name`` (an outside one's module imported first, through its
-    ``repsim.methods`` entry point); SpecError naming the known methods for any other name."""
+    """The method registered as ``name`` (an outside one imported through its entry point); else SpecError."""
     if name not in _methods:
         import_outside_method(name)
     if name not in _methods:

@@ -116,8 +116,7 @@ class Dino(SelfDistillation):
 
 @register("dino", settings=DinoConfig)
 def build(config: Config, data: TrainingData, **patch_options: object) -> Dino:
-    """DINO from ``config``; ``patch_options`` (patch_loss, patch_weight, masking and both losses'
-    final_temperatures) make it iBOT."""
+    """DINO; ``patch_options`` (patch_loss, patch_weight, masking, final_temperatures) make it iBOT."""
     method = config.method
     patch_options.setdefault("final_temperatures", (method.final_teacher_temperature,))
     encoder = token_backbone(config, data, patches=patch_options.get("patch_loss") is not None)

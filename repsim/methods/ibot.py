@@ -17,8 +17,7 @@ from repsim.methods.self_distillation import MaskedPatchesSettings
 
 
 class IBOTConfig(dino.DinoConfig, MaskedPatchesSettings):
-    """DINO plus a masked-patch loss of weight ``patch_weight``, its teacher centred apart and warmed up
-    to ``patch_teacher_temperature``."""
+    """DINO plus a masked-patch loss of weight ``patch_weight``, warmed up to ``patch_teacher_temperature``."""
 
     name: Literal["ibot"]  # type: ignore[assignment]
     patch_weight: float = Field(1.0, gt=0)

@@ -208,8 +208,7 @@ class SOP(SelfDistillation):
 
 
 def project_masked(head: nn.Module, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``head`` of the masked tokens of (V, P, D) at their positions, zeros elsewhere: (V, P, D').
-    The head sees only the masked tokens (a small share), which is all the MIM loss reads."""
+    """``head`` of the masked tokens of (V, P, D) at their positions (it sees only those), zeros elsewhere: (V, P, D')."""
     projected = head(tokens[mask])
     return projected.new_zeros(*mask.shape, projected.shape[-1]).index_put((mask,), projected)
 

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from repsim import stopping
 from repsim.data.loader import Batch, ShardLoader
-from repsim.device import distributed, resolve_device
+from repsim.device import distributed, rank_and_world, resolve_device
 from repsim.errors import RepsimError, first_line
 from repsim.eval.knn import knn_accuracy
 from repsim.methods.base import Method
@@ -88,8 +88,7 @@ class LARS(torch.optim.Optimizer):
 
 
 def parameter_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Trainable parameters in two groups: weights (decayed, LARS-adapted) and tensors of at most one
-    dimension, i.e. biases and normalisation parameters (neither)."""
+    """Trainable parameters in two groups: weights (decayed, LARS-adapted) and 0-/1-d tensors (neither)."""
     trainable = [param for param in module.parameters() if param.requires_grad]
     groups = [{"params": [p for p in trainable if p.ndim > 1], "weight_decay": weight_decay, "lars_exclude": False},
               {"params": [p for p in trainable if p.ndim <= 1], "weight_decay": 0.0, "lars_exclude": True}]
@@ -119,15 +118,12 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
 def init_distributed(backend: str | None = None) -> tuple[int, int]:
     """Join the process group torchrun describes (``WORLD_SIZE`` > 1; ``backend`` NCCL, one GPU per local
     rank, when CUDA is present, else gloo). Returns (rank, world size); (0, 1) for a single process."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return 0, 1
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend)
-    return dist.get_rank(), dist.get_world_size()
+    if not (dist.is_available() and dist.is_initialized()) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+    return rank_and_world()
 
 
 def is_main_process() -> bool:
@@ -203,8 +199,7 @@ class KnnMonitor:
     def __call__(self, encoder: nn.Module, device: torch.device, dtype: torch.dtype | None = None) -> dict[str, float]:
         train_x, train_y = embed_batches(encoder, self.train, device, dtype)
         test_x, test_y = embed_batches(encoder, self.test, device, dtype)
-        k = min(self.k, len(train_x))
-        return knn_accuracy(train_x, train_y, test_x, test_y, k=k, device=device)
+        return knn_accuracy(train_x, train_y, test_x, test_y, k=min(self.k, len(train_x)), device=device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -421,8 +416,7 @@ class Trainer:
                          "steps_per_epoch": self.steps_per_epoch, "rng": rng_states()}, self.checkpoint_path)
 
     def _resume(self) -> Progress:
-        """Progress from the checkpoint, else from the one it replaced, else from the start; a checkpoint
-        that does not load is set aside (:func:`read_checkpoint`)."""
+        """Progress from the checkpoint, else the one it replaced, else the start (unloadable ones set aside)."""
         if self.checkpoint_path is None:
             return Progress()
         unreadable, state = [], None

@@ -41,8 +41,7 @@ KEY_NEUTRAL = (("optim", "threads"), ("optim", "checkpoint_every"), ("monitor", 
                ("method", "similarity", "path"), ("model", "init_encoder"))  # paths: their contents are keyed
 MACHINE_CHOSEN = ("optim", "num_workers")  # changes the batches; keyed when set, not when left to the machine
 
-__all__ = ["file_digest", "load_encoder", "prepare", "train", "train_loader",
-           "train_stage_of"]
+__all__ = ["file_digest", "load_encoder", "prepare", "train", "train_loader", "train_stage_of"]
 
 
 def file_digest(path: Path, field: str) -> str:
@@ -56,8 +55,7 @@ def file_digest(path: Path, field: str) -> str:
 # Planning
 
 def train_stage_of(config: Config, shards: ShardResult | str | Path | None = None) -> Stage:
-    """The train stage of ``config`` (and thus its key) without training. ``shards`` defaults to the
-    completed shard output of the config's data spec (StageError if it has not been sharded)."""
+    """The train stage of ``config`` (its key) without training; ``shards`` default to the completed ones."""
     spec = load_spec(config.data.spec)
     shards = sharded_already(spec, shards)
     data = training_data(config, spec, shards)
@@ -217,8 +215,7 @@ def _builder(config: Config, data: TrainingData, scratch: Path, log: LogFn | Non
 
 
 def train_loader(config: Config, data: TrainingData, device: torch.device, workers: int) -> ShardLoader:
-    """The training split's loader: this rank's share of the global batch, augmented per sample in the
-    ``workers`` or per batch on ``device``."""
+    """The training split's loader: this rank's share of the batch, augmented in the ``workers`` or on ``device``."""
     world_size = dist.get_world_size() if distributed() else 1
     if config.optim.batch_size % world_size:
         raise SpecError(f"optim.batch_size {config.optim.batch_size} does not split evenly over {world_size} ranks",
@@ -278,8 +275,7 @@ def _read_lines(path: Path) -> list[str]:
 
 
 def summarise(metrics_path: Path, steps_per_epoch: int) -> dict[str, float]:
-    """Stage metrics from ``metrics.jsonl``: ``loss`` (mean of the last epoch), ``final_loss``, ``steps``,
-    ``epochs`` and the last kNN accuracies."""
+    """Stage metrics: ``loss`` (mean of the last epoch), ``final_loss``, ``steps``, ``epochs``, last kNN accuracies."""
     records = [json.loads(line) for line in _read_lines(metrics_path)]
     steps = [record for record in records if "loss" in record]
     last = steps[-1]["step"]
