@@ -48,7 +48,7 @@ class MaskedPatchesSettings(Strict):
 
 
 class Memory(nn.Module):
-    """A FIFO queue of ``size`` embeddings of ``dim`` D. Buffers: ``entries`` (size, D), ``ids`` (size,), the
+    """A FIFO queue of ``size`` embeddings (D = ``dim``). Buffers: ``entries`` (size, D), ``ids`` (size,), the
     running number of each slot's embedding (-1 while empty), and ``count``, the number ever enqueued;
     until full, the ``filled`` entries are the first slots.
     """

@@ -57,9 +57,8 @@ def file_digest(path: Path, field: str) -> str:
 def train_stage_of(config: Config, shards: ShardResult | str | Path | None = None) -> Stage:
     """The train stage of ``config`` (its key) without training; ``shards`` default to the completed ones."""
     spec = load_spec(config.data.spec)
-    shards = sharded_already(spec, shards)
-    data = training_data(config, spec, shards)
-    return _stage(config, shards, _upstream(config, data))
+    data = training_data(config, spec, sharded_already(spec, shards))
+    return _stage(config, data.shards, _upstream(config, data))
 
 
 def _stage(config: Config, shards: ShardResult, upstream: Upstream | None) -> Stage:
@@ -127,8 +126,7 @@ def prepare(config: Config, shards: ShardResult | str | Path | None = None,
             progress: bool = True) -> tuple[TrainingData, Upstream | None]:
     """What ``config`` trains on: its shards (unless given) and its upstream output, both run (cached)."""
     spec = load_spec(config.data.spec)
-    shards = sharded(spec, shards, progress)
-    data = training_data(config, spec, shards)
+    data = training_data(config, spec, sharded(spec, shards, progress))
     upstream = _upstream(config, data)
     if upstream is not None and upstream.run is not None:
         data = replace(data, upstream=upstream.run())
