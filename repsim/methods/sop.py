@@ -104,8 +104,7 @@ class SOPBank(nn.Module):
         self.register_buffer("support_kept", torch.zeros(drawn, dtype=torch.bool))
 
     def sops(self) -> SOPs | None:
-        filled = self.memory.filled
-        if filled <= max(self.support_size, 1):
+        if self.memory.filled <= max(self.support_size, 1):
             return None
         entries, ids = self.memory.contents()
         kept = self.fixed_anchors and bool(self.anchors_drawn)

@@ -139,9 +139,8 @@ def _indexed(device: torch.device) -> torch.device:
 
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     """bfloat16 for ``bf16``, and for ``auto`` on a GPU that supports it; None (float32) otherwise."""
-    if precision == "bf16" or (precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()):
-        return torch.bfloat16
-    return None
+    bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
+    return torch.bfloat16 if bf16 else None
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
@@ -172,7 +171,7 @@ def to_device(batch: Batch, device: torch.device, channels_last: bool = False) -
 
 @torch.no_grad()
 def embed_batches(encoder: nn.Module, loader: Iterable[Batch], device: torch.device,
-                     dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(features (N, F) float32 on the CPU, labels (N,)) of the first view of every batch, in eval mode."""
     was_training = encoder.training
     encoder.eval()
