@@ -1,7 +1,5 @@
-"""One-line descriptions of pydantic validation errors in YAML files: the file, the field, the fix.
-
-Shared by data specs and experiment configs. Fields inside discriminated unions are named without
-the union's tag (``source.root``, not ``source.image_folder.root``).
+"""One-line descriptions of pydantic validation errors in YAML specs and configs: the file, the field, the fix.
+Fields inside discriminated unions are named without the union's tag (``source.root``, not ``source.image_folder.root``).
 """
 
 from __future__ import annotations
