@@ -1,8 +1,5 @@
-"""Input validation, device choice and normalisation shared by the evaluation functions, the
-figures of :mod:`repsim.plots` and ASIF.
-
-Every check raises :class:`~repsim.errors.EvalError` with a one-line message that names the
-argument, says what is wrong with it and how to fix it.
+"""Input validation, device choice and normalisation shared by the evaluation functions, the figures and
+ASIF; every check raises a one-line :class:`~repsim.errors.EvalError` naming the argument and the fix.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""One-line descriptions of pydantic validation errors in YAML files: the file, the field, the fix.
-
-Shared by data specs and experiment configs. Fields inside discriminated unions are named without
-the union's tag (``source.root``, not ``source.image_folder.root``).
+"""One-line descriptions of pydantic validation errors in YAML specs and configs: the file, the field, the fix.
+Fields inside discriminated unions are named without the union's tag (``source.root``, not ``source.image_folder.root``).
 """
 
 from __future__ import annotations
@@ -17,9 +15,8 @@ from repsim.errors import SpecError
 
 
 def read_yaml_mapping(path: Path, kind: str, example: str) -> dict[str, Any]:
-    """The YAML mapping in the ``kind`` file at ``path`` (e.g. "data spec"); SpecError in one line when
-    the file cannot be read as text (see :func:`read_text`), is not valid YAML, or its top level is not
-    a mapping of field names (the fix points at ``example``)."""
+    """The YAML mapping in the ``kind`` file at ``path`` (e.g. "data spec"); SpecError when it is not readable
+    text, not valid YAML, or not a mapping of field names (the fix points at ``example``)."""
     text = read_text(path, kind)
     try:
         raw = yaml.safe_load(text)
@@ -39,9 +36,8 @@ def read_yaml_mapping(path: Path, kind: str, example: str) -> dict[str, Any]:
 
 
 def read_text(path: Path, kind: str) -> str:
-    """The UTF-8 text of the ``kind`` file at ``path``; SpecError in one line when it does not exist, is
-    not a regular file (a directory, a device), cannot be read, is binary (holds NUL bytes) or is not
-    UTF-8."""
+    """The UTF-8 text of the ``kind`` file at ``path``; SpecError when it is missing, not a regular file,
+    unreadable, binary (holds NUL bytes) or not UTF-8."""
     path = Path(path)
     if not path.exists():
         raise SpecError(f"{kind} {path} does not exist", "check the path")

@@ -1,16 +1,6 @@
-"""Where torch work runs by default, and how a process shares its CPU cores.
-
-A training process splits the cores it may use (its CPU affinity, divided among the ranks torchrun
-started on this machine) between torch's intra-op threads, which do the model's work on a CPU, and
-DataLoader workers, each of which runs one thread. :func:`cpu_plan` never gives out more than the
-cores there are, since threads that outnumber the cores spin and wait on each other:
-
-- on a GPU, the GPU does the model's work: up to 8 workers feed it, and the process keeps at least
-  one core for itself;
-- on a CPU with up to 4 cores every core goes to the model and the main process reads the data
-  between steps (0 workers); with more, a quarter of the cores become workers.
-
-``optim.num_workers`` and ``optim.threads`` override either number.
+"""Where torch work runs by default, and how a training process splits its CPU cores between torch's
+intra-op threads and DataLoader workers (:func:`cpu_plan`), never giving out more than there are:
+threads that outnumber the cores spin and wait on each other.
 """
 
 from __future__ import annotations
@@ -34,8 +24,7 @@ SMALL_CPU = 4  # cores up to which a CPU-only process reads its own data
 
 
 def resolve_device(device: str | torch.device | None = None) -> torch.device:
-    """``device`` as a torch device; None picks this process's GPU (``LOCAL_RANK``) when CUDA is
-    present, else the CPU."""
+    """``device`` as a torch device; None: this process's GPU (``LOCAL_RANK``) if CUDA is present, else the CPU."""
     if device is not None:
         return torch.device(device)
     if torch.cuda.is_available():
@@ -67,7 +56,8 @@ def cpu_plan(device: torch.device, workers: int | None = None, threads: int | No
 
 
 def default_workers(device: torch.device, cores: int) -> int:
-    """DataLoader workers for ``cores`` when the model runs on ``device`` (see the module docstring)."""
+    """DataLoader workers for ``cores`` when the model runs on ``device``: on a GPU up to 8, keeping a core for
+    the process; on a CPU 0 up to 4 cores (the main process reads between steps), else a quarter of them."""
     if device.type == "cuda":
         return min(MAX_GPU_WORKERS, cores - 1)
     return 0 if cores <= SMALL_CPU else cores // 4
@@ -122,11 +112,8 @@ def gpu_slot() -> Iterator[torch.device | None]:
 
 
 class TorchrunLaunch(Strict):
-    """How the train stage starts: in the flow's process, or with torchrun over several processes/nodes.
-
-    With ``nnodes > 1`` every node runs the same torchrun command (see :meth:`command`), meeting at
-    ``rdzv_endpoint``; the flow's node launches its own.
-    """
+    """How the train stage starts: in the flow's process, or with torchrun over several processes/nodes
+    (with ``nnodes > 1`` every node runs the same :meth:`command`, meeting at ``rdzv_endpoint``)."""
 
     nproc_per_node: int = Field(1, ge=1)
     nnodes: int = Field(1, ge=1)

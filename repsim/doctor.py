@@ -1,10 +1,6 @@
-"""What this installation has: repsim, torch and the devices it sees, which FAISS build and whether
-it sees a GPU, the offline data and text model, and where runs are tracked. ``repsim doctor`` prints
-every check; ``repsim --version`` prints :func:`version_line`.
-
-Only a broken core is a *problem* (no torch, no FAISS, or two FAISS builds, which install the same
-``faiss`` module over each other); absent data or models are *missing*: repsim runs without them
-on the user's own data.
+"""What this installation has (``repsim doctor``): repsim, torch and its devices, the FAISS build, the offline
+data and text model, and where runs are tracked. Only a broken core (no torch, no FAISS, two FAISS
+builds) is a *problem*; absent data or models are *missing*, since repsim runs on the user's own data.
 """
 
 from __future__ import annotations
@@ -24,8 +20,7 @@ FAISS_FIX = "pip install 'repsim[cpu]' (faiss-cpu), or 'repsim[gpu]' (faiss-gpu-
 
 @dataclass(frozen=True)
 class Check:
-    """One line of the report: what was checked, its status (ok, missing, problem), what was found,
-    and how to mend it when it is not ok."""
+    """One line of the report: what was checked, its status (ok, missing, problem), what was found, the fix."""
 
     name: str
     status: str

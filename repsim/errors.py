@@ -14,8 +14,7 @@ class RepsimError(Exception):
     """A user-facing error: ``<what>; <how to fix>``. The CLI prints it and exits 2."""
 
     def __init__(self, what: str, fix: str = ""):
-        self.what = what
-        self.fix = fix
+        self.what, self.fix = what, fix
         super().__init__(f"{what}; {fix}" if fix else what)
 
 
@@ -75,8 +74,7 @@ def disk_full_error(where: Path, what: str, needed: int) -> DiskFull:
 
 
 def require_free_space(where: Path, needed: int, what: str) -> None:
-    """DiskFull, before anything is written, when the file system holding ``where`` has fewer than
-    ``needed`` bytes free for ``what``."""
+    """DiskFull, before anything is written, when ``where``'s file system has under ``needed`` bytes free."""
     free = shutil.disk_usage(mount_point(where)).free
     if free < needed:
         raise disk_full_error(where, f"{what} needs {needed:,} bytes free there", needed - free)

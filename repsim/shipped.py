@@ -1,14 +1,8 @@
 """The YAML files shipped with repsim, found by name: configs, experiments and data specs.
 
-The repository's top-level ``configs/``, ``experiments/`` and ``data_specs/`` install as the packages
-``repsim.configs``, ``repsim.experiments`` and ``repsim.data_specs`` (editable or from the wheel
-alike), so the relative paths between them (``../data_specs/animal-mnist.yaml``) hold inside
-the installed package and every command works from any directory.
-
-Every loader passes its file argument through :func:`locate`, then reads it with
-:func:`repsim.config_errors.read_yaml_mapping`: an existing file is that file; otherwise a bare name
-(``xclr`` or ``xclr.yaml``) is the shipped file of that name; otherwise a one-line SpecError lists
-the shipped names. The reader refuses, in one line, anything there that is not a UTF-8 YAML mapping.
+The top-level ``configs/``, ``experiments/`` and ``data_specs/`` install as ``repsim.configs``,
+``repsim.experiments`` and ``repsim.data_specs``, so the relative paths between them hold when
+installed. Every loader passes its file argument through :func:`locate`.
 """
 
 from __future__ import annotations
@@ -45,10 +39,8 @@ def packaged(kind: str, name: str) -> Path:
 
 
 def locate(path: str | Path, kind: str) -> Path:
-    """``path`` if it is a file; else, for a bare name (``xclr`` or ``xclr.yaml``), the shipped ``kind``
-    file of that name; else ``path`` if anything is there, for the reader to say what it is instead of a
-    file (:func:`repsim.config_errors.read_text`); SpecError in one line otherwise, listing the shipped
-    names."""
+    """``path`` if it is a file; else the shipped ``kind`` file of a bare name (``xclr`` or ``xclr.yaml``); else
+    ``path`` if anything is there (the reader says what); else SpecError listing the shipped names."""
     given = Path(path)
     found = _status(given, kind)
     if found is not None and stat.S_ISREG(found.st_mode):

@@ -1,11 +1,8 @@
-"""The stage/cache contract shared by every pipeline stage.
-
-A stage's output lives in ``$REPSIM_HOME/artifacts/<stage>/<key>/`` where ``key`` hashes the stage
-name, its resolved config, the keys of its inputs and the stage version. The directory is built
-under a temporary name and renamed when complete, so an interrupted stage leaves nothing that looks
-done; ``stage.json`` inside records config, input keys, timings, metrics, library versions and
-every output file with its size and sha256. Running a stage whose directory is complete and still
-matches that list returns at once; a damaged one is reported and built again.
+"""The stage/cache contract: a stage's output lives in ``$REPSIM_HOME/artifacts/<stage>/<key>/``, ``key``
+hashing the stage name, version, resolved config and input keys. It is built under a temporary name and
+renamed when complete; its ``stage.json`` records config, inputs, timings, metrics, library versions and
+every file's size and sha256. A complete output that still matches it is served at once; a damaged one
+is built again.
 """
 
 from __future__ import annotations
@@ -50,11 +47,8 @@ def _canonical_json(value: Any) -> str:
 
 @dataclass(frozen=True)
 class Stage:
-    """One stage invocation: what it is, how it is configured, and what it consumes.
-
-    ``config`` must be JSON-serialisable (a resolved pydantic config's ``model_dump(mode="json")``);
-    ``inputs`` maps an input's name to its key (an upstream stage key or a source fingerprint).
-    """
+    """One stage invocation. ``config`` is JSON-serialisable (``model_dump(mode="json")``); ``inputs``
+    maps an input's name to its key (an upstream stage key or a source fingerprint)."""
 
     name: str
     version: str
@@ -95,14 +89,10 @@ StageLike = StageOutput | str | Path  # a stage output or its directory
 
 @dataclass(frozen=True)
 class StageKind:
-    """One kind of stage, declared once beside its code, as the pipeline runs it.
-
-    ``plan(**params) -> Stage`` gives the stage (and its key) without building it;
-    ``build(**params, **options, out_dir=...) -> StageOutput`` builds it, or finds it complete. The
-    ``params`` decide the output; ``options`` (a batch size, a device) do not. ``artifacts``: glob
-    patterns of the output files logged with the stage; ``streams``: ``build`` also takes
-    ``log(metrics, step)``, through which its curves stream while it runs.
-    """
+    """One kind of stage as the pipeline runs it. ``plan(**params) -> Stage`` keys it without building;
+    ``build(**params, **options, out_dir=...) -> StageOutput`` builds it or finds it complete (``options``,
+    e.g. a device, do not change the output). ``artifacts``: glob patterns of the files logged with it;
+    ``streams``: ``build`` also takes ``log(metrics, step)`` to stream its curves."""
 
     name: str
     plan: Callable[..., Stage]
@@ -112,8 +102,8 @@ class StageKind:
 
 
 def fingerprint_files(paths: Iterable[Path], root: Path | None = None, content: bool = False) -> str:
-    """An input key for source data: a digest of files' paths (relative to ``root``, itself included,
-    when given), sizes and modification times, or with ``content`` their bytes' sha256 instead of times."""
+    """An input key for source data: a digest of files' paths (relative to ``root``, itself included),
+    sizes and modification times (with ``content``: their sha256 instead of times)."""
     digest = hashlib.sha256(str(root or "").encode())
     for path in paths:
         stat = Path(path).stat()
@@ -140,8 +130,7 @@ def output_dir(output: StageLike) -> Path:
 
 def completed_output(output: StageLike, stage: str, error: type[RepsimError], what: str,
                      fix: str) -> tuple[Path, dict[str, Any]]:
-    """The directory (see :func:`output_dir`) and the record of a completed ``stage`` output; for any
-    other directory, ``error`` saying that it is not a completed ``what`` output, and the ``fix``."""
+    """(directory, record) of a completed ``stage`` output; ``error(..., fix)`` for any other directory."""
     path = output_dir(output)
     record = read_record(path)
     if record is None or record.get("stage") != stage:
@@ -176,23 +165,17 @@ REBUILD_ENV = "REPSIM_REBUILD"
 VERIFY_ENV = "REPSIM_VERIFY"
 
 
-@contextlib.contextmanager
-def rebuilding(stages: Iterable[str]) -> Iterator[None]:
-    """Within the block, outputs of the named stages completed before it began are stale: the stage
-    runs again and its new output replaces the old one (the old output stays until the new one is
-    complete). An output built inside the block is reused. The setting travels in the environment
-    variable ``REPSIM_REBUILD``, so subprocesses (e.g. torchrun ranks) see it too."""
+def rebuilding(stages: Iterable[str]) -> contextlib.AbstractContextManager[None]:
+    """Within the block, outputs of the named stages completed before it began are built again, the old
+    one kept until the new one is complete; those built inside it are reused. Set in ``REPSIM_REBUILD``,
+    so subprocesses (e.g. torchrun ranks) see it too."""
     names = sorted(set(stages))
-    with _environment(REBUILD_ENV, f"{','.join(names)}@{time.time()!r}" if names else None):
-        yield
+    return _environment(REBUILD_ENV, f"{','.join(names)}@{time.time()!r}" if names else None)
 
 
-@contextlib.contextmanager
-def verifying(enabled: bool = True) -> Iterator[None]:
-    """Within the block (if ``enabled``), a cache hit also compares the sha256 of every output file with
-    its record, not only its size. The setting travels in ``REPSIM_VERIFY``, so subprocesses see it too."""
-    with _environment(VERIFY_ENV, "1" if enabled else None):
-        yield
+def verifying(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
+    """Within the block (if ``enabled``), cache hits also check sha256 (via ``REPSIM_VERIFY``: subprocesses too)."""
+    return _environment(VERIFY_ENV, "1" if enabled else None)
 
 
 def verification_requested() -> bool:
@@ -212,8 +195,7 @@ def sha256_file(path: Path) -> str:
 
 
 def output_files(path: Path, details: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
-    """Every file under the output directory ``path`` but ``stage.json`` (by relative path) with its
-    size, its sha256 and its entry in ``details``: what the record lists to verify cache hits by."""
+    """Every file under ``path`` but ``stage.json``, by relative path: its size, sha256 and entry in ``details``."""
     entries = {}
     for file in sorted(file for file in path.rglob("*") if file.is_file() and file.name != STAGE_FILE):
         name = file.relative_to(path).as_posix()
@@ -222,10 +204,8 @@ def output_files(path: Path, details: Mapping[str, Mapping[str, Any]] | None = N
 
 
 def damage(path: Path, record: Mapping[str, Any], hashes: bool = False) -> str | None:
-    """How the output directory ``path`` differs from the files its ``record`` lists, naming the first
-    damaged file (``train-00000.tar: 1234 of 5678 bytes``, ``... missing``); None when it matches.
-    Sizes are checked for every file first, then (with ``hashes``) the sha256 of each. A record written
-    before files were listed lists none, so such an output counts as intact (unverifiable)."""
+    """The first file of ``path`` that differs from its ``record`` (``train-00000.tar: 1234 of 5678 bytes``,
+    ``... missing``), or None. Sizes first, then (with ``hashes``) sha256; a record listing no files matches."""
     files = record.get("files", {})
     for name, expected in files.items():
         try:
@@ -241,8 +221,7 @@ def damage(path: Path, record: Mapping[str, Any], hashes: bool = False) -> str |
 
 
 def is_current(path: Path, record: Mapping[str, Any]) -> bool:
-    """Whether the complete output at ``path`` is to be served: it is not being rebuilt (see
-    :func:`rebuilding`) and its files match its ``record`` (hashes too, inside :func:`verifying`)."""
+    """Whether the complete output at ``path`` is to be served: not being rebuilt, and its files match ``record``."""
     return not is_stale(record) and damage(path, record, verification_requested()) is None
 
 
@@ -267,17 +246,14 @@ def _remove_stale_temporaries(out: Path) -> None:
 
 
 class OutputLock:
-    """The lock of the stage output at ``out``, across processes: exclusive while a stage writes the
-    output (or ``clean`` removes it), shared while running stages read it as an input.
+    """The cross-process lock of the stage output at ``out``: exclusive while a stage writes (or ``clean``
+    removes) it, shared while running stages read it as an input.
 
-    Both modes are flock(2) locks on one file beside the output, ``.<key>.lock``, so the OS releases a
-    holder's lock when it dies (kill -9 too), and a shared holder keeps out an exclusive one but not
-    another shared one. The file is never removed: unlinking it would let a waiting and a new process
-    lock different files. :class:`filelock.FileLock` takes the exclusive lock (``preserve_lock_file``
-    also rules out its soft fallback, a marker file that a killed holder leaves behind). filelock has
-    no shared flock, so that one is taken here on the same file: its only shared lock,
-    ``ReadWriteLock``, an SQLite transaction, makes new readers wait behind a waiting writer, and a
-    stage holding one input while it waits for the next could then deadlock with a rebuild.
+    Both are flock(2) locks on ``.<key>.lock`` beside the output, so the OS releases them when a holder
+    dies; the file is never removed (a waiting and a new process would lock different files). The
+    exclusive one is :class:`filelock.FileLock` (``preserve_lock_file`` rules out its marker-file
+    fallback); the shared one is taken here, since filelock's ``ReadWriteLock`` queues readers behind a
+    waiting writer, which could deadlock a stage holding one input while it waits for the next.
     """
 
     def __init__(self, out: Path) -> None:
@@ -285,15 +261,13 @@ class OutputLock:
 
     @contextlib.contextmanager
     def held(self, shared: bool = False, blocking: bool = True) -> Iterator[bool]:
-        """Hold the lock for the block, ``shared`` or exclusive; yields whether it does, which is
-        False only when not ``blocking`` and another process holds it in a mode that excludes this."""
+        """Hold the lock, ``shared`` or exclusive, for the block; yields False if not ``blocking`` and taken."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.ExitStack() as release:
             yield (self._share if shared else self._take)(release, blocking)
 
     def holder(self) -> str | None:
-        """``locked`` if a process holds the lock exclusively now (writing the output), ``in use`` if
-        processes hold it shared (reading it), None if no one holds it. Waits for nothing."""
+        """``locked`` (held exclusively: being written), ``in use`` (held shared: being read) or None, at once."""
         if not self.path.exists():
             return None
         for shared, holder in ((False, None), (True, IN_USE)):
@@ -329,18 +303,15 @@ def _set_aside(path: Path) -> Path:
 
 def _move_into_place(tmp: Path, out: Path) -> None:
     """Rename the complete ``tmp`` to ``out``; an old ``out`` is moved aside first and removed only after."""
-    if not out.exists():
-        os.rename(tmp, out)
-        return
-    old = _set_aside(out)
+    old = _set_aside(out) if out.exists() else None
     os.rename(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager
 def _reading(keys: Iterable[str]) -> Iterator[None]:
-    """Hold shared the lock of every output under the artifact root whose key is among ``keys`` (a
-    stage's inputs), so that :func:`remove_output` leaves them alone and a rebuild of one waits."""
+    """Hold shared the lock of every stored output whose key is among ``keys`` (a stage's inputs)."""
     inputs = [folder / key for folder in _stage_folders(artifacts_root()) for key in set(keys)
               if (folder / key).is_dir()]
     with contextlib.ExitStack() as held:
@@ -355,18 +326,12 @@ FileDetails = Callable[[Path], Mapping[str, Mapping[str, Any]]]
 
 def run_stage(stage: Stage, build: Build, out_dir: str | Path | None = None,
               file_details: FileDetails | None = None) -> StageOutput:
-    """Build ``stage`` into its output directory unless it is already complete and intact.
+    """Build ``stage`` into its output directory unless it is complete and intact (a damaged one is logged
+    and built again; see :func:`rebuilding`, :func:`verifying`).
 
-    ``build(tmp_dir)`` writes every output file into ``tmp_dir`` and may return metrics
-    (e.g. samples, bytes); they are stored in ``stage.json``, with every file's size and sha256 (and
-    what ``file_details(tmp_dir)`` adds to a file's entry, by relative path). The directory becomes
-    visible under its final name only after ``build`` returns and ``stage.json`` is written. While
-    ``build`` runs, the stage holds its inputs' locks shared (see :func:`list_outputs`).
-
-    A complete output is served only if its files still have the recorded sizes (and, inside
-    :func:`verifying`, hashes); a damaged one is logged, removed and built again. Inside
-    :func:`rebuilding`, a complete output of a stage being rebuilt is built again and then replaces
-    the old one.
+    ``build(tmp_dir)`` writes every output file into ``tmp_dir`` and may return metrics, stored in
+    ``stage.json`` with every file's size and sha256 (and its entry of ``file_details(tmp_dir)``). The
+    directory gets its final name only once that is written; meanwhile the inputs' locks are held shared.
     """
     out = stage.output_dir(out_dir)
     done = _completed(stage, out)
@@ -421,14 +386,10 @@ UNVERIFIED = "unverified: its record lists no files"
 
 @dataclass(frozen=True)
 class StoredOutput:
-    """One directory under the artifact root (or a train stage's scratch folder).
-
-    ``status``: ``complete`` (it has its ``stage.json`` and its files match it), ``damaged`` (a file
-    differs from the record: ``note`` names the first), ``incomplete`` (a partial build left by an
-    interrupted run, or a resumable training scratch folder), ``locked`` (a process is writing this
-    stage now) or ``in use`` (a running stage reads it as an input). A complete output recorded before
-    records listed files has the note ``unverified: ...``. ``modified``: when it was completed (or
-    last written, when incomplete).
+    """One directory under the artifact root (or a train stage's scratch folder). ``status``: ``complete``,
+    ``damaged`` (``note`` names the first bad file), ``incomplete`` (a partial build or a resumable scratch
+    folder), ``locked`` (being written) or ``in use`` (read by a running stage); a complete output whose
+    record lists no files has the note ``unverified: ...``. ``modified``: when completed (or last written).
     """
 
     stage: str
@@ -446,8 +407,7 @@ class StoredOutput:
 
 
 def list_outputs(hashes: bool = False) -> list[StoredOutput]:
-    """Every stage output under ``$REPSIM_HOME``, by stage then age (oldest first). A complete output
-    is checked against its record: file sizes, and with ``hashes`` their sha256 too."""
+    """Every stage output under ``$REPSIM_HOME``, by stage then age; complete ones checked by :func:`damage`."""
     found = [output for folder in _stage_folders(artifacts_root()) for output in _outputs_in(folder, hashes)]
     found += [_stored(folder.name, path.name, path, artifacts_root() / folder.name / path.name)
               for folder in _stage_folders(repsim_home() / "scratch") for path in folder.iterdir() if path.is_dir()]
@@ -455,10 +415,8 @@ def list_outputs(hashes: bool = False) -> list[StoredOutput]:
 
 
 def unreferenced_outputs(older_than: float, now: float | None = None) -> list[StoredOutput]:
-    """What :func:`remove_output` may take: outputs last modified more than ``older_than`` seconds
-    ago that no kept output depends on. Kept are the complete outputs modified since then and,
-    transitively, every complete output whose key is among the ``inputs`` of a kept one. Locked
-    outputs (being written) and those in use (read by a running stage) are never returned."""
+    """Outputs last modified over ``older_than`` seconds ago that no kept output (one modified since, or
+    transitively an input of one) depends on, and that are neither locked nor in use."""
     outputs, cutoff = list_outputs(), (time.time() if now is None else now) - older_than
     complete = {output.key: output for output in outputs if output.status != INCOMPLETE}
     kept: set[str] = set()
@@ -473,9 +431,7 @@ def unreferenced_outputs(older_than: float, now: float | None = None) -> list[St
 
 
 def remove_output(output: StoredOutput) -> bool:
-    """Remove ``output`` unless a process holds its lock now, writing it or reading it as an input
-    (then return False). A complete output is renamed aside first, so no half-removed directory ever
-    looks complete."""
+    """Remove ``output`` (renamed aside first); False, leaving it, while a process holds its lock."""
     with OutputLock(artifacts_root() / output.stage / output.key).held(blocking=False) as locked:
         if not locked or not output.path.exists():
             return False
@@ -502,8 +458,7 @@ def _outputs_in(folder: Path, hashes: bool) -> Iterator[StoredOutput]:
 
 def _stored(stage: str, key: str, path: Path, output: Path, record: Mapping[str, Any] | None = None,
             hashes: bool = False) -> StoredOutput:
-    """``path`` as listed: complete or damaged (with its ``record``) or incomplete (without), unless a
-    process holds the lock of ``output`` now."""
+    """``path`` as listed: locked or in use by the lock of ``output``, else by its ``record`` (None: incomplete)."""
     status, note = OutputLock(output).holder(), ""
     if status is None:
         status, note = _condition(path, record, hashes) if record is not None else (INCOMPLETE, "")

@@ -1,18 +1,14 @@
-"""Stopping on request: SIGTERM (a scheduler's, or Kubernetes' at the end of a pod) and SIGINT (Ctrl-C).
+"""Stopping on request: SIGTERM (a scheduler's, Kubernetes') and SIGINT (Ctrl-C).
 
-The command line and the experiment flow install the handler (:func:`install`), so a flow run that
-a deployment's worker started stops the same way; the first signal only asks for a stop
-(:func:`requested`). The Trainer checks after each optimizer step: it writes its checkpoint and
-raises :class:`Stopped`, and the command exits with one line saying where it stopped. A stage that
-has no such point (sharding, features) stops with the process: ``GRACE_S`` seconds after the
-signal, or at once on a second signal, the process ends its child processes (the temporary Prefect
-API among them) and exits; a stage interrupted so leaves only its temporary folder, which the next
-run removes. Either way the exit status is 128 + the signal's number, and running the same command
-again resumes.
+The first signal only asks for a stop (:func:`requested`): the Trainer then writes its checkpoint and
+raises :class:`Stopped`. ``GRACE_S`` seconds later, or at once on a second signal, the process ends its
+children (the temporary Prefect API among them) and exits; an interrupted stage leaves only its
+temporary folder. Either way the exit status is 128 + the signal's number, and the same command resumes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -40,9 +36,8 @@ class Stopped(RepsimError):
 
 
 def install() -> None:
-    """Turn SIGTERM and SIGINT into a stop request, in this process from now on; nothing outside the
-    main thread, where Python delivers signals. The experiment flow calls it again as it starts, to
-    take the signals back from Prefect's flow engine, which would crash the run at once."""
+    """Turn SIGTERM and SIGINT into a stop request (from the main thread only, where Python delivers
+    signals). The experiment flow calls it again to take them back from Prefect's flow engine."""
     if threading.current_thread() is threading.main_thread():
         for signum in SIGNALS:
             signal.signal(signum, _on_signal)
@@ -71,9 +66,8 @@ def _on_signal(signum: int, _frame: object) -> None:
 
 
 def exit_now(signum: signal.Signals, message: str) -> None:
-    """End the child processes (the temporary Prefect API among them; :func:`_end`), print ``error:
-    <message>``, and exit with 128 + ``signum``, without waiting on clean-ups that talk to servers the
-    signal may have stopped too."""
+    """End the child processes, print ``error: <message>`` and exit with 128 + ``signum``, skipping
+    clean-ups that talk to servers the signal may have stopped too."""
     _end(_descendants(os.getpid()))
     sys.stdout.flush()
     sys.stderr.write(f"error: {message}\n")
@@ -82,8 +76,7 @@ def exit_now(signum: signal.Signals, message: str) -> None:
 
 
 def _end(pids: list[int]) -> None:
-    """Ask ``pids`` to terminate, wait up to ``CHILDREN_S`` for them to go, then kill those left, so
-    that none outlives this process."""
+    """SIGTERM ``pids``, then SIGKILL those still alive after ``CHILDREN_S``."""
     _send(pids, signal.SIGTERM)
     deadline = time.monotonic() + CHILDREN_S
     while (left := [pid for pid in pids if _alive(pid)]) and time.monotonic() < deadline:
@@ -93,10 +86,8 @@ def _end(pids: list[int]) -> None:
 
 def _send(pids: list[int], signum: signal.Signals) -> None:
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signum)
-        except ProcessLookupError:
-            pass
 
 
 def _alive(pid: int) -> bool:

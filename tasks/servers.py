@@ -1,6 +1,5 @@
-"""Server mode's health check: with ``PREFECT_API_URL`` or an HTTP ``MLFLOW_TRACKING_URI`` set, both
-servers must answer within seconds, or the command stops with one line saying which is unreachable,
-instead of hanging in the clients' retries."""
+"""Server mode's health check: a server that ``PREFECT_API_URL`` or an HTTP ``MLFLOW_TRACKING_URI`` names
+must answer within seconds, or the command stops with one line instead of hanging in retries."""
 
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ class ServerUnreachable(RepsimError):
 
 
 def health_urls() -> dict[str, str]:
-    """The health endpoint of each configured server: ``{"PREFECT_API_URL": url, ...}`` (embedded
-    stores have none)."""
+    """The health endpoint of each configured server: ``{"PREFECT_API_URL": url, ...}``."""
     urls = {}
     prefect = os.environ.get("PREFECT_API_URL")
     if prefect:

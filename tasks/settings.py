@@ -1,11 +1,6 @@
-"""Embedded defaults, so nothing needs a server.
-
-Prefect: its temporary local API with ``PREFECT_HOME=$REPSIM_HOME/prefect``, analytics off, and
-120 s for that API to start (Prefect's 20 s is too short on a loaded machine).
-MLflow: ``sqlite:///$REPSIM_HOME/mlflow.db`` with artifacts in ``$REPSIM_HOME/mlartifacts``.
-Server mode is configuration only: set ``PREFECT_API_URL`` and ``MLFLOW_TRACKING_URI``.
-
-The first use creates both SQLite stores; :func:`start_embedded_stores` does it one process at a time.
+"""Embedded defaults, so nothing needs a server: Prefect's temporary local API under ``$REPSIM_HOME/prefect``
+(120 s to start, not 20) and MLflow in ``sqlite:///$REPSIM_HOME/mlflow.db``, artifacts in
+``$REPSIM_HOME/mlartifacts``. Server mode: set ``PREFECT_API_URL`` and ``MLFLOW_TRACKING_URI``.
 """
 
 import os
@@ -39,10 +34,8 @@ def use_embedded_defaults() -> None:
 
 
 def start_embedded_stores() -> None:
-    """Start Prefect's temporary local API and open the MLflow SQLite store, whichever of the two the
-    environment uses, holding a lock under ``$REPSIM_HOME``: their first use creates their tables,
-    and two processes creating them at once fail ("table already exists"). Call it before a flow
-    starts; the flow then reuses this process's temporary API. A configured server is left alone."""
+    """Start Prefect's temporary local API and open the MLflow SQLite store (those of them in use), under a
+    lock: two processes creating their tables at once fail. Call it before a flow starts."""
     from mlflow.tracking import MlflowClient  # imported here, after this module has set their defaults
     from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL

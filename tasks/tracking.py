@@ -1,14 +1,7 @@
-"""MLflow tracking: one parent run per flow run, one nested run per stage.
-
-Nested runs are tagged with the stage name, the stage key, the output path, whether the stage was
-served from cache, and the Prefect flow-run id, and span the stage's own start and end. Params are
-the stage's resolved config (flattened); metrics are the stage's metrics; outputs are logged as
-artifacts (with an embedded store, files over SMALL_ARTIFACT_BYTES only by path: they lie on the same
-disk). A trained encoder is an MLflow model of its train run, registered once per stage key under
-``<experiment>-<method>`` (:meth:`StageRun.log_encoder`); ``models:/NAME/VERSION`` resolves to a
-directory repsim evaluates (:func:`model_directory`). The experiment is a model-training one, and the
-links repsim prints open the UI on its runs, in a saved view whose Run Name column shows a stage run's
-whole name (:func:`runs_page`, :func:`runs_view`).
+"""MLflow tracking: one parent run per flow run, one nested run per stage, tagged with the stage, its key,
+output path, cache hit and Prefect flow-run id; params are the stage's resolved config, metrics its
+metrics, outputs its artifacts. A trained encoder is registered as an MLflow model once per stage key
+(:meth:`StageRun.log_encoder`); ``models:/NAME/VERSION`` resolves to a directory (:func:`model_directory`).
 """
 
 from __future__ import annotations
@@ -57,8 +50,7 @@ class StageRun:
     """A nested MLflow run for one stage; a training stage logs its curves through it."""
 
     def __init__(self, client: MlflowClient, run_id: str):
-        self.client = client
-        self.run_id = run_id
+        self.client, self.run_id = client, run_id
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         timestamp = int(time.time() * 1000)
@@ -73,10 +65,8 @@ class StageRun:
 
     def log_stage_output(self, path: Path, cached: bool, artifacts: Iterable[Path] = (),
                          streamed: Iterable[str] = ()) -> None:
-        """A completed stage (its ``stage.json`` at ``path``): params = resolved config and input keys,
-        metrics = the stage's metrics and seconds, except those ``streamed`` as curves while it ran;
-        ``stage.json`` and ``artifacts`` as artifacts. A ``cached`` stage copies nothing: it refers
-        to its files and to the run that built them (:meth:`refer_to_build`)."""
+        """A completed stage at ``path``: its config and input keys as params, its metrics and seconds (but
+        those ``streamed`` while it ran), ``stage.json`` and ``artifacts``; a ``cached`` one :meth:`refer_to_build`."""
         record = read_record(path)
         self.client.set_tag(self.run_id, "repsim.cached", str(cached).lower())
         self.log_params({"config": record["config"], "inputs": record["inputs"]})
@@ -89,9 +79,8 @@ class StageRun:
         self.log_artifacts(files)
 
     def refer_to_build(self, key: str, summary: Mapping[str, float], files: Iterable[Path]) -> None:
-        """A cached stage's run: a ``repsim.file.<name>`` tag holding each file's path, the run that
-        built the output as ``repsim.built_by`` (a link in the UI's tags), and that run's metrics,
-        curves included (else the output's ``summary``), so both runs show the same numbers and plots."""
+        """A cached stage's run: ``repsim.file.<name>`` tags with the files' paths, ``repsim.built_by`` naming the
+        run that built it, and that run's metric histories (without one, ``summary``)."""
         experiment = self.client.get_run(self.run_id).info.experiment_id
         built = self.client.search_runs([experiment], f"tags.`repsim.stage_key` = '{key}' and tags.`repsim.cached` = "
                                         "'false' and attributes.status = 'FINISHED'",
@@ -109,8 +98,8 @@ class StageRun:
                 self.client.log_batch(self.run_id, metrics=history[start:start + MAX_METRICS_PER_BATCH])
 
     def log_artifacts(self, paths: Iterable[Path]) -> None:
-        """Every file as an artifact; with an embedded store (a local path, not a server), files over
-        SMALL_ARTIFACT_BYTES only as a tag holding their path, since they already lie on its disk."""
+        """Every file as an artifact; with an embedded store (not a server), files over SMALL_ARTIFACT_BYTES
+        only as a ``repsim.file.<name>`` tag holding their path, since they already lie on its disk."""
         embedded = not self.client.tracking_uri.startswith(("http://", "https://"))
         for path in paths:
             if not path.is_file():
@@ -121,10 +110,9 @@ class StageRun:
                 self.client.log_artifact(self.run_id, str(path))
 
     def log_encoder(self, train_dir: Path, registered: str) -> str:
-        """The encoder of the train stage at ``train_dir`` as an MLflow model of this run (the module
-        with a signature and an input example, and the files repsim loads it from), registered under
-        ``registered`` with its lineage as tags; one version per stage key, so a rerun registers
-        nothing new. Returns the version."""
+        """The encoder of the train stage at ``train_dir`` as an MLflow model of this run (with a signature,
+        an input example and the files repsim loads it from), registered under ``registered`` with its
+        lineage as tags, once per stage key. Returns the version."""
         import mlflow
         import torch
         from mlflow.models import infer_signature
@@ -141,8 +129,7 @@ class StageRun:
         with torch.no_grad():
             signature = infer_signature(example.numpy(), encoder(example).numpy())
         with _EXPORTING:  # MLflow saves the model with torch.export, which two threads cannot run at once
-            # a logged model belongs to the active experiment, not to its run's: make that this run's,
-            # so the model and its files land in repsim's experiment and artifact store
+            # a logged model belongs to the active experiment, not to its run's: make that this run's
             mlflow.set_experiment(experiment_id=self.client.get_run(self.run_id).info.experiment_id)
             logged = mlflow.pytorch.log_model(
                 encoder, name="encoder", run_id=self.run_id, signature=signature, input_example=example.numpy(),
@@ -174,8 +161,7 @@ class Tracker:
 
     @contextlib.contextmanager
     def _run(self, name: str, tags: Mapping[str, str], span: tuple[float, float] | None = None) -> Iterator[StageRun]:
-        """A run named ``name``; with ``span`` (start and end, seconds since the epoch) it carries those
-        times instead of when it was opened and closed."""
+        """A run named ``name``, spanning ``span`` (start and end, epoch seconds) if given."""
         tags = {MLFLOW_RUN_NAME: name, "prefect.flow_run_id": str(flow_run.get_id() or ""), **tags}
         start, end = (int(1000 * moment) for moment in span) if span else (None, None)
         run = self.client.create_run(self.experiment_id, run_name=name, tags=tags, start_time=start)
@@ -189,8 +175,7 @@ class Tracker:
 
     @contextlib.contextmanager
     def flow_run(self, flow_name: str, params: Mapping[str, Any], name: str | None = None) -> Iterator[StageRun]:
-        """The parent run of one flow run, named ``name`` (default: the flow's), with the flow's
-        parameters as params."""
+        """The parent run of one flow run (named ``name``, default the flow's), its parameters as params."""
         with self._run(name or flow_name, {"repsim.flow": flow_name}) as run:
             run.log_params(params)
             yield run
@@ -198,18 +183,15 @@ class Tracker:
     def stage_run(self, parent_run_id: str, stage: str, key: str, path: Path, label: str | None = None,
                   span: tuple[float, float] | None = None, tags: Mapping[str, str] | None = None,
                   ) -> contextlib.AbstractContextManager[StageRun]:
-        """A nested run for one stage under the parent run ``parent_run_id``, named ``<stage> <label>``
-        (``train simclr``, ``features pixels test``) when the stage is for something in particular;
-        ``span``: the stage's start and end when it ran before its run is opened; ``tags``: more tags
-        (:func:`stage_tags`)."""
+        """A nested run for one stage under ``parent_run_id``, named ``<stage> <label>`` (``train simclr``);
+        ``span``: the stage's start and end, when it ran before; ``tags``: more tags (:func:`stage_tags`)."""
         tags = {MLFLOW_PARENT_RUN_ID: parent_run_id, "repsim.stage": stage, "repsim.stage_key": key,
                 "repsim.output": str(path)} | ({"repsim.label": label} if label else {}) | dict(tags or {})
         return self._run(f"{stage} {label}" if label else stage, tags, span)
 
 
 def stage_tags(stage: str, config: Mapping[str, Any], encoder: str | None) -> dict[str, str]:
-    """What a stage run is about: ``repsim.encoder``, the encoder it trains, reads or scores (its
-    label in the experiment: ``simclr``, ``pixels``), and for a train stage ``repsim.method``."""
+    """``repsim.encoder`` (the label of the encoder a stage is about) and, for a train stage, ``repsim.method``."""
     return ({"repsim.encoder": encoder} if encoder else {}) | (
         {"repsim.method": config["method"]["name"]} if stage == "train" else {})
 
@@ -222,31 +204,27 @@ def _input_shape(record: Mapping[str, Any], recipe: Mapping[str, Any]) -> tuple[
 
 
 def runs_page(tracking_uri: str, experiment_id: str) -> str:
-    """The MLflow UI's page of an experiment's runs in its model-training view (the UI otherwise opens
-    on its GenAI view, traces, whatever the experiment's kind tag says), in the view :func:`runs_view`."""
+    """The MLflow UI's runs page of an experiment, in the model-training view and :func:`runs_view`."""
     return (f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
             f"&viewStateShareKey={RUNS_VIEW}")
 
 
 def runs_view(created_ms: int) -> dict[str, str]:
-    """The experiment tag of MLflow's saved view "stage names": the runs table with its Run Name
-    column at RUN_NAME_WIDTH px instead of 190 (17 characters), so that a stage run's name
-    (``features xclr-wordnet seed=1 train``) shows whole."""
+    """The experiment tag of MLflow's saved view "stage names": the Run Name column RUN_NAME_WIDTH px wide
+    (not 190), so a stage run's name shows whole."""
     state = {"columnOrder": [RUN_NAME_COLUMN], "columnWidths": {RUN_NAME_COLUMN: RUN_NAME_WIDTH}}
     envelope = {"name": "stage names", "createdAt": created_ms, "state": json.dumps(state)}
     return {f"mlflow.sharedViewState.{RUNS_VIEW}": json.dumps(envelope)}
 
 
 def model_name(experiment: str, method: str) -> str:
-    """The registered model of one method of one experiment: ``animal-mnist-xclr`` (the default
-    experiment's ``name`` is ``animal-mnist``)."""
+    """The registered model of one method of one experiment, e.g. ``animal-mnist-xclr``."""
     return f"{experiment}-{method}"
 
 
 def model_directory(uri: str) -> Path:
-    """The directory repsim evaluates for ``models:/NAME/VERSION``: the registered encoder's files
-    (``encoder.pt`` and its train stage's ``stage.json``, so it is keyed and normalised like the
-    train stage), downloaded once into ``$REPSIM_HOME/models/NAME/VERSION``."""
+    """The directory repsim evaluates for ``models:/NAME/VERSION``: the encoder's ``encoder.pt`` and train
+    ``stage.json``, downloaded once into ``$REPSIM_HOME/models/NAME/VERSION``."""
     name, _, version = uri.removeprefix(MODEL_URI).partition("/")
     if not name or not version:
         raise RepsimError(f"{uri} names no model version", "write models:/NAME/VERSION, e.g. models:/animal-mnist-xclr/1")

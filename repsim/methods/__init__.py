@@ -1,13 +1,8 @@
-"""Training methods, one per module, on the shared :class:`~repsim.methods.train.Trainer`.
+"""Training methods, one per module (:func:`~repsim.methods.base.register`), on the shared
+:class:`~repsim.methods.train.Trainer`; the train stage is :func:`repsim.methods.training.train`.
 
-A method module registers its ``build(config, data) -> Method`` under its name
-(:func:`~repsim.methods.base.register`), with, when it consumes more than the shards,
-``upstream(config, data) -> Upstream`` naming that input's cache key and how to produce it
-(:class:`~repsim.methods.base.MethodSpec`). The train stage (:func:`repsim.methods.training.train`;
-not exported here, where ``train`` is the Trainer's module) wires config, data, method and Trainer.
-
-Importing the package imports every method module in it, so their settings are registered before
-any config is read: a shipped method is one file here. Other exports resolve on first use.
+Importing the package imports every method module, so their settings are registered before any config
+is read. Other exports resolve on first use.
 """
 
 import importlib

@@ -1,17 +1,12 @@
-"""The method contract: what a training method is (:class:`Method`), what it is built from
-(:class:`TrainingData`, :class:`Upstream`), and how it is registered and found by name
-(:func:`register`, :func:`method_spec`).
-
-A method is one module that registers its ``build`` under its name with its settings model
-(``name: Literal["simclr"]``), so that a config naming it validates, and with what else it provides::
+"""The method contract: :class:`Method`, what it is built from (:class:`TrainingData`, :class:`Upstream`),
+and how it is registered and found by name. A method is one module registering its ``build`` with its
+settings model (``name: Literal["simclr"]``)::
 
     @register("simclr", settings=SimCLRConfig)
     def build(config: Config, data: TrainingData) -> SimCLR: ...
 
-A shipped method is such a module in ``repsim.methods``, which imports them all. A method outside
-the library is one in a package that names the module under the entry-point group ``repsim.methods``
-(``mymethod = "mypackage.method"``), so that ``repsim train``, ``repsim run`` and torchrun's ranks
-import it when a config names it.
+Shipped ones live in ``repsim.methods``; an outside one is named under the entry-point group
+``repsim.methods`` (``mymethod = "mypackage.method"``) and imported when a config names it.
 """
 
 from __future__ import annotations
@@ -49,27 +44,23 @@ class Method(nn.Module, ABC):
         return self.training_step(batch)
 
     def before_optimizer_step(self, step: int, total_steps: int) -> None:
-        """Called with the gradients of step ``step`` + 1 of ``total_steps`` (clipped), before the
-        optimizer applies them, e.g. to drop those of a layer kept frozen."""
+        """Called with the (clipped) gradients of step ``step`` + 1 before the optimizer applies them."""
 
     def after_optimizer_step(self, step: int, total_steps: int) -> None:
         """Called after optimizer step ``step`` (1-based) of ``total_steps``, e.g. to update an EMA teacher."""
 
     def epoch_metrics(self) -> dict[str, float]:
-        """Scalars logged (and written to metrics.jsonl) with the kNN accuracies at each epoch's end,
-        on rank 0, e.g. collapse diagnostics. None by default."""
+        """Scalars logged with the kNN accuracies at each epoch's end, on rank 0 (e.g. collapse diagnostics)."""
         return {}
 
     def monitored_encoders(self) -> dict[str, nn.Module]:
-        """The encoders the kNN monitor scores at each epoch's end, by the prefix of their metrics:
-        the ``encoder`` (no prefix) by default."""
+        """The encoders the kNN monitor scores, by the prefix of their metrics."""
         return {"": self.encoder}
 
 
 @dataclass(frozen=True)
 class Upstream:
-    """What a method consumes besides the shards: its cache key, and how to produce it (None for a
-    user's file, whose key is its digest)."""
+    """What a method consumes besides the shards: its cache key, and how to produce it (None: a user's file)."""
 
     key: str
     run: Callable[[], StageOutput] | None = None
@@ -77,8 +68,7 @@ class Upstream:
 
 @dataclass(frozen=True)
 class TrainingData:
-    """What a method is built from: the data spec, its shards, the images' channels and view size,
-    and the output of the method's upstream stage, if any."""
+    """What a method is built from: spec, shards, the images' channels and view size, and its upstream output."""
 
     spec: DataSpec
     shards: ShardResult
@@ -104,13 +94,8 @@ def no_figures(method: Method, out: Path) -> None:
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """What a method gives the train stage.
-
-    ``build(config, data) -> Method`` (required); ``upstream(config, data) -> Upstream | None``: what
-    the method consumes besides the shards, its cache key and how to produce it; ``write_figures(method,
-    out)``: its figures of training (PNG files, logged with the stage), written into the stage's folder
-    ``out`` once training ends.
-    """
+    """What a method gives the train stage: ``build(config, data) -> Method``, ``upstream(config, data)``
+    (what it consumes besides the shards) and ``write_figures(method, out)`` (PNGs written once training ends)."""
 
     build: Build
     upstream: Callable[[Config, TrainingData], Upstream | None] = no_upstream
@@ -123,9 +108,7 @@ _methods: dict[str, MethodSpec] = {}
 def register(name: str, *, upstream: Callable[[Config, TrainingData], Upstream | None] = no_upstream,
              write_figures: Callable[[Method, Path], None] = no_figures,
              settings: type[BaseModel] | None = None) -> Callable[[Build], Build]:
-    """Decorator registering ``build`` as method ``name``, with its ``upstream``, ``write_figures`` and
-    the ``settings`` model the config reads ``method`` into (see
-    :func:`~repsim.methods.config.accept_method`)."""
+    """Decorator registering ``build`` as method ``name`` (see :class:`MethodSpec`) with its ``settings`` model."""
     def decorate(build: Build) -> Build:
         taken = _methods.get(name)
         if taken is not None and taken.build.__module__ != build.__module__:
@@ -138,8 +121,7 @@ def register(name: str, *, upstream: Callable[[Config, TrainingData], Upstream |
 
 
 def method_spec(name: str) -> MethodSpec:
-    """The method registered as ``name`` (an outside one's module imported first, through its
-    ``repsim.methods`` entry point); SpecError naming the known methods for any other name."""
+    """The method registered as ``name`` (an outside one imported through its entry point); else SpecError."""
     if name not in _methods:
         import_outside_method(name)
     if name not in _methods:

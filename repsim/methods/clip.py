@@ -1,10 +1,7 @@
-"""CLIP baseline (Radford et al., 2021): one image view per sample against its caption with a
-symmetric InfoNCE.
+"""CLIP baseline (Radford et al., 2021): one image view per sample against its caption, symmetric InfoNCE.
 
-The text tower is the frozen sentence-transformer of the caption stage (all-MiniLM-L6-v2 by default)
-followed by a trainable projection, not a text encoder trained from scratch as in the paper. Its
-frozen output for every sample is the caption stage's ``embeddings.npy`` (row = manifest index),
-so a step reads B rows instead of running the text model.
+The text tower is the caption stage's frozen sentence-transformer (its ``embeddings.npy``, row = manifest
+index) followed by a trainable projection, not a text encoder trained from scratch as in the paper.
 """
 
 from __future__ import annotations
@@ -39,12 +36,8 @@ class ClipConfig(Strict):
 
 
 class CLIP(Method):
-    """Image tower ``projector(encoder(view))`` against text tower ``text_projection(E[index])``.
-
-    ``text_embeddings`` (N, T): the frozen caption embedding of each sample (e.g. a memory map);
-    both towers end in ``projector.out_dim`` dimensions. ``training_step`` returns ``loss`` and the
-    current ``logit_scale``.
-    """
+    """Image tower ``projector(encoder(view))`` against text tower ``text_projection(E[index])``, both to
+    ``projector.out_dim``; ``text_embeddings`` (N, T), e.g. a memory map. Logs ``loss`` and ``logit_scale``."""
 
     def __init__(self, encoder: nn.Module, projector: ProjectionMLP, text_embeddings: np.ndarray,
                  text_projection: nn.Module, temperature: float = 0.07, learn_temperature: bool = True):

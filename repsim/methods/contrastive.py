@@ -20,16 +20,14 @@ class TwoViewMethod(Method):
         self.encoder, self.projector = encoder, projector
 
     def project_views(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(z1, z2), each (B, D), of the batch's first two views, encoded together in one pass (so
-        BatchNorm statistics cover all 2B views)."""
+        """(z1, z2), each (B, D), of the first two views, encoded in one pass (BatchNorm sees all 2B)."""
         first, second = batch["views"][:2]
         z1, z2 = self.projector(self.encoder(torch.cat([first, second]))).chunk(2)
         return z1, z2
 
 
 def backbone_and_projection(model: ModelConfig, in_channels: int, image_size: int) -> tuple[nn.Module, ProjectionMLP]:
-    """The configured backbone (a ResNet or a ViT) for ``in_channels``-channel images of ``image_size``
-    pixels and its projection head."""
+    """The configured backbone (ResNet or ViT) for the images' channels and size, and its projection head."""
     encoder = backbone(model.backbone, in_channels, image_size, model.small_images, model.patch_size, model.depth,
                        model.init_encoder)
     projector = ProjectionMLP(encoder.feature_dim, model.projection_hidden_dim, model.projection_dim,

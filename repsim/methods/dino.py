@@ -1,11 +1,8 @@
 """The DINO-style baseline (Caron et al., 2021) to SOP: learnable prototypes instead of SOPs.
 
-The same ViT, multi-crop views, projection head and EMA teacher as SOP
-(:class:`~repsim.methods.self_distillation.SelfDistillation`); the unit projection goes through a
-weight-normalised layer of K prototypes, and :class:`~repsim.losses.dino.DINOLoss` matches the
-student's prototype distributions to the centred, sharpened teacher's of the other views. A FIFO
-memory of the teacher's projections serves the collapse diagnostics only. With a patch loss and
-masking, the same class is the iBOT-style baseline of :mod:`repsim.methods.ibot`.
+SOP's ViT, views, head and EMA teacher (:mod:`repsim.methods.self_distillation`), the unit projection
+through K weight-normalised prototypes and :class:`~repsim.losses.dino.DINOLoss`. With a patch loss and
+masking it is the iBOT-style baseline (:mod:`repsim.methods.ibot`).
 """
 
 from __future__ import annotations
@@ -30,13 +27,9 @@ DIAGNOSTIC_MEMORY = 4096
 
 
 class DinoConfig(SelfDistillationSettings):
-    """The DINO-style baseline: ``num_prototypes`` learnable prototypes (a weight-normalised last
-    layer), the teacher centred by an EMA of momentum ``center_momentum`` and sharpened.
-
-    DINO's stabilisers, scaled to the run: the prototypes stay frozen for the first
-    ``freeze_prototypes`` share of the steps (DINO's ``freeze_last_layer``, 1 epoch of 100), and the
-    teacher temperature warms up linearly from ``teacher_temperature`` to ``final_teacher_temperature``
-    over the first ``teacher_warmup`` share (0.04 to 0.07 over 30 epochs of 100)."""
+    """The DINO-style baseline: ``num_prototypes`` prototypes, the teacher centred with ``center_momentum``;
+    the prototypes frozen for the first ``freeze_prototypes`` share of the steps, the teacher temperature
+    warmed up to ``final_teacher_temperature`` over the first ``teacher_warmup`` share."""
 
     name: Literal["dino"]
     num_prototypes: int = Field(4096, gt=1)
@@ -60,17 +53,11 @@ class Prototypes(nn.Module):
 
 
 class Dino(SelfDistillation):
-    """DINO on a ViT. ``head`` ends with the unit projection; ``prototypes`` (and the teacher's EMA
-    copy) map it to K logits. ``training_step`` returns ``loss`` and ``prototype_entropy`` (the
-    normalised entropy of the teacher's mean prototype distribution).
-
-    With ``patch_loss`` (iBOT), ``masking`` block-masks the student's global views and the loss adds
-    ``patch_weight`` × the patch loss of the masked patches through the same head and prototypes;
-    ``training_step`` then also returns ``cls_loss`` and ``patch_loss``.
-
-    ``warmup``: each loss's teacher temperature moves linearly from its initial value to its
-    ``final_temperatures`` entry ([CLS], then patches) over that share of the steps; ``frozen``: the
-    prototypes take no update in that first share of the steps.
+    """DINO: ``head`` to the unit projection, then ``prototypes`` to K logits. Logs ``loss`` and
+    ``prototype_entropy``; with ``patch_loss`` and ``masking`` (iBOT) the loss adds ``patch_weight`` × the
+    masked patches' loss, logged with ``cls_loss``. ``warmup``: share of the steps over which each teacher
+    temperature reaches its ``final_temperatures`` entry ([CLS], patches); ``frozen``: share with no
+    prototype update.
     """
 
     entropy_metric = "prototype_entropy"
@@ -129,8 +116,7 @@ class Dino(SelfDistillation):
 
 @register("dino", settings=DinoConfig)
 def build(config: Config, data: TrainingData, **patch_options: object) -> Dino:
-    """DINO from ``config``; ``patch_options`` (patch_loss, patch_weight, masking and both losses'
-    final_temperatures) make it iBOT."""
+    """DINO; ``patch_options`` (patch_loss, patch_weight, masking, final_temperatures) make it iBOT."""
     method = config.method
     patch_options.setdefault("final_temperatures", (method.final_teacher_temperature,))
     encoder = token_backbone(config, data, patches=patch_options.get("patch_loss") is not None)

@@ -1,7 +1,5 @@
-"""The iBOT-style baseline to SOP (Zhou et al., 2022): DINO's [CLS] loss over learnable prototypes
-plus iBOT's masked-patch loss (:class:`~repsim.losses.ibot.IBOTPatchLoss`) through the same head and
-prototypes, the student's global views block-masked as SOP's are. The ViT, views, head and EMA
-teacher are those of :mod:`repsim.methods.self_distillation` and :mod:`repsim.methods.dino`.
+"""The iBOT-style baseline to SOP (Zhou et al., 2022): DINO plus iBOT's masked-patch loss
+(:class:`~repsim.losses.ibot.IBOTPatchLoss`) through the same head and prototypes.
 """
 
 from __future__ import annotations
@@ -19,9 +17,7 @@ from repsim.methods.self_distillation import MaskedPatchesSettings
 
 
 class IBOTConfig(dino.DinoConfig, MaskedPatchesSettings):
-    """The iBOT-style baseline: DINO plus a masked-patch loss of weight ``patch_weight`` over the same
-    prototypes, its teacher centred apart from the [CLS] one and its temperature warmed up as the
-    [CLS] one, from ``teacher_temperature`` to ``patch_teacher_temperature``."""
+    """DINO plus a masked-patch loss of weight ``patch_weight``, warmed up to ``patch_teacher_temperature``."""
 
     name: Literal["ibot"]  # type: ignore[assignment]
     patch_weight: float = Field(1.0, gt=0)

@@ -1,14 +1,7 @@
-"""What the self-distillation methods share (SOP, and the DINO- and iBOT-style baselines): a student
-ViT with a projection head and its EMA teacher on multi-crop views, block masking of the student's
-global views, and a FIFO :class:`Memory` of teacher embeddings. Without a patch loss the backbone may
-be a ResNet too: its pooled features stand for the [CLS] token, and it has no patch tokens.
-
-Each epoch, :meth:`SelfDistillation.epoch_metrics` reports the effective rank and per-dimension std
-of the memory of teacher embeddings and, averaged over the epoch's steps, the normalised entropy of
-the teacher's mean assignment (collapse onto few prototypes: → 0) and the mean normalised entropy
-of its per-sample targets (``target_entropy``; targets too flat to learn from: → 1). ``encoder`` is
-the student's backbone: what the evaluate stage scores; the kNN monitor scores the teacher's backbone
-too (``teacher_knn_top1_k{k}``).
+"""What SOP and the DINO- and iBOT-style baselines share: a student ViT (or, without a patch loss, a
+ResNet, its pooled features as [CLS]) with a projection head and its EMA teacher on multi-crop views,
+block masking of the student's global views, a FIFO :class:`Memory` of teacher embeddings, and
+collapse diagnostics each epoch. ``encoder`` is the student's backbone, what the evaluate stage scores.
 """
 
 from __future__ import annotations
@@ -35,11 +28,8 @@ from repsim.models import VITS, MaskableViT, backbone
 
 
 class SelfDistillationSettings(Strict):
-    """A student and its EMA teacher (momentum cosine from ``teacher_momentum`` to 1) on multi-crop
-    views. With ``teacher_horizon`` h, the base momentum is instead 1 − 1/(h·steps): the EMA averages
-    over that share of the run, as 0.996 averages over 0.2 % of the papers' 125k steps.
-    ``head_batchnorm``: BatchNorm in the projection head (:func:`projection_head`; an option, off in
-    the papers' ViT runs)."""
+    """A student and its EMA teacher, momentum cosine from ``teacher_momentum`` (or 1 − 1/(h·steps) with
+    ``teacher_horizon`` h) to 1; ``head_batchnorm``: BatchNorm in the projection head."""
 
     student_temperature: float = Field(0.1, gt=0)
     teacher_temperature: float = Field(0.04, gt=0)
@@ -49,9 +39,8 @@ class SelfDistillationSettings(Strict):
 
 
 class MaskedPatchesSettings(Strict):
-    """Block masking of the student's global views for a masked-patch loss: ``mask_ratio`` is the
-    range of each masked view's ratio, ``mask_share`` the share of global views masked; the teacher's
-    patch distributions are sharpened with ``patch_teacher_temperature``."""
+    """Block masking for a masked-patch loss: ``mask_ratio``, the range of a masked view's ratio;
+    ``mask_share``, the share of global views masked; ``patch_teacher_temperature``."""
 
     patch_teacher_temperature: float = Field(0.07, gt=0)
     mask_ratio: tuple[float, float] = (0.1, 0.5)
@@ -59,11 +48,9 @@ class MaskedPatchesSettings(Strict):
 
 
 class Memory(nn.Module):
-    """A FIFO queue of ``size`` embeddings (D = ``dim``): each enqueue overwrites the oldest entries.
-
-    Buffers (checkpointed with the model): ``entries`` (size, D), ``ids`` (size,) the running number
-    of the embedding each slot holds (-1 while empty) and ``count``, the number ever enqueued. Until
-    the queue is full, the ``filled`` entries are the first slots.
+    """A FIFO queue of ``size`` embeddings (D = ``dim``). Buffers: ``entries`` (size, D), ``ids`` (size,), the
+    running number of each slot's embedding (-1 while empty), and ``count``, the number ever enqueued;
+    until full, the ``filled`` entries are the first slots.
     """
 
     def __init__(self, size: int, dim: int):
@@ -86,8 +73,7 @@ class Memory(nn.Module):
 
     @torch.no_grad()
     def fill_random(self) -> None:
-        """Every slot a random unit vector, counted as filled (ids -2, -3, ...: no real embedding's),
-        so that the queue is full from the first step and real embeddings replace these oldest first."""
+        """Fill every slot with a random unit vector (ids -2, -3, ...), replaced oldest first."""
         self.entries.copy_(F.normalize(torch.randn_like(self.entries), dim=1))
         self.ids.copy_(-2 - torch.arange(self.size, device=self.ids.device))
         self.count.fill_(self.size)
@@ -117,9 +103,8 @@ class Normalize(nn.Module):
 
 
 def projection_head(in_dim: int, model: ModelConfig, batchnorm: bool = False) -> nn.Sequential:
-    """DINO's head: ``projection_layers`` linear maps with GELU between them, to ``projection_dim``,
-    then L2 normalisation. No BatchNorm by default, so each token is projected on its own; with
-    ``batchnorm`` (DINO's ``use_bn_in_head``) a BatchNorm after each hidden linear map."""
+    """DINO's head: ``projection_layers`` linear maps with GELU between them (and with ``batchnorm`` a
+    BatchNorm after each hidden one), to ``projection_dim``, then L2 normalisation."""
     widths = [in_dim] + [model.projection_hidden_dim] * (model.projection_layers - 1) + [model.projection_dim]
     layers: list[nn.Module] = []
     for width_in, width_out in zip(widths[:-2], widths[1:-1]):
@@ -128,14 +113,9 @@ def projection_head(in_dim: int, model: ModelConfig, batchnorm: bool = False) ->
 
 
 class SelfDistillation(Method):
-    """A student (``encoder`` and ``head``), its EMA teacher (``teacher_encoder``, ``teacher_head``,
-    without gradients, of base ``momentum``, or one averaging over the ``horizon`` share of the run)
-    and block masking of the student's global views (None: no masking).
-
-    ``embeddings`` is a memory of teacher embeddings whose effective rank and per-dimension std
-    :meth:`epoch_metrics` reports, with the epoch's means of the entropies of the teacher's targets
-    passed to :meth:`record_targets`: of their mean (named ``entropy_metric``) and per sample
-    (``target_entropy``).
+    """A student (``encoder``, ``head``), its EMA teacher (``teacher_encoder``, ``teacher_head``) of base
+    ``momentum`` (or averaging over the ``horizon`` share of the run) and ``masking`` (None: none).
+    :meth:`epoch_metrics` reads the memory ``embeddings`` and the targets passed to :meth:`record_targets`.
     """
 
     entropy_metric = "assignment_entropy"
@@ -177,8 +157,8 @@ class SelfDistillation(Method):
 
     def student_tokens(self, batch: Batch, globals_: torch.Tensor,
                        mask: torch.Tensor | None) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """The student's [CLS] tokens, one (B, D) per view (global views masked by ``mask``), and the
-        patch tokens (2B, P, D) of the global views; views of one size go through in one pass."""
+        """The student's [CLS] tokens, one (B, D) per view (global views masked by ``mask``), and the global
+        views' patch tokens (2B, P, D)."""
         cls, patches = tokens(self.encoder, globals_, mask)
         local = batch["views"][2:]
         if local:
@@ -194,8 +174,7 @@ class SelfDistillation(Method):
 
     @torch.no_grad()
     def record_targets(self, targets: torch.Tensor) -> torch.Tensor:
-        """Add the teacher's targets (B, K) of a step to the epoch's entropies; their mean's normalised
-        entropy (the step's ``entropy_metric``)."""
+        """Add a step's teacher targets (B, K) to the epoch's entropies; returns their mean's normalised entropy."""
         entropies = torch.stack([mean_assignment_entropy(targets), mean_sample_entropy(targets)])
         self.entropy_sums += entropies.double()
         self.entropy_steps += 1
@@ -206,8 +185,8 @@ class SelfDistillation(Method):
         return {"": self.encoder, "teacher_": self.teacher_encoder}
 
     def epoch_metrics(self) -> dict[str, float]:
-        """``effective_rank``, ``embedding_std`` and ``mean_cosine`` of the teacher embeddings in memory,
-        and the means of the epoch's steps of ``entropy_metric`` and ``target_entropy`` (then reset)."""
+        """``effective_rank``, ``embedding_std`` and ``mean_cosine`` of the memory, and the epoch's means of
+        ``entropy_metric`` (→ 0: collapse) and ``target_entropy`` (→ 1: flat targets), then reset."""
         metrics = {}
         entries, _ = self.embeddings.contents()
         if len(entries) >= 2:
@@ -224,16 +203,15 @@ class SelfDistillation(Method):
 
 def tokens(encoder: nn.Module, images: torch.Tensor,
            mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """An encoder's [CLS] (N, D) and patch tokens (N, P, D) of images (N, C, H, W), masked by ``mask``;
-    a backbone without tokens (a ResNet) gives its pooled features (N, D) and None."""
+    """An encoder's [CLS] (N, D) and patch tokens (N, P, D) of images (N, C, H, W), masked by ``mask``; a
+    ResNet gives its pooled features and None."""
     if isinstance(encoder, MaskableViT):
         return encoder.forward_tokens(images, mask)
     return encoder(images), None
 
 
 def token_backbone(config: Config, data: TrainingData, patches: bool) -> nn.Module:
-    """The configured backbone for the data's channels and view size: a ViT, or with no ``patches``
-    needed a ResNet too; SpecError for a ResNet where a patch loss needs a ViT's patch tokens."""
+    """The configured backbone; SpecError for a ResNet where ``patches`` (a patch loss) need a ViT."""
     model = config.model
     if patches and model.backbone not in VITS:
         raise SpecError(f"method {config.method.name!r} with a patch loss needs a ViT, but model.backbone is "

@@ -1,26 +1,11 @@
 """SOP (Silva et al., 2025): self-distillation towards self-organizing visual prototypes.
 
-A student ViT with a projection head to a 256-d unit sphere, and its EMA teacher, see multi-crop
-views: the teacher the two global views, the student every view, its global views partly masked.
-Two FIFO memories keep the teacher's [CLS] and patch embeddings. Each step, K anchors drawn from a
-memory and their k nearest entries form the SOPs (:mod:`repsim.losses.sop`); the [CLS] loss matches
-the student's distribution over [CLS] SOPs to the teacher's of the other views, the MIM loss the
-student's masked patch tokens to the teacher's tokens at the same positions over patch SOPs. The
-teacher's outputs then enter the memories (gathered from every rank under DDP, so every rank keeps
-the same memories). Anchors are drawn anew every step with torch's global RNG, as are the masks,
-and the memories are buffers, so checkpoints resume exactly.
-
-With ``mim_weight`` 0 the backbone may be a ResNet, its pooled features in the [CLS] token's place.
-
-The student and teacher machinery (:class:`~repsim.methods.self_distillation.SelfDistillation`,
-with its collapse diagnostics each epoch) is shared with the DINO- and iBOT-style baselines.
-
-The patch memory takes ``patches_per_view`` random teacher patch embeddings of each global view
-per step (all of them would refill it with a few images each step).
-
-Nearest supports are found exactly, from scratch each step since the memory changes every step: on
-a GPU by one matrix product and ``topk`` on the device, on the CPU by a FAISS flat inner-product
-index, 1.3-2.2x faster there (:func:`~repsim.losses.sop.nearest_supports`, ``benchmarks/sop_cost.py``).
+The student and EMA teacher of :mod:`repsim.methods.self_distillation`; two FIFO memories keep the
+teacher's [CLS] and (``patches_per_view`` per global view) patch embeddings, gathered from every rank.
+Each step, K anchors drawn from a memory and their k nearest entries form the SOPs
+(:mod:`repsim.losses.sop`); the [CLS] loss matches student and teacher distributions over [CLS] SOPs
+across views, the MIM loss the masked patch tokens over patch SOPs. Anchors and masks come from
+torch's global RNG and the memories are buffers, so checkpoints resume exactly.
 """
 
 from __future__ import annotations
@@ -42,26 +27,9 @@ from repsim.methods.train import Batch
 
 
 class SOPConfig(SelfDistillationSettings, MaskedPatchesSettings):
-    """SOP: distributions over self-organizing prototypes drawn from memories of teacher outputs.
-
-    Each step ``num_anchors`` anchors (at most the filled entries) with ``support_size`` nearest
-    neighbors each; ``one_hot`` labels instead of the soft ones; ``fixed_anchors``: draw the anchors
-    once, when the memory is full, and keep them (an ablation), and with ``fixed_supports`` their
-    supports of that draw too (the SOPs fixed after the initial selection, as the paper words the
-    ablation); ``shared_supports: false``: a memory entry supports one SOP at most (the non-shared
-    ablation). ``cls_weight`` λ1 and ``mim_weight``
-    λ2 (0: no masking, no MIM) weight the [CLS] and the masked-patch losses; ``koleo_weight`` > 0
-    adds that times the KoLeo loss of the student's global [CLS] embeddings (an option, not the paper's
-    SOP). ``patches_per_view`` teacher patch tokens of each global view enter the patch memory per step.
-
-    Options that keep the paper's ratios, or the authors' code, at small scale (defaults: off):
-    ``anchor_share``: the [CLS] anchors as that share of the [CLS] memory (the paper's 4096 of 65536,
-    1/16) instead of ``num_anchors``; ``supports_from_anchors: false``: supports only among entries
-    that are no anchor; ``patch_support_size``: the patch SOPs' supports (0: anchors alone); ``enqueue:
-    second``: only the second global view's teacher embeddings enter the memories; ``memory_init:
-    random``: the memories start full of random unit vectors; ``anchor_draws``: independent anchor
-    draws per step, the [CLS] loss averaged over them. ``preset: authors`` sets all of these and the
-    teacher's horizon as :data:`AUTHORS` does, where the config does not set them itself.
+    """SOP's settings (each option and ablation is described in docs/methods.md). ``cls_weight`` λ1 and
+    ``mim_weight`` λ2 (0: no masking, no MIM) weight the [CLS] and masked-patch losses; ``preset: authors``
+    sets :data:`AUTHORS` wherever the config does not set them itself.
     """
 
     name: Literal["sop"]
@@ -110,17 +78,10 @@ SOP_DRAWING = ("epsilon", "one_hot", "fixed_anchors", "shared_supports", "fixed_
 
 
 class SOPBank(nn.Module):
-    """A :class:`~repsim.methods.self_distillation.Memory` and the SOPs drawn from it: ``sops()`` each
-    step, ``memory.enqueue`` after.
-
-    ``num_anchors`` anchors (at most the filled entries) with ``support_size`` supports each; no SOPs
-    until the memory holds more than ``support_size`` entries (two, for SOPs of anchors alone:
-    ``support_size`` 0). With ``fixed_anchors`` the anchors are drawn once the memory is full and
-    then kept (their embeddings, in buffers), and with ``fixed_supports`` their supports of that draw
-    too; without ``shared_supports`` an entry supports one SOP at most
-    (:func:`~repsim.losses.sop.draw_supports`); without ``supports_from_anchors`` the supports are
-    drawn among the entries that are no anchor (none while every entry is one). ``random_start``: the
-    memory starts full of random unit vectors (:meth:`Memory.fill_random`).
+    """A :class:`~repsim.methods.self_distillation.Memory` and the SOPs drawn from it: ``sops()`` each step,
+    ``memory.enqueue`` after. ``num_anchors`` anchors with ``support_size`` supports each, none until the
+    memory holds more than ``max(support_size, 1)`` entries; ``fixed_anchors`` (and ``fixed_supports``)
+    keep the first full-memory draw in buffers; ``random_start``: :meth:`Memory.fill_random`.
     """
 
     def __init__(self, size: int, dim: int, num_anchors: int = 4096, support_size: int = 8, epsilon: float = 0.1,
@@ -143,8 +104,7 @@ class SOPBank(nn.Module):
         self.register_buffer("support_kept", torch.zeros(drawn, dtype=torch.bool))
 
     def sops(self) -> SOPs | None:
-        filled = self.memory.filled
-        if filled <= max(self.support_size, 1):
+        if self.memory.filled <= max(self.support_size, 1):
             return None
         entries, ids = self.memory.contents()
         kept = self.fixed_anchors and bool(self.anchors_drawn)
@@ -183,12 +143,9 @@ class SOPBank(nn.Module):
 
 
 class SOP(SelfDistillation):
-    """SOP on a ViT (see the module docstring). ``training_step`` returns ``loss`` = λ1·``cls_loss``
-    + λ2·``mim_loss`` + ``koleo_weight``·``koleo`` (the KoLeo loss of the student's two global [CLS]
-    embeddings, their mean; 0 unless set), ``sop_entropy`` (of the teacher's [CLS] embeddings over
-    [CLS] SOPs) and the number of [CLS] SOPs, ``sops``. ``anchor_draws``: the [CLS] loss is the mean
-    over that many independent draws of SOPs; ``enqueue_second_only``: only the second global view's
-    teacher embeddings enter the memories."""
+    """SOP. Logs ``loss`` = λ1·``cls_loss`` + λ2·``mim_loss`` + ``koleo_weight``·``koleo`` (of the student's
+    global [CLS] embeddings), ``sop_entropy`` and the number of [CLS] SOPs, ``sops``; the [CLS] loss is the
+    mean over ``anchor_draws`` draws."""
 
     entropy_metric = "sop_entropy"
 
@@ -250,8 +207,7 @@ class SOP(SelfDistillation):
 
 
 def project_masked(head: nn.Module, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``head`` of the masked tokens of (V, P, D) at their positions, zeros elsewhere: (V, P, D').
-    The head sees only the masked tokens (a small share), which is all the MIM loss reads."""
+    """``head`` of the masked tokens of (V, P, D) at their positions (it sees only those), zeros elsewhere: (V, P, D')."""
     projected = head(tokens[mask])
     return projected.new_zeros(*mask.shape, projected.shape[-1]).index_put((mask,), projected)
 

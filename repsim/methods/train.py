@@ -1,19 +1,10 @@
 """The shared Trainer: any :class:`~repsim.methods.base.Method` on a shard loader, with AdamW or LARS, warm-up + cosine,
 mixed precision, checkpoints with exact resume, an online kNN monitor and DDP.
 
-A method is an ``nn.Module`` whose ``training_step(batch)`` returns ``{"loss": scalar, **scalars}``
-and whose ``encoder`` maps a view batch (B, C, H, W) to features (B, F). The Trainer calls the
-method (``forward`` is ``training_step``), so DistributedDataParallel sees every step.
-
-Exact resume. A checkpoint holds the model, the optimizer, the step, the epoch, the number of
-batches of that epoch already consumed and the RNG states (python, numpy, torch, CUDA). The loader
-replays an epoch identically for the same seed and epoch, so on resume the Trainer skips the
-consumed batches and continues: an interrupted and resumed run takes the same steps, with the same
-losses, as an uninterrupted one. The learning rate is a function of the step alone.
-
-DDP. Under torchrun, :func:`init_distributed` joins the process group (NCCL on GPUs, gloo on CPUs),
-the Trainer wraps the method in DistributedDataParallel and only rank 0 writes checkpoints, calls
-``log``, shows progress and runs the kNN monitor (the other ranks wait for it).
+Exact resume: a checkpoint holds the model, optimizer, step, epoch, batches consumed in it and the RNG
+states; the loader replays an epoch identically, so a resumed run skips the consumed batches and takes
+the same steps as an uninterrupted one. Under DDP only rank 0 writes checkpoints, logs and runs the
+kNN monitor.
 """
 
 from __future__ import annotations
@@ -38,7 +29,7 @@ from tqdm.auto import tqdm
 
 from repsim import stopping
 from repsim.data.loader import Batch, ShardLoader
-from repsim.device import distributed, resolve_device
+from repsim.device import distributed, rank_and_world, resolve_device
 from repsim.errors import RepsimError, first_line
 from repsim.eval.knn import knn_accuracy
 from repsim.methods.base import Method
@@ -59,10 +50,9 @@ class TrainingError(RepsimError):
 class LARS(torch.optim.Optimizer):
     """SGD with momentum and layer-wise adaptive rate scaling (You et al., 2017), as in SimCLR/BYOL.
 
-    Per parameter tensor p with gradient g: ``u = g + weight_decay · p``, scaled by
-    ``trust_coefficient · ‖p‖ / ‖u‖`` (1 when either norm is 0); ``m ← momentum · m + u``;
-    ``p ← p − lr · m``. Groups with ``lars_exclude=True`` (biases, normalisation weights) skip both
-    the weight decay and the scaling.
+    Per tensor p with gradient g: ``u = g + weight_decay · p`` scaled by ``trust_coefficient · ‖p‖ / ‖u‖``
+    (1 when either norm is 0); ``m ← momentum · m + u``; ``p ← p − lr · m``. Groups with
+    ``lars_exclude=True`` (biases, normalisation weights) skip the decay and the scaling.
     """
 
     def __init__(self, params: Iterable, lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
@@ -98,8 +88,7 @@ class LARS(torch.optim.Optimizer):
 
 
 def parameter_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Trainable parameters in two groups: weights (decayed, LARS-adapted) and biases/normalisation
-    parameters, i.e. every tensor of at most one dimension (no decay, no adaptation)."""
+    """Trainable parameters in two groups: weights (decayed, LARS-adapted) and 0-/1-d tensors (neither)."""
     trainable = [param for param in module.parameters() if param.requires_grad]
     groups = [{"params": [p for p in trainable if p.ndim > 1], "weight_decay": weight_decay, "lars_exclude": False},
               {"params": [p for p in trainable if p.ndim <= 1], "weight_decay": 0.0, "lars_exclude": True}]
@@ -127,18 +116,14 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
 # Devices, precision, distribution
 
 def init_distributed(backend: str | None = None) -> tuple[int, int]:
-    """Join the process group torchrun describes in the environment (``WORLD_SIZE`` > 1). The
-    ``backend`` defaults to NCCL, one GPU per local rank, when CUDA is present, else gloo.
-    Returns (rank, world size); (0, 1) for a single process."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return 0, 1
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend)
-    return dist.get_rank(), dist.get_world_size()
+    """Join the process group torchrun describes (``WORLD_SIZE`` > 1; ``backend`` NCCL, one GPU per local
+    rank, when CUDA is present, else gloo). Returns (rank, world size); (0, 1) for a single process."""
+    if not (dist.is_available() and dist.is_initialized()) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+    return rank_and_world()
 
 
 def is_main_process() -> bool:
@@ -154,9 +139,8 @@ def _indexed(device: torch.device) -> torch.device:
 
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     """bfloat16 for ``bf16``, and for ``auto`` on a GPU that supports it; None (float32) otherwise."""
-    if precision == "bf16" or (precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()):
-        return torch.bfloat16
-    return None
+    bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
+    return torch.bfloat16 if bf16 else None
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
@@ -187,7 +171,7 @@ def to_device(batch: Batch, device: torch.device, channels_last: bool = False) -
 
 @torch.no_grad()
 def embed_batches(encoder: nn.Module, loader: Iterable[Batch], device: torch.device,
-                     dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(features (N, F) float32 on the CPU, labels (N,)) of the first view of every batch, in eval mode."""
     was_training = encoder.training
     encoder.eval()
@@ -204,11 +188,8 @@ def embed_batches(encoder: nn.Module, loader: Iterable[Batch], device: torch.dev
 
 @dataclass
 class KnnMonitor:
-    """Weighted kNN accuracy of the encoder's features: ``train`` samples vote for ``test`` samples.
-
-    Both loaders should use the eval preset without shuffling. Returns ``knn_top1_k{k}`` and
-    ``knn_top5_k{k}`` (see :func:`repsim.eval.knn.knn_accuracy`).
-    """
+    """Weighted kNN accuracy (``knn_top1_k{k}``, ``knn_top5_k{k}``) of ``test`` samples voted by ``train``
+    samples; both loaders use the eval preset without shuffling."""
 
     train: Iterable[Batch]
     test: Iterable[Batch]
@@ -217,8 +198,7 @@ class KnnMonitor:
     def __call__(self, encoder: nn.Module, device: torch.device, dtype: torch.dtype | None = None) -> dict[str, float]:
         train_x, train_y = embed_batches(encoder, self.train, device, dtype)
         test_x, test_y = embed_batches(encoder, self.test, device, dtype)
-        k = min(self.k, len(train_x))
-        return knn_accuracy(train_x, train_y, test_x, test_y, k=k, device=device)
+        return knn_accuracy(train_x, train_y, test_x, test_y, k=min(self.k, len(train_x)), device=device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,8 +233,8 @@ def set_rng_states(states: dict[str, Any]) -> None:
 
 
 def save_atomically(payload: dict[str, Any], path: Path) -> None:
-    """``torch.save`` to a temporary file beside ``path``, flushed to disk, then renamed over it: a crash
-    never leaves half a file under ``path``. The file it replaces is kept as :func:`previous_of` ``path``."""
+    """``torch.save`` to a temporary file, flushed to disk, then renamed over ``path`` (the file it replaces
+    kept as :func:`previous_of` ``path``): a crash never leaves half a file there."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.partial")
     try:
@@ -281,9 +261,8 @@ def previous_of(path: Path) -> Path:
 
 
 def read_checkpoint(path: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """(the trainer checkpoint at ``path``, None), or (None, why) when it does not load (truncated,
-    empty, not a torch file, or without a trainer's fields); such a file is moved aside to
-    ``<name>.unreadable``, so that it is neither read again nor taken for a good one."""
+    """(the trainer checkpoint at ``path``, None), or (None, why) when it does not load or lacks a trainer's
+    fields; such a file is moved aside to ``<name>.unreadable``."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
         missing = CHECKPOINT_FIELDS - state.keys() if isinstance(state, dict) else CHECKPOINT_FIELDS
@@ -302,8 +281,7 @@ def read_checkpoint(path: Path) -> tuple[dict[str, Any] | None, str | None]:
 
 @dataclass
 class TrainResult:
-    """What :meth:`Trainer.fit` ends with: the final progress, the last step's scalars and the last
-    kNN accuracies (empty when this call ran no step or no monitor)."""
+    """The final progress, the last step's scalars and the last kNN accuracies (empty if none ran)."""
 
     progress: Progress
     last_step: dict[str, float] = field(default_factory=dict)
@@ -313,9 +291,9 @@ class TrainResult:
 class Trainer:
     """Train ``method`` on ``loader`` for ``settings.epochs`` epochs, or ``settings.max_steps`` steps if fewer.
 
-    ``checkpoint_path``: where checkpoints are written every ``settings.checkpoint_every`` steps and
-    at the end, and resumed from when it exists. ``log(metrics, step)`` receives per-step ``loss``,
-    ``lr`` and the method's scalars, and per-epoch ``epoch`` and kNN accuracies (rank 0 only).
+    Checkpoints go to ``checkpoint_path`` every ``settings.checkpoint_every`` steps and at the end, and
+    are resumed from. ``log(metrics, step)`` (rank 0) gets per-step ``loss``, ``lr`` and the method's
+    scalars, and per-epoch ``epoch`` and kNN accuracies.
     """
 
     def __init__(self, method: Method, settings: OptimConfig, loader: ShardLoader, *,
@@ -325,33 +303,22 @@ class Trainer:
         self.checkpoint_path, self.log, self.show_progress = checkpoint_path, log, progress
         self.device = _indexed(resolve_device(device))
         self.dtype = autocast_dtype(settings.precision, self.device)
-        self.method = self._prepare(method)
-        self.model = self._wrap(self.method)
+        self.method = method.to(self.device)
+        if settings.channels_last:
+            self.method = self.method.to(memory_format=torch.channels_last)
+        if settings.compile:
+            self.method.encoder.compile()
+        self.model = self.method
+        if distributed():
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            self.model = DistributedDataParallel(self.method, device_ids=device_ids)
         self.optimizer = make_optimizer(self.method, settings)
-        self.steps_per_epoch = self._steps_per_epoch()
+        self.steps_per_epoch = len(loader)
+        if self.steps_per_epoch == 0:
+            raise TrainingError(f"the training split gives no full batch of {loader.batch_size} per rank",
+                                "lower optim.batch_size or train on more samples")
         self.total_steps = min(settings.epochs * self.steps_per_epoch, settings.max_steps or math.inf)
         self.warmup_steps = round(settings.warmup_epochs * self.steps_per_epoch)
-
-    def _prepare(self, method: Method) -> Method:
-        method = method.to(self.device)
-        if self.settings.channels_last:
-            method = method.to(memory_format=torch.channels_last)
-        if self.settings.compile:
-            method.encoder.compile()
-        return method
-
-    def _wrap(self, method: Method) -> nn.Module:
-        if not distributed():
-            return method
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(method, device_ids=device_ids)
-
-    def _steps_per_epoch(self) -> int:
-        steps = len(self.loader)
-        if steps == 0:
-            raise TrainingError(f"the training split gives no full batch of {self.loader.batch_size} per rank",
-                                "lower optim.batch_size or train on more samples")
-        return steps
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -409,8 +376,7 @@ class Trainer:
         return metrics
 
     def _end_epoch(self, progress: Progress) -> dict[str, float]:
-        """Run the kNN monitor and the method's epoch metrics (rank 0; the others wait) and log the
-        finished epoch."""
+        """Log the finished epoch with the kNN monitor and the method's epoch metrics (rank 0; the others wait)."""
         knn, extra = {}, {}
         if is_main_process():
             if self.monitor is not None:
@@ -449,20 +415,20 @@ class Trainer:
                          "steps_per_epoch": self.steps_per_epoch, "rng": rng_states()}, self.checkpoint_path)
 
     def _resume(self) -> Progress:
-        """Progress from the checkpoint, else from the one it replaced, else from the start; a checkpoint
-        that does not load is set aside (:func:`read_checkpoint`)."""
+        """Progress from the checkpoint, else the one it replaced, else the start (unloadable ones set aside)."""
         if self.checkpoint_path is None:
             return Progress()
-        unreadable = []
+        unreadable, state = [], None
         for path in (self.checkpoint_path, previous_of(self.checkpoint_path)):
             state, why = read_checkpoint(path) if path.is_file() else (None, None)
-            if state is not None:
-                _warn_unreadable(unreadable, f"{path.name} (step {state['step']})")
-                return self._restore(path, state)
             if why is not None:
                 unreadable.append(f"{path} ({why})")
-        _warn_unreadable(unreadable, "the start")
-        return Progress()
+            if state is not None:
+                break
+        if unreadable:
+            log.warning("checkpoint %s does not load and is set aside as .unreadable; training resumes from %s",
+                        "; ".join(unreadable), f"{path.name} (step {state['step']})" if state else "the start")
+        return self._restore(path, state) if state is not None else Progress()
 
     def _restore(self, path: Path, state: dict[str, Any]) -> Progress:
         if state["steps_per_epoch"] != self.steps_per_epoch:
@@ -473,12 +439,6 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         set_rng_states(state["rng"])
         return Progress(state["step"], state["epoch"], state["position"])
-
-
-def _warn_unreadable(unreadable: list[str], resumed_from: str) -> None:
-    if unreadable:
-        log.warning("checkpoint %s does not load and is set aside as .unreadable; training resumes from %s",
-                    "; ".join(unreadable), resumed_from)
 
 
 def _mean_over_ranks(values: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -1,27 +1,11 @@
-"""The train stage: one experiment config trained into a cached output directory.
+"""The train stage: one experiment config trained into a cached output directory holding ``encoder.pt``
+(:func:`load_encoder` rebuilds it), the final ``checkpoint.pt``, ``metrics.jsonl`` (one JSON object per
+step and per epoch) and the method's figures, if any.
 
-Output (``$REPSIM_HOME/artifacts/train/<key>/`` unless given), besides ``stage.json``:
-
-- ``encoder.pt``: the encoder's weights and recipe (:func:`load_encoder` rebuilds it);
-- ``checkpoint.pt``: the final training checkpoint (method, optimizer, progress, RNG states);
-- ``metrics.jsonl``: one JSON object per line, ``{"step", "loss", "lr", ...}`` per step and
-  ``{"step", "epoch", "knn_top1_k{k}", ...}`` per epoch (self-distillation also
-  ``teacher_knn_top1_k{k}``, its teacher's).
-- the method's figures of training, if it registers ``write_figures`` (X-CLR:
-  ``target_similarity.png``, the histogram of the first batches' target similarities).
-
-``stage.json`` metrics: ``loss`` (mean over the last epoch), ``final_loss`` (last step), ``steps``,
-``epochs`` and the last kNN accuracies (the teacher's too). The key covers the config without the settings that do not
-change what is learned (``optim.num_workers``, ``optim.threads``, ``optim.checkpoint_every``,
-``monitor.batch_size``),
-the shard key (in place of the data spec's path), the key of what the method consumes besides the
-shards (the caption or WordNet stage, or a digest of a user's matrix or graph file) and a digest of
-the encoder that ``model.init_encoder`` starts the backbone from (in place of its path).
-
-Interruption. Checkpoints and metrics are written to ``$REPSIM_HOME/scratch/train/<key>/`` while
-training runs; running the same config again resumes from there, and the folder is removed once
-the stage completes. Under torchrun every rank calls :func:`train`; rank 0 writes, the others train
-alongside and return the same output.
+The key covers the config less the settings that do not change what is learned, with the shard key,
+the upstream key and the digest of ``model.init_encoder`` in place of paths. While training runs,
+checkpoints and metrics go to ``$REPSIM_HOME/scratch/train/<key>/``, which a rerun resumes from. Under
+torchrun every rank calls :func:`train`; rank 0 writes.
 """
 
 from __future__ import annotations
@@ -57,8 +41,7 @@ KEY_NEUTRAL = (("optim", "threads"), ("optim", "checkpoint_every"), ("monitor", 
                ("method", "similarity", "path"), ("model", "init_encoder"))  # paths: their contents are keyed
 MACHINE_CHOSEN = ("optim", "num_workers")  # changes the batches; keyed when set, not when left to the machine
 
-__all__ = ["file_digest", "load_encoder", "prepare", "train", "train_loader",
-           "train_stage_of"]
+__all__ = ["file_digest", "load_encoder", "prepare", "train", "train_loader", "train_stage_of"]
 
 
 def file_digest(path: Path, field: str) -> str:
@@ -72,12 +55,10 @@ def file_digest(path: Path, field: str) -> str:
 # Planning
 
 def train_stage_of(config: Config, shards: ShardResult | str | Path | None = None) -> Stage:
-    """The train stage of ``config`` (and thus its key) without training. ``shards`` defaults to the
-    completed shard output of the config's data spec (StageError if it has not been sharded)."""
+    """The train stage of ``config`` (its key) without training; ``shards`` default to the completed ones."""
     spec = load_spec(config.data.spec)
-    shards = sharded_already(spec, shards)
-    data = training_data(config, spec, shards)
-    return _stage(config, shards, _upstream(config, data))
+    data = training_data(config, spec, sharded_already(spec, shards))
+    return _stage(config, data.shards, _upstream(config, data))
 
 
 def _stage(config: Config, shards: ShardResult, upstream: Upstream | None) -> Stage:
@@ -88,10 +69,9 @@ def _stage(config: Config, shards: ShardResult, upstream: Upstream | None) -> St
 
 
 def _recipe(config: Config) -> dict[str, Any]:
-    """What the train key hashes: the config less its key-neutral settings. The loader deals shards
-    to one shuffle stream per worker, so ``optim.num_workers`` changes the batches and enters the key
-    when it is set; left to the machine (None, :func:`repsim.device.cpu_plan`), the key is the same on
-    every machine, and the count used is recorded in the stage's metrics (``loader_workers``)."""
+    """What the train key hashes: the config less its key-neutral settings. ``optim.num_workers`` changes
+    the batches (one shuffle stream per worker), so it is keyed when set; left to the machine (None), the
+    count used is recorded in the metrics (``loader_workers``)."""
     neutral = KEY_NEUTRAL + ((MACHINE_CHOSEN,) if config.optim.num_workers is None else ())
     return _without(config.model_dump(mode="json"), neutral)
 
@@ -128,12 +108,8 @@ def _upstream(config: Config, data: TrainingData) -> Upstream | None:
 def train(config: Config, out_dir: str | Path | None = None, log: LogFn | None = None,
           shards: ShardResult | str | Path | None = None, device: str | torch.device | None = None,
           progress: bool = True) -> StageOutput:
-    """Train ``config`` into its stage directory, or return the cached output at once.
-
-    Shards the data spec (cached) unless ``shards`` is given, runs the method's upstream stage
-    (cached), then trains on ``device`` (default: this rank's GPU, else the CPU), resuming from an
-    interrupted run of the same config. ``log(metrics, step)`` receives every logged metric (rank 0).
-    """
+    """Train ``config`` into its stage directory (its shards and upstream stage first, all cached) on ``device``
+    (default: this rank's GPU, else the CPU), resuming an interrupted run; ``log(metrics, step)`` on rank 0."""
     init_distributed()
     data, upstream = prepare(config, shards, progress and is_main_process())
     stage = _stage(config, data.shards, upstream)
@@ -148,11 +124,9 @@ def train(config: Config, out_dir: str | Path | None = None, log: LogFn | None =
 
 def prepare(config: Config, shards: ShardResult | str | Path | None = None,
             progress: bool = True) -> tuple[TrainingData, Upstream | None]:
-    """What ``config`` trains on, its upstream stages run (all cached): the spec sharded unless
-    ``shards`` is given, and the method's upstream output in ``TrainingData.upstream``."""
+    """What ``config`` trains on: its shards (unless given) and its upstream output, both run (cached)."""
     spec = load_spec(config.data.spec)
-    shards = sharded(spec, shards, progress)
-    data = training_data(config, spec, shards)
+    data = training_data(config, spec, sharded(spec, shards, progress))
     upstream = _upstream(config, data)
     if upstream is not None and upstream.run is not None:
         data = replace(data, upstream=upstream.run())
@@ -161,9 +135,8 @@ def prepare(config: Config, shards: ShardResult | str | Path | None = None,
 
 def launch_training(config: Config, out_dir: str | Path | None = None, log: LogFn | None = None,
                     launch: TorchrunLaunch | None = None) -> StageOutput:
-    """:func:`train` as the pipeline runs it: on a GPU of its own among trainings that run at once in
-    this process; with a distributed ``launch``, through torchrun, whose ranks all train directly
-    (``repsim train --direct``) and whose curves reach ``log`` from ``metrics.jsonl`` once it ends."""
+    """:func:`train` as the pipeline runs it: on a GPU of its own, or with a distributed ``launch`` through
+    torchrun (``repsim train --direct`` on every rank), its curves reaching ``log`` from ``metrics.jsonl``."""
     if launch is None or not launch.distributed:
         with gpu_slot() as device:
             return train(config, out_dir, log=log, device=device)
@@ -240,8 +213,7 @@ def _builder(config: Config, data: TrainingData, scratch: Path, log: LogFn | Non
 
 
 def train_loader(config: Config, data: TrainingData, device: torch.device, workers: int) -> ShardLoader:
-    """The training split's loader: this rank's share of the global batch, ``workers`` DataLoader
-    workers, the config's augmentation made per sample in the workers or per batch on ``device``."""
+    """The training split's loader: this rank's share of the batch, augmented in the ``workers`` or on ``device``."""
     world_size = dist.get_world_size() if distributed() else 1
     if config.optim.batch_size % world_size:
         raise SpecError(f"optim.batch_size {config.optim.batch_size} does not split evenly over {world_size} ranks",
@@ -280,8 +252,8 @@ def _tee(first: LogFn, second: LogFn | None) -> LogFn:
 
 
 class JsonlMetrics:
-    """Appends ``{"step": step, **metrics}`` lines to ``path``. The first write of a process drops
-    the lines of that step and later ones, left by an interrupted run that is now being resumed."""
+    """Appends ``{"step": step, **metrics}`` lines to ``path``; the first write drops lines of that step and
+    later ones, left by the interrupted run being resumed."""
 
     def __init__(self, path: Path):
         self.path, self._fresh = path, True
@@ -301,8 +273,7 @@ def _read_lines(path: Path) -> list[str]:
 
 
 def summarise(metrics_path: Path, steps_per_epoch: int) -> dict[str, float]:
-    """Stage metrics from ``metrics.jsonl``: mean loss of the last epoch, last loss, steps, epochs
-    and the last kNN accuracies."""
+    """Stage metrics: ``loss`` (mean of the last epoch), ``final_loss``, ``steps``, ``epochs``, last kNN accuracies."""
     records = [json.loads(line) for line in _read_lines(metrics_path)]
     steps = [record for record in records if "loss" in record]
     last = steps[-1]["step"]

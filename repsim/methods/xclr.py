@@ -1,10 +1,7 @@
 """X-CLR (Sobal et al., 2025): contrastive learning towards soft cross-sample similarities.
 
-The similarity of a batch comes from a :class:`~repsim.similarity.targets.SimilaritySource` chosen by
-``method.similarity``: caption embeddings (the caption stage), WordNet class similarities (the WordNet
-stage), labels, the identity (an ablation), a user class matrix or a user sample graph. Under DDP the batch's indices and labels
-are gathered from every rank, so the source answers for the global batch in rank order, as
-:class:`~repsim.losses.XCLRLoss` expects.
+A batch's similarity comes from the :class:`~repsim.similarity.targets.SimilaritySource` that
+``method.similarity`` names, for the global batch (indices and labels gathered from every rank).
 """
 
 from __future__ import annotations
@@ -96,11 +93,9 @@ class XCLRConfig(Strict):
 
 
 class XCLR(TwoViewMethod):
-    """Backbone + projection trained with :class:`XCLRLoss` towards ``source``'s similarities.
-
-    ``training_step`` returns ``loss`` and ``target_similarity``, the mean similarity between
-    different samples of the (global) batch. ``target_samples`` keeps the off-diagonal similarities
-    of the first TARGET_HISTOGRAM_BATCHES batches this instance trained on (on the CPU).
+    """Backbone + projection trained with :class:`XCLRLoss` towards ``source``'s similarities. Logs ``loss``
+    and ``target_similarity`` (mean over pairs i ≠ j); ``target_samples`` keeps the off-diagonal
+    similarities of the first TARGET_HISTOGRAM_BATCHES batches, on the CPU.
     """
 
     def __init__(self, encoder: nn.Module, projector: nn.Module, source: SimilaritySource,
@@ -128,8 +123,7 @@ def _mean_off_diagonal(matrix: torch.Tensor) -> torch.Tensor:
 
 
 def write_figures(method: XCLR, out: Path) -> None:
-    """``target_similarity.png`` in ``out``: the histogram of ``method.target_samples`` (no file when
-    this instance trained no step)."""
+    """``target_similarity.png`` in ``out``: the histogram of ``method.target_samples``, if any."""
     if method.target_samples:
         histogram_plot(torch.cat(method.target_samples), out / TARGET_HISTOGRAM_FILE,
                        title="X-CLR target similarities (first batches)", xlabel="similarity of samples i ≠ j")
@@ -178,13 +172,7 @@ def build(config: Config, data: TrainingData) -> XCLR:
 
 
 # ---------------------------------------------------------------------------------------------
-# What the targets look like
-#
-# For a batch of B samples, X-CLR's target for a view of sample i puts ``target_mass`` [i, j] on
-# each view of sample j (``softmax(s / τ_s)`` over the 2B - 1 other views). Sampling seeded random
-# batches and collecting the mass on the other samples (j ≠ i) shows how sharply a source and τ_s
-# concentrate the targets: identity puts nothing there, labels spread it uniformly over same-class
-# samples, graded sources (WordNet, captions) over a continuum.
+# What the targets look like: how sharply a source and τ_s concentrate X-CLR's target mass on other samples
 
 def sample_targets(source: SimilaritySource, labels: np.ndarray, target_temperature: float = 0.1,
                    batch_size: int = 256, batches: int = 8, seed: int = 0) -> np.ndarray:
@@ -200,8 +188,7 @@ def sample_targets(source: SimilaritySource, labels: np.ndarray, target_temperat
     for _ in range(batches):
         indices = np.sort(rng.choice(count, size, replace=False))
         similarity = source(torch.from_numpy(indices), torch.from_numpy(labels[indices]))
-        mass = target_mass(similarity, target_temperature)
-        values.append(mass[~torch.eye(size, dtype=torch.bool)].float().numpy())
+        values.append(_off_diagonal(target_mass(similarity, target_temperature)).float().numpy())
     return np.concatenate(values)
 
 
