@@ -36,6 +36,7 @@ NAMES = {"pixels": "raw pixels (floor)", "sop": "SOP", "sop-no-mim": "SOP withou
          "sop-memory-random": "SOP, memories started full of random vectors (option)",
          "sop-anchor-draws": "SOP, two anchor draws a step (option)",
          "sop-authors": "SOP, every option above (preset: authors)",
+         "sop-authors-ema": "SOP, every option above but the horizon (teacher momentum 0.99)",
          "dino": "DINO-style (learned prototypes)",
          "ibot": "iBOT-style (learned prototypes, masked patches)",
          "supcon": "SupCon on the same backbone (labels: the reference)",
