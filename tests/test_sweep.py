@@ -203,7 +203,7 @@ def test_a_sweep_over_one_methods_settings_leaves_the_others_shared():
                                                   ("reproduce-gera", 40, 5), ("reproduce-gera-full", 50, 5), ("tune-gera", 64, 2),
                                                   ("reproduce-sop", 3, 3), ("reproduce-sop-full", 3, 3),
                                                   ("reproduce-sop-long", 1, 1), ("reproduce-sop-resnet", 3, 3),
-                                                  ("reproduce-sop-options", 3, 3)])
+                                                  ("reproduce-sop-options", 2, 2)])
 def test_shipped_reproductions_are_valid_sweeps(name, members, seeds):
     experiment = load_experiment(name)
     assert len(check_experiment(experiment)) == members and experiment.seeds == list(range(seeds))
