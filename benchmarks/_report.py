@@ -145,14 +145,17 @@ def stage_runs(run: FinishedRun, stage: str) -> list:
 
 def train_records(run: FinishedRun) -> list[tuple[str, list[dict]]]:
     """(label, ``metrics.jsonl`` records) of every train stage run nested under ``run``, one per run, in
-    label order (``xclr-wordnet [seed=0]``; runs logged before labels carried the seed share one label)."""
+    label order (``xclr-wordnet [seed=0]``; runs logged before labels carried the seed share one label).
+    A cached stage's run refers to the file by its path (its ``repsim.file.metrics.jsonl`` tag)."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient()
     records = []
     with tempfile.TemporaryDirectory() as folder:
         for train in stage_runs(run, "train"):
-            lines = Path(client.download_artifacts(train.info.run_id, "metrics.jsonl", folder)).read_text()
+            referred = train.data.tags.get("repsim.file.metrics.jsonl")
+            path = referred or client.download_artifacts(train.info.run_id, "metrics.jsonl", folder)
+            lines = Path(path).read_text()
             records.append((train.data.tags["repsim.label"], [json.loads(line) for line in lines.splitlines()]))
     return sorted(records, key=lambda item: item[0])
 
