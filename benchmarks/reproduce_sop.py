@@ -104,7 +104,7 @@ def curve_table(epochs: dict[str, list[list[dict]]]) -> str:
 def plot(run: FinishedRun, epochs: dict[str, list[list[dict]]], path: Path) -> None:
     """Each encoder's scores (mean ± std over seeds) and its student's and teacher's kNN top-1 after
     every epoch, each with the raw-pixel floor (dashed)."""
-    figure, (bars, curves) = plt.subplots(1, 2, figsize=(13, 4.5))
+    figure, (bars, curves) = plt.subplots(1, 2, figsize=(17, 5))
     floor = next(row for row in run.rows if row["encoder"] == "pixels")
     learned = [row for row in run.rows if row["encoder"] != "pixels"]
     for offset, color, (title, metric) in zip((-0.2, 0.2), ("C0", "C1"), METRICS.items()):
@@ -118,12 +118,12 @@ def plot(run: FinishedRun, epochs: dict[str, list[list[dict]]], path: Path) -> N
     for index, (encoder, seeds) in enumerate(epochs.items()):
         for network, style in zip(MONITORS, ("-", ":")):
             knn = mean_over_seeds(seeds, MONITORS[network])
-            curves.plot(range(1, len(knn) + 1), knn, style, marker=".", color=f"C{index}",
+            curves.plot(range(1, len(knn) + 1), knn, style, marker=".", color=plt.cm.tab20(index % 20),
                         label=f"{name(encoder)}, {network}")
     curves.axhline(floor["knn_top1_k20"], linestyle="--", linewidth=1, color="black", label=name("pixels"))
     curves.set_xlabel("epoch")
     curves.set_ylabel("kNN top-1 (k = 20), online monitor")
-    curves.legend(fontsize=6, loc="lower right")
+    curves.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))  # beside: many rows
     figure.suptitle(f"{run.name}: mean over seeds")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
