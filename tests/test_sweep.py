@@ -295,7 +295,7 @@ def test_the_sop_reproduction_fills_its_memories_early_and_its_teacher_moves():
     images = round(10_000 * load_spec(experiment.data).split.fractions["train"])  # Animal-MNIST's 10000
     for run in train.methods:
         config = load_config(run.config, train.overrides(run, experiment.data))
-        if config.method.name == "supcon":  # the labelled reference: no teacher
+        if config.method.name in ("supcon", "simclr"):  # the references: no teacher
             continue
         steps = images // config.optim.batch_size * config.optim.epochs
         kept = math.prod(teacher_momentum(step, steps, config.method.teacher_momentum) for step in range(steps))
@@ -321,7 +321,7 @@ def test_the_long_sop_run_is_the_sop_reproduction_at_five_times_its_epochs_plus_
     assert set(long) == {"sop", "sop-koleo", "supcon", "simclr"}
     short_epochs = {config["optim"].pop("epochs") for config in short.values()}
     assert {config["optim"].pop("epochs") for config in long.values()} == {5 * epochs for epochs in short_epochs}
-    for label in ("sop", "supcon"):
+    for label in ("sop", "supcon", "simclr"):
         assert long[label] == short[label], label
     assert long["sop-koleo"]["method"].pop("koleo_weight") == 0.1 and short["sop"]["method"].pop("koleo_weight") == 0
     assert long["sop-koleo"] == short["sop"]
