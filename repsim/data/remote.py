@@ -88,8 +88,8 @@ def open_stream(url: str) -> IO[bytes]:
         return fs.open(path, "rb", block_size=BLOCK_SIZES.get(url.split("://", 1)[0].lower()))
 
 
-def exists(url: str) -> bool:
-    """Whether an object exists at ``url``."""
+def exists(url: str | Path) -> bool:
+    """Whether a file exists at ``url`` (a URL or a local path)."""
     fs, path = filesystem(url)
     with reaching(url):
         return fs.isfile(path)

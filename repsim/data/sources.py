@@ -60,7 +60,8 @@ class Listing(Sequence[Entry]):
 
     def __init__(self, entries: Iterable[Entry]):
         ids, labels, captions, splits, refs = [], [], [], [], []
-        for batch in _batches(entries, LISTING_BATCH):
+        entries = iter(entries)
+        while batch := list(islice(entries, LISTING_BATCH)):
             ids.append(pa.array([entry.source_id for entry in batch], pa.string()))
             labels.append(np.array([-1 if entry.label is None else entry.label for entry in batch], dtype=np.int64))
             captions.append(pa.array([entry.caption for entry in batch], pa.string()))
@@ -82,12 +83,6 @@ class Listing(Sequence[Entry]):
         label = int(self.labels[row])
         return Entry(self.source_ids[row].as_py(), None if label < 0 else label, self.captions[row].as_py(),
                      self.splits[row].as_py(), tuple(ref.tolist()) if isinstance(ref, np.ndarray) else ref)
-
-
-def _batches(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
-    iterator = iter(items)
-    while batch := list(islice(iterator, size)):
-        yield batch
 
 
 def _compact(refs: list[Any]) -> np.ndarray | list[Any]:
