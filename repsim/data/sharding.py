@@ -165,12 +165,10 @@ def _in_place(spec: DataSpec, reader: Reader, out: Path, progress: bool) -> dict
 def _write_order(splits: list[str], spec: DataSpec) -> list[tuple[str, np.ndarray]]:
     """Entry positions grouped by split; within a split in source order, permuted by ``shuffle_seed`` if set."""
     rng = np.random.default_rng(spec.shuffle_seed) if spec.shuffle_seed is not None else None
-    names = split_order(splits, spec)
-    number_of = {name: number for number, name in enumerate(names)}
-    numbers = np.fromiter((number_of[split] for split in splits), dtype=np.int64, count=len(splits))
+    split_of = np.array(splits)
     order = []
-    for number, split in enumerate(names):
-        members = np.flatnonzero(numbers == number)
+    for split in split_order(splits, spec):
+        members = np.flatnonzero(split_of == split)
         order.append((split, members[rng.permutation(len(members))] if rng is not None else members))
     return order
 
