@@ -94,18 +94,15 @@ def shard(spec: DataSpec | str | Path, out_dir: str | Path | None = None, progre
     spec = spec if isinstance(spec, DataSpec) else load_spec(spec)
     reader = open_source(spec)
     build = _in_place if getattr(spec.source, "manifest", None) else _build
-    output = run_stage(_stage(spec, reader), lambda tmp: build(spec, reader, tmp, progress), out_dir,
+    output = run_stage(shard_stage(spec, reader), lambda tmp: build(spec, reader, tmp, progress), out_dir,
                        file_details=_tar_samples)
     return ShardResult.from_dir(output.path, cached=output.cached)
 
 
-def shard_stage(spec: DataSpec) -> Stage:
-    """The shard stage of ``spec`` (its key covers the spec and a fingerprint of the source files)."""
-    return _stage(spec, open_source(spec))
-
-
-def _stage(spec: DataSpec, reader: Reader) -> Stage:
-    return Stage("shard", SHARD_VERSION, config=spec.model_dump(mode="json"), inputs={"source": reader.fingerprint()})
+def shard_stage(spec: DataSpec, reader: Reader | None = None) -> Stage:
+    """The shard stage of ``spec``: its key covers the spec and a fingerprint of the source files (by ``reader``)."""
+    source = (reader or open_source(spec)).fingerprint()
+    return Stage("shard", SHARD_VERSION, config=spec.model_dump(mode="json"), inputs={"source": source})
 
 
 # ---------------------------------------------------------------------------------------------

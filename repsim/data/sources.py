@@ -510,22 +510,18 @@ class WebDatasetReader(Reader):
         samples: dict[str, dict[str, Any]] = {}
         try:
             with tarfile.open(tar, "r:") as archive:
-                for member in archive:
-                    if member.isfile():
-                        key, ext = _split_member_name(member.name)
-                        samples.setdefault(key, {})[ext] = self._member_value(archive, member, ext)
+                for member in filter(tarfile.TarInfo.isfile, archive):
+                    key, ext = _split_member_name(member.name)
+                    sample = samples.setdefault(key, {})
+                    if ext == self.spec.source.image_ext:
+                        sample[ext] = (member.offset_data, member.size)
+                    elif ext in ("txt", "json"):
+                        text = archive.extractfile(member).read().decode("utf-8", errors="replace")
+                        sample[ext] = text.strip() if ext == "txt" else text
                 ends = _end_block_at(tar, archive.offset)
         except (tarfile.TarError, OSError) as err:
             return samples, f"is not a readable tar ({err})"
         return samples, None if ends else "is truncated (no end-of-archive block after its last member)"
-
-    def _member_value(self, archive: tarfile.TarFile, member: tarfile.TarInfo, ext: str) -> Any:
-        if ext == self.spec.source.image_ext:
-            return (member.offset_data, member.size)
-        if ext in ("txt", "json"):
-            text = archive.extractfile(member).read().decode("utf-8", errors="replace")
-            return text.strip() if ext == "txt" else text
-        return None
 
     def _label(self, metadata: str | None, where: str) -> int | None:
         field = self.spec.source.label_field
