@@ -187,7 +187,7 @@ def read_samples(url: str, expected: int | None = None) -> Iterator[dict[str, An
     """The samples of one tar (path or URL) as ``{"__key__", ext: bytes, ...}``; DataError if the tar is
     corrupt or holds other than ``expected`` samples (the manifest's count; e.g. cut at a block boundary)."""
     count = 0
-    with contextlib.closing(open_stream(url) if is_url(url) else wds.gopen(url, "rb")) as stream, reaching(url):
+    with open_stream(url) as stream, reaching(url):
         try:
             files = ({**member, "__url__": url} for member in wds.tariterators.tar_file_iterator(stream))
             for sample in wds.tariterators.group_by_keys(files):
