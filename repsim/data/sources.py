@@ -21,7 +21,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from itertools import islice
+from itertools import chain, islice
 from pathlib import Path
 from typing import Any
 
@@ -174,13 +174,14 @@ class _ArrayReader(Reader):
 
     def _paths(self) -> dict[str | None, tuple[Path, Path]]:
         root = self.root()
-        for name in (name for pair in self.files.values() for name in pair):
-            if not (root / name).is_file():
-                raise DataError(f"{root / name} does not exist", self.missing_fix)
-        return {split: (root / images, root / labels) for split, (images, labels) in self.files.items()}
+        paths = {split: (root / images, root / labels) for split, (images, labels) in self.files.items()}
+        for path in chain.from_iterable(paths.values()):
+            if not path.is_file():
+                raise DataError(f"{path} does not exist", self.missing_fix)
+        return paths
 
     def fingerprint(self) -> str:
-        return self.fingerprint_of([path for pair in self._paths().values() for path in pair])
+        return self.fingerprint_of(list(chain.from_iterable(self._paths().values())))
 
     @cached_property
     def _arrays(self) -> dict[str | None, tuple[np.ndarray, np.ndarray]]:
