@@ -133,8 +133,8 @@ def _build(spec: DataSpec, reader: Reader, out: Path, progress: bool) -> dict[st
         raise DataError(f"none of the {len(entries)} images of {spec.name!r} is readable",
                         f"see the first failure: {errors[0]['source_id']}: {errors[0]['reason']}")
     index = {"name": spec.name, "image_format": spec.image_format, "num_samples": manifest.rows, "errors": len(errors),
-             "splits": {split: {"samples": manifest.splits.get(split, 0), "shards": [Path(tar).name for tar in tars]}
-                        for split, tars in tar_paths.items()}}
+             "splits": {split: {"samples": manifest.splits.get(split, 0), "shards": [Path(path).name for path in paths]}
+                        for split, paths in tar_paths.items()}}
     (out / INDEX).write_text(json.dumps(index, indent=2))
     (out / ERRORS).write_text(json.dumps(errors, indent=2))
     return _metrics(manifest.splits, len(errors), started, bytes=sum(path.stat().st_size for path in out.glob("*.tar")))
