@@ -35,11 +35,11 @@ BLUR_SIGMA = (0.1, 2.0)
 SOLARIZE_THRESHOLD = 0.5
 
 
+@dataclass
 class Views:
     """Apply a fixed list of transforms to one image: uint8 C×H×W → list of float C×h×w views."""
 
-    def __init__(self, transforms: Sequence[Callable[[torch.Tensor], torch.Tensor]]):
-        self.transforms = list(transforms)
+    transforms: list[Callable[[torch.Tensor], torch.Tensor]]
 
     def __call__(self, image: torch.Tensor) -> list[torch.Tensor]:
         return [transform(image) for transform in self.transforms]
@@ -47,14 +47,12 @@ class Views:
     def __len__(self) -> int:
         return len(self.transforms)
 
-    def __repr__(self) -> str:
-        return f"Views({len(self.transforms)} views: {self.transforms})"
-
 
 def make_views(preset: str, image_size: int, channels: int = 3, **options) -> Views:
     """The augmentation ``preset`` ('simclr', 'multicrop', 'eval') for square views of ``image_size``;
     ``options``: the keyword arguments of the preset's recipe (:data:`PRESETS`), e.g. ``blur``, ``mean``."""
-    return Views([per_image_view(recipe) for recipe in preset_recipes(preset, image_size, channels, **options)])
+    recipes = preset_recipes(preset, image_size, channels, **options)
+    return Views([eval_pipeline(recipe) if isinstance(recipe, EvalView) else augmented_view(recipe) for recipe in recipes])
 
 
 @dataclass(frozen=True)
@@ -127,11 +125,6 @@ def eval_view(image_size: int, channels: int, *, crop_fraction: float = 1.0,
 
 
 PRESETS: dict[str, Callable[..., list[ViewRecipe]]] = {"simclr": simclr, "multicrop": multicrop, "eval": eval_view}
-
-
-def per_image_view(recipe: ViewRecipe) -> v2.Compose:
-    """The torchvision pipeline of one view: uint8 C×H×W → float C×size×size."""
-    return eval_pipeline(recipe) if isinstance(recipe, EvalView) else augmented_view(recipe)
 
 
 def eval_pipeline(recipe: EvalView) -> v2.Compose:

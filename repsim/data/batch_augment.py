@@ -25,14 +25,15 @@ from torch import nn
 from torchvision.transforms import v2
 
 from repsim.data.augment import (BLUR_SIGMA, GRAYSCALE_P, JITTER_P, SOLARIZE_THRESHOLD, EvalView, RandomView,
-                                 ViewRecipe, blur_kernel_size, eval_pipeline, preset_recipes)
+                                 blur_kernel_size, eval_pipeline, preset_recipes)
 
 TORCHVISION_LUMA = (0.2989, 0.587, 0.114)  # torchvision's RGB → grey weights
 
 
 def make_batch_views(preset: str, image_size: int, channels: int = 3, **options) -> BatchViews:
     """:func:`repsim.data.augment.make_views`, batched: ``preset`` for square views of ``image_size``."""
-    return BatchViews([batch_view(recipe) for recipe in preset_recipes(preset, image_size, channels, **options)])
+    recipes = preset_recipes(preset, image_size, channels, **options)
+    return BatchViews([eval_pipeline(recipe) if isinstance(recipe, EvalView) else random_view(recipe) for recipe in recipes])
 
 
 class BatchViews(nn.Module):
@@ -49,11 +50,6 @@ class BatchViews(nn.Module):
 
     def __len__(self) -> int:
         return len(self.views)
-
-
-def batch_view(recipe: ViewRecipe) -> nn.Module:
-    """The batched pipeline of one view: uint8 B×C×H×W → float B×C×size×size."""
-    return eval_pipeline(recipe) if isinstance(recipe, EvalView) else random_view(recipe)
 
 
 def random_view(recipe: RandomView) -> nn.Sequential:

@@ -105,40 +105,33 @@ def build_views(preset: str | Views | BatchViews, augment: str, image_size: int,
 # Finding the shards
 
 def resolve_shards(shards: str | Path | ShardResult | Sequence[str | Path], split: str,
-                   manifest: str | Path | None) -> tuple[list[str], Path | None]:
+                   manifest: str | Path | None) -> tuple[list[str], str | Path | None]:
     """(tar URLs in order, the manifest if one is known) for ``shards`` as make_loader accepts them."""
     if isinstance(shards, ShardResult):
         shards = shards.path
     if isinstance(shards, (str, Path)) and Path(shards).is_dir():
-        return _split_tars(Path(shards), split), _existing(manifest or Path(shards) / MANIFEST)
-    urls = wds.shardlists.expand_urls(str(shards)) if isinstance(shards, (str, Path)) else [str(u) for u in shards]
-    if not urls:
-        raise DataError("no shards were given", "pass a shard directory or a list of tar files")
-    return urls, _existing(manifest or beside(urls[0], MANIFEST))
+        urls, manifest = _split_tars(Path(shards), split), manifest or Path(shards) / MANIFEST
+    else:
+        urls = wds.shardlists.expand_urls(str(shards)) if isinstance(shards, (str, Path)) else [str(u) for u in shards]
+        if not urls:
+            raise DataError("no shards were given", "pass a shard directory or a list of tar files")
+        manifest = manifest or beside(urls[0], MANIFEST)
+    return urls, manifest if exists(manifest) else None
 
 
 def _split_tars(folder: Path, split: str) -> list[str]:
-    """The tars of ``split`` in the shard directory ``folder``: its own, or the URLs its shards.json lists."""
-    tars = [str(path) for path in sorted(folder.glob(f"{split}-{SHARD_NUMBER}.tar"))] or _listed_elsewhere(folder, split)
+    """The tars of ``split`` in the shard directory ``folder``: its own, or the URLs or absolute paths of
+    shards read in place as its shards.json lists them (none when it lists names of tars beside it)."""
+    tars = [str(path) for path in sorted(folder.glob(f"{split}-{SHARD_NUMBER}.tar"))]
+    index = folder / INDEX
+    if not tars and index.is_file():
+        listed = json.loads(index.read_text())["splits"].get(split, {}).get("shards", [])
+        tars = [tar for tar in listed if is_url(tar) or Path(tar).is_absolute()]
     if not tars:
         found = sorted({path.name.rsplit("-", 1)[0] for path in folder.glob(f"*-{SHARD_NUMBER}.tar")})
         raise DataError(f"{folder} holds no shards of split {split!r}",
                         f"choose one of the splits it holds: {', '.join(found) or 'none'}")
     return tars
-
-
-def _listed_elsewhere(folder: Path, split: str) -> list[str]:
-    """The URLs or absolute paths of ``split``'s shards read in place, as ``folder``'s shards.json lists
-    them (none when it lists names of tars beside it)."""
-    index = folder / INDEX
-    listed = json.loads(index.read_text())["splits"].get(split, {}).get("shards", []) if index.is_file() else []
-    return [tar for tar in listed if is_url(tar) or Path(tar).is_absolute()]
-
-
-def _existing(path: str | Path) -> str | Path | None:
-    if is_url(path):
-        return path if exists(path) else None
-    return Path(path) if Path(path).is_file() else None
 
 
 def peek_image(url: str) -> tuple[int, int]:
@@ -194,7 +187,7 @@ def read_samples(url: str, expected: int | None = None) -> Iterator[dict[str, An
     """The samples of one tar (path or URL) as ``{"__key__", ext: bytes, ...}``; DataError if the tar is
     corrupt or holds other than ``expected`` samples (the manifest's count; e.g. cut at a block boundary)."""
     count = 0
-    with contextlib.closing(open_stream(url) if is_url(url) else wds.gopen(url, "rb")) as stream, reaching(url):
+    with open_stream(url) as stream, reaching(url):
         try:
             files = ({**member, "__url__": url} for member in wds.tariterators.tar_file_iterator(stream))
             for sample in wds.tariterators.group_by_keys(files):

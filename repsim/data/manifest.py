@@ -39,7 +39,7 @@ class ManifestWriter:
 
         self.schema = pa.schema([(name, pa.type_for_alias(kind)) for name, kind in MANIFEST_SCHEMA.items()])
         self.writer = pq.ParquetWriter(path, self.schema)
-        self.pending: dict[str, list[Any]] = {name: [] for name in MANIFEST_SCHEMA}
+        self.pending: list[dict[str, Any]] = []
         self.rows, self.splits = 0, Counter()
 
     def __enter__(self) -> ManifestWriter:
@@ -50,19 +50,18 @@ class ManifestWriter:
         self.writer.close()
 
     def add(self, row: dict[str, Any]) -> None:
-        for name, values in self.pending.items():
-            values.append(row[name])
+        self.pending.append(row)
         self.rows += 1
         self.splits[row["split"]] += 1
-        if len(self.pending["index"]) == MANIFEST_ROW_GROUP:
+        if len(self.pending) == MANIFEST_ROW_GROUP:
             self._flush()
 
     def _flush(self) -> None:
         import pyarrow as pa
 
-        if self.pending["index"]:
-            self.writer.write_table(pa.table(self.pending, schema=self.schema))
-            self.pending = {name: [] for name in MANIFEST_SCHEMA}
+        if self.pending:
+            self.writer.write_table(pa.Table.from_pylist(self.pending, schema=self.schema))
+            self.pending = []
 
 
 def read_manifest(path: str | Path, columns: Sequence[str], filters: list[tuple[str, str, Any]] | None = None) -> pa.Table:

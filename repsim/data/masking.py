@@ -34,15 +34,10 @@ class BlockMasking:
     def __call__(self, views: int, grid: tuple[int, int]) -> torch.Tensor:
         masks = torch.zeros(views, *grid, dtype=torch.bool)
         for view in torch.randperm(views)[:round(self.share * views)].tolist():
-            ratio = _uniform(*self.ratio)
-            self.fill(masks[view], round(ratio * grid[0] * grid[1]))
+            target, masked = round(_uniform(*self.ratio) * grid[0] * grid[1]), 0
+            while masked < target and (added := self._add_block(masks[view], target - masked)):
+                masked += added
         return masks.flatten(1)
-
-    def fill(self, mask: torch.Tensor, target: int) -> None:
-        """Mask blocks of ``mask`` (rows, cols) in place until ``target`` patches are masked or no block fits."""
-        masked = 0
-        while masked < target and (added := self._add_block(mask, target - masked)):
-            masked += added
 
     def _add_block(self, mask: torch.Tensor, budget: int) -> int:
         """Mask one random block adding between 1 and ``budget`` new patches; the number added (0: none fit)."""

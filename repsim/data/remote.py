@@ -81,15 +81,16 @@ def _storage_errors() -> tuple[type[BaseException], ...]:
     return OSError, aiohttp.ClientError, botocore.exceptions.BotoCoreError
 
 
-def open_stream(url: str) -> IO[bytes]:
-    """The object at ``url`` open for reading front to back (a DataError if it cannot be opened)."""
+def open_stream(url: str | Path) -> IO[bytes]:
+    """The object at ``url`` (a URL or a local path) open for reading front to back (for a URL, a DataError if
+    it cannot be opened)."""
     fs, path = filesystem(url)
     with reaching(url):
-        return fs.open(path, "rb", block_size=BLOCK_SIZES.get(url.split("://", 1)[0].lower()))
+        return fs.open(path, "rb", block_size=BLOCK_SIZES.get(str(url).split("://", 1)[0].lower()))
 
 
-def exists(url: str) -> bool:
-    """Whether an object exists at ``url``."""
+def exists(url: str | Path) -> bool:
+    """Whether a file exists at ``url`` (a URL or a local path)."""
     fs, path = filesystem(url)
     with reaching(url):
         return fs.isfile(path)

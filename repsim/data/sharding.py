@@ -94,18 +94,15 @@ def shard(spec: DataSpec | str | Path, out_dir: str | Path | None = None, progre
     spec = spec if isinstance(spec, DataSpec) else load_spec(spec)
     reader = open_source(spec)
     build = _in_place if getattr(spec.source, "manifest", None) else _build
-    output = run_stage(_stage(spec, reader), lambda tmp: build(spec, reader, tmp, progress), out_dir,
+    output = run_stage(shard_stage(spec, reader), lambda tmp: build(spec, reader, tmp, progress), out_dir,
                        file_details=_tar_samples)
     return ShardResult.from_dir(output.path, cached=output.cached)
 
 
-def shard_stage(spec: DataSpec) -> Stage:
-    """The shard stage of ``spec`` (its key covers the spec and a fingerprint of the source files)."""
-    return _stage(spec, open_source(spec))
-
-
-def _stage(spec: DataSpec, reader: Reader) -> Stage:
-    return Stage("shard", SHARD_VERSION, config=spec.model_dump(mode="json"), inputs={"source": reader.fingerprint()})
+def shard_stage(spec: DataSpec, reader: Reader | None = None) -> Stage:
+    """The shard stage of ``spec``: its key covers the spec and a fingerprint of the source files (by ``reader``)."""
+    source = (reader or open_source(spec)).fingerprint()
+    return Stage("shard", SHARD_VERSION, config=spec.model_dump(mode="json"), inputs={"source": source})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,24 +113,31 @@ def _build(spec: DataSpec, reader: Reader, out: Path, progress: bool) -> dict[st
     entries = reader.entries()
     if not entries:
         raise DataError(f"the source of {spec.name!r} holds no samples", "check the source path and contents")
-    order = _write_order(assign_splits(entries, spec), spec)
     key_width = max(6, len(str(len(entries) - 1)))
-    with _TarShards(out, spec.shard_size) as tars, ManifestWriter(out / MANIFEST) as manifest, \
+    tar_paths: dict[str, list[str]] = {}
+    with ManifestWriter(out / MANIFEST) as manifest, \
             tqdm(total=len(entries), desc=f"shard {spec.name}", unit="img", disable=not progress) as bar:
-        for split, members in order:
-            tars.start_split(split)
-            for position in members:
-                bar.update()
-                entry = entries[position]
-                encoded = _encode_or_report(reader, entry, spec)
-                if encoded is not None:
-                    _write_sample(tars, manifest, entry, split, encoded, spec, key_width)
+        for split, members in _write_order(assign_splits(entries, spec), spec):
+            # tar members carry mtime 0, owner repsim and mode 0444, so identical samples give identical bytes
+            with wds.ShardWriter(str(out / f"{split}-%05d.tar"), maxcount=spec.shard_size, verbose=0, encoder=False,
+                                 post=tar_paths.setdefault(split, []).append, mtime=0, user="repsim",
+                                 group="repsim") as tars:
+                for position in members:
+                    bar.update()
+                    entry = entries[position]
+                    encoded = _encode_or_report(reader, entry, spec)
+                    if encoded is not None:
+                        _write_sample(tars, manifest, entry, split, encoded, spec, key_width)
     errors = reader.skipped
     if not manifest.rows:
         raise DataError(f"none of the {len(entries)} images of {spec.name!r} is readable",
                         f"see the first failure: {errors[0]['source_id']}: {errors[0]['reason']}")
-    _write_index(out, spec, manifest, errors, tars.names)
-    return _metrics(manifest, errors, out, started)
+    index = {"name": spec.name, "image_format": spec.image_format, "num_samples": manifest.rows, "errors": len(errors),
+             "splits": {split: {"samples": manifest.splits.get(split, 0), "shards": [Path(path).name for path in paths]}
+                        for split, paths in tar_paths.items()}}
+    (out / INDEX).write_text(json.dumps(index, indent=2))
+    (out / ERRORS).write_text(json.dumps(errors, indent=2))
+    return _metrics(manifest.splits, len(errors), started, bytes=sum(path.stat().st_size for path in out.glob("*.tar")))
 
 
 def _in_place(spec: DataSpec, reader: Reader, out: Path, progress: bool) -> dict[str, float]:
@@ -152,20 +156,16 @@ def _in_place(spec: DataSpec, reader: Reader, out: Path, progress: bool) -> dict
         split["shards"].append(tar)
     index |= {"name": spec.name, "num_samples": sum(split["samples"] for split in splits.values()), "splits": splits}
     (out / INDEX).write_text(json.dumps(index, indent=2))
-    per_split = {f"samples/{name}": split["samples"] for name, split in splits.items()}
-    return {"samples": index["num_samples"], "errors": index["errors"], **per_split,
-            "seconds": round(time.time() - started, 3)}
+    return _metrics({name: split["samples"] for name, split in splits.items()}, index["errors"], started)
 
 
 def _write_order(splits: list[str], spec: DataSpec) -> list[tuple[str, np.ndarray]]:
     """Entry positions grouped by split; within a split in source order, permuted by ``shuffle_seed`` if set."""
     rng = np.random.default_rng(spec.shuffle_seed) if spec.shuffle_seed is not None else None
-    names = split_order(splits, spec)
-    number_of = {name: number for number, name in enumerate(names)}
-    numbers = np.fromiter((number_of[split] for split in splits), dtype=np.int64, count=len(splits))
+    split_of = np.array(splits)
     order = []
-    for number, split in enumerate(names):
-        members = np.flatnonzero(numbers == number)
+    for split in split_order(splits, spec):
+        members = np.flatnonzero(split_of == split)
         order.append((split, members[rng.permutation(len(members))] if rng is not None else members))
     return order
 
@@ -205,7 +205,7 @@ def decode_pixels(image: bytes | np.ndarray) -> np.ndarray:
         return np.asarray(upright.convert("L" if upright.mode in GRAYSCALE_MODES else "RGB"))
 
 
-def _write_sample(tars: _TarShards, manifest: ManifestWriter, entry: Entry, split: str,
+def _write_sample(tars: wds.ShardWriter, manifest: ManifestWriter, entry: Entry, split: str,
                   encoded: tuple[bytes, int, int], spec: DataSpec, key_width: int) -> None:
     image, width, height = encoded
     index = manifest.rows
@@ -217,56 +217,9 @@ def _write_sample(tars: _TarShards, manifest: ManifestWriter, entry: Entry, spli
     members = {spec.image_format: image, "txt": caption.encode(), "json": json.dumps(metadata).encode()}
     if entry.label is not None:
         members["cls"] = str(entry.label).encode()
-    shard_name = tars.write(key, members)
-    manifest.add({**metadata, "shard": shard_name, "caption": caption, "sha256": hashlib.sha256(image).hexdigest(),
-                  "width": width, "height": height})
-
-
-class _TarShards:
-    """Writes samples into ``{split}-{n:05d}.tar`` files of at most ``shard_size`` samples each, with
-    webdataset's ShardWriter. Members carry mtime 0, owner ``repsim`` and mode 0444, so identical
-    samples give identical bytes."""
-
-    def __init__(self, out: Path, shard_size: int):
-        self.out, self.shard_size = out, shard_size
-        self.names: dict[str, list[str]] = {}
-        self._writer: wds.ShardWriter | None = None
-
-    def __enter__(self) -> _TarShards:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._close()
-
-    def start_split(self, split: str) -> None:
-        self._close()
-        self.names[split] = []
-        self._writer = wds.ShardWriter(str(self.out / f"{split}-%05d.tar"), maxcount=self.shard_size,
-                                       post=lambda name: self.names[split].append(Path(name).name),
-                                       verbose=0, encoder=False, mtime=0, user="repsim", group="repsim")
-
-    def write(self, key: str, members: dict[str, bytes]) -> str:
-        """Add one sample (extension -> bytes); returns the name of the tar it went into."""
-        self._writer.write({"__key__": key, **members})
-        return Path(self._writer.fname).name
-
-    def _close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-
-
-# ---------------------------------------------------------------------------------------------
-# Outputs
-
-def _write_index(out: Path, spec: DataSpec, manifest: ManifestWriter, errors: list[dict[str, str]],
-                 shard_names: dict[str, list[str]]) -> None:
-    index = {"name": spec.name, "image_format": spec.image_format, "num_samples": manifest.rows,
-             "errors": len(errors),
-             "splits": {split: {"samples": manifest.splits.get(split, 0), "shards": names}
-                        for split, names in shard_names.items()}}
-    (out / INDEX).write_text(json.dumps(index, indent=2))
-    (out / ERRORS).write_text(json.dumps(errors, indent=2))
+    tars.write({"__key__": key, **members})
+    manifest.add({**metadata, "shard": Path(tars.fname).name, "caption": caption,
+                  "sha256": hashlib.sha256(image).hexdigest(), "width": width, "height": height})
 
 
 def _tar_samples(out: Path) -> dict[str, dict[str, int]]:
@@ -274,10 +227,10 @@ def _tar_samples(out: Path) -> dict[str, dict[str, int]]:
     return {name: {"samples": count} for name, count in shard_sizes(out / MANIFEST).items()}
 
 
-def _metrics(manifest: ManifestWriter, errors: list[dict[str, str]], out: Path, started: float) -> dict[str, float]:
-    tar_bytes = sum(path.stat().st_size for path in out.glob("*.tar"))
-    per_split = {f"samples/{split}": count for split, count in manifest.splits.items()}
-    return {"samples": manifest.rows, "bytes": tar_bytes, "errors": len(errors), **per_split,
+def _metrics(splits: dict[str, int], errors: int, started: float, **extra: int) -> dict[str, float]:
+    """The stage's metrics: samples (in all and per split), ``extra``, errors and seconds taken."""
+    per_split = {f"samples/{split}": count for split, count in splits.items()}
+    return {"samples": sum(splits.values()), **extra, "errors": errors, **per_split,
             "seconds": round(time.time() - started, 3)}
 
 

@@ -18,10 +18,10 @@ import pickle
 import re
 import tarfile
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from itertools import islice
+from itertools import chain, islice
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +60,8 @@ class Listing(Sequence[Entry]):
 
     def __init__(self, entries: Iterable[Entry]):
         ids, labels, captions, splits, refs = [], [], [], [], []
-        for batch in _batches(entries, LISTING_BATCH):
+        entries = iter(entries)
+        while batch := list(islice(entries, LISTING_BATCH)):
             ids.append(pa.array([entry.source_id for entry in batch], pa.string()))
             labels.append(np.array([-1 if entry.label is None else entry.label for entry in batch], dtype=np.int64))
             captions.append(pa.array([entry.caption for entry in batch], pa.string()))
@@ -82,12 +83,6 @@ class Listing(Sequence[Entry]):
         label = int(self.labels[row])
         return Entry(self.source_ids[row].as_py(), None if label < 0 else label, self.captions[row].as_py(),
                      self.splits[row].as_py(), tuple(ref.tolist()) if isinstance(ref, np.ndarray) else ref)
-
-
-def _batches(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
-    iterator = iter(items)
-    while batch := list(islice(iterator, size)):
-        yield batch
 
 
 def _compact(refs: list[Any]) -> np.ndarray | list[Any]:
@@ -119,9 +114,17 @@ class Reader(ABC):
     def fingerprint(self) -> str:
         """A digest of the source files (paths, sizes, times) that changes when the data does."""
 
-    @abstractmethod
     def entries(self) -> Listing:
-        """Every sample in source order, without reading images."""
+        """Every sample in source order, without reading images; listed once (so each problem is reported once)."""
+        return self._entries
+
+    @cached_property
+    def _entries(self) -> Listing:
+        return Listing(self.list_entries())
+
+    @abstractmethod
+    def list_entries(self) -> Iterable[Entry]:
+        """The samples as :meth:`entries` lists them."""
 
     @abstractmethod
     def read(self, entry: Entry) -> ImageData:
@@ -158,16 +161,50 @@ class Reader(ABC):
         self.skipped.append({"source_id": source_id, "reason": what})
 
 
-def _require_file(path: Path, fix: str) -> Path:
-    if not path.is_file():
-        raise DataError(f"{path} does not exist", fix)
-    return path
+class _ArrayReader(Reader):
+    """Images (N, H, W) uint8 and labels (N,) in a pair of files per split (``None``: the source has no split):
+    the pairs' names in :attr:`files`, read from :meth:`root` with :attr:`load`; ``ref`` is (split, row)."""
 
+    files: dict[str | None, tuple[str, str]]
+    missing_fix: str
+    load: Callable[[Path], np.ndarray]
 
-def _check_labels(labels: np.ndarray, spec: DataSpec, where: str) -> None:
-    if labels.size and (labels.min() < 0 or labels.max() >= len(spec.class_names)):
-        raise DataError(f"{where} has labels {labels.min()}..{labels.max()} but the spec lists "
-                        f"{len(spec.class_names)} classes", "list one class per label id in 'classes'")
+    def root(self) -> Path:
+        return Path(self.spec.source.root)
+
+    def _paths(self) -> dict[str | None, tuple[Path, Path]]:
+        root = self.root()
+        paths = {split: (root / images, root / labels) for split, (images, labels) in self.files.items()}
+        for path in chain.from_iterable(paths.values()):
+            if not path.is_file():
+                raise DataError(f"{path} does not exist", self.missing_fix)
+        return paths
+
+    def fingerprint(self) -> str:
+        return self.fingerprint_of(list(chain.from_iterable(self._paths().values())))
+
+    @cached_property
+    def _arrays(self) -> dict[str | None, tuple[np.ndarray, np.ndarray]]:
+        arrays = {}
+        for split, (images_path, labels_path) in self._paths().items():
+            images, labels = self.load(images_path), self.load(labels_path)
+            if images.dtype != np.uint8 or images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
+                raise DataError(f"{images_path} ({images.dtype} {images.shape}) and {labels_path} ({labels.shape}) "
+                                "are not N uint8 images with N labels", "restore the original files")
+            if labels.size and (labels.min() < 0 or labels.max() >= len(self.spec.class_names)):
+                raise DataError(f"{labels_path} has labels {labels.min()}..{labels.max()} but the spec lists "
+                                f"{len(self.spec.class_names)} classes", "list one class per label id in 'classes'")
+            arrays[split] = (images, labels)
+        return arrays
+
+    def list_entries(self) -> Iterator[Entry]:
+        for split, (_, labels) in self._arrays.items():
+            for row, label in enumerate(labels):
+                yield Entry(str(row) if split is None else f"{split}/{row}", int(label), None, split, (split, row))
+
+    def read(self, entry: Entry) -> ImageData:
+        split, row = entry.ref
+        return self._arrays[split][0][row]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,7 +212,6 @@ def _check_labels(labels: np.ndarray, spec: DataSpec, where: str) -> None:
 
 IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
               0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
-FASHION_SPLITS = {"train": "train", "test": "t10k"}
 
 
 def read_idx(path: Path) -> np.ndarray:
@@ -197,45 +233,17 @@ def read_idx(path: Path) -> np.ndarray:
     return np.frombuffer(data, dtype, offset=offset).reshape(dims)
 
 
-class FashionMnistReader(Reader):
+class FashionMnistReader(_ArrayReader):
     """Fashion-MNIST's IDX files; splits ``train`` (60000) and ``test`` (10000), images (28, 28)."""
 
-    def _files(self, split: str) -> tuple[Path, Path]:
-        root, prefix = Path(self.spec.source.root), FASHION_SPLITS[split]
-        return (_require_file(root / f"{prefix}-images-idx3-ubyte.gz", FASHION_MNIST_FIX),
-                _require_file(root / f"{prefix}-labels-idx1-ubyte.gz", FASHION_MNIST_FIX))
-
-    def fingerprint(self) -> str:
-        return self.fingerprint_of([path for split in FASHION_SPLITS for path in self._files(split)])
-
-    @cached_property
-    def _arrays(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        arrays = {}
-        for split in FASHION_SPLITS:
-            images_path, labels_path = self._files(split)
-            images, labels = read_idx(images_path), read_idx(labels_path)
-            if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
-                raise DataError(f"{images_path} ({images.shape}) and {labels_path} ({labels.shape}) do not match",
-                                "restore the original files")
-            _check_labels(labels, self.spec, str(labels_path))
-            arrays[split] = (images, labels)
-        return arrays
-
-    def entries(self) -> Listing:
-        return Listing(Entry(f"{split}/{row}", int(label), None, split, (split, row))
-                       for split, (_, labels) in self._arrays.items() for row, label in enumerate(labels))
-
-    def read(self, entry: Entry) -> ImageData:
-        split, row = entry.ref
-        return self._arrays[split][0][row]
+    files = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
+             "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")}
+    missing_fix = FASHION_MNIST_FIX
+    load = staticmethod(read_idx)
 
 
 # ---------------------------------------------------------------------------------------------
 # Animal-MNIST (gzip pickles of numpy arrays)
-
-ANIMAL_IMAGES = "animal_data_version_3.gz"
-ANIMAL_LABELS = "animal_label_version_3.gz"
-
 
 def _numpy_globals() -> dict[tuple[str, str], Any]:
     """The only globals a pickled numpy array needs, under their numpy 1 and numpy 2 module names."""
@@ -284,32 +292,15 @@ def animal_mnist_root() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "data" / "Animal_MNIST"
 
 
-class AnimalMnistReader(Reader):
+class AnimalMnistReader(_ArrayReader):
     """Animal-MNIST's 10000 silhouettes (28, 28) uint8 with labels 0..9; no split of its own."""
 
-    def _files(self) -> tuple[Path, Path]:
-        root = Path(self.spec.source.root) if self.spec.source.root else animal_mnist_root()
-        fix = "reinstall animal-mnist or set source.root to the folder holding its .gz files"
-        return _require_file(root / ANIMAL_IMAGES, fix), _require_file(root / ANIMAL_LABELS, fix)
+    files = {None: ("animal_data_version_3.gz", "animal_label_version_3.gz")}
+    missing_fix = "reinstall animal-mnist or set source.root to the folder holding its .gz files"
+    load = staticmethod(load_numpy_pickle)
 
-    def fingerprint(self) -> str:
-        return self.fingerprint_of(list(self._files()))
-
-    @cached_property
-    def _arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        images_path, labels_path = self._files()
-        images, labels = load_numpy_pickle(images_path), load_numpy_pickle(labels_path)
-        if images.dtype != np.uint8 or images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
-            raise DataError(f"{images_path} ({images.dtype} {images.shape}) and {labels_path} ({labels.shape}) "
-                            "are not N uint8 images with N labels", "restore the original files")
-        _check_labels(labels, self.spec, str(labels_path))
-        return images, labels
-
-    def entries(self) -> Listing:
-        return Listing(Entry(str(row), int(label), ref=row) for row, label in enumerate(self._arrays[1]))
-
-    def read(self, entry: Entry) -> ImageData:
-        return self._arrays[0][entry.ref]
+    def root(self) -> Path:
+        return Path(self.spec.source.root) if self.spec.source.root else animal_mnist_root()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,32 +327,29 @@ class ImageFolderReader(_ImageFileReader):
     def root(self) -> Path:
         return Path(self.spec.source.root)
 
-    @cached_property
-    def _files(self) -> list[tuple[Path, str | None, str]]:
-        """(file, split, class name) for every image, sorted by split, class and file name."""
+    def list_entries(self) -> list[Entry]:
+        """Every image, sorted by split, class and file name; ``ref``: its path."""
         if not self.root.is_dir():
             raise DataError(f"image folder {self.root} does not exist", "set source.root to a folder of class folders")
-        split_dirs = self._split_dirs() if self.spec.split.type == "source" else [self.root]
-        files, seen = [], set()
-        for split_dir in split_dirs:
-            split = split_dir.name if split_dir != self.root else None
+        split_dirs = {None: self.root}
+        if self.spec.split.type == "source":
+            split_dirs = {folder.name: folder for folder in _visible_dirs(self.root)}
+            class_named = [name for name in split_dirs if name in self.label_ids]
+            if class_named:
+                raise DataError(f"{self.root} holds class folders {class_named}, but 'split: {{type: source}}' expects "
+                                "<split>/<class>/<image>", "add split folders or use 'split: {type: random}'")
+        entries, seen = [], set()
+        for split, split_dir in split_dirs.items():
             for class_dir in self._class_dirs(split_dir):
                 seen.add(class_dir.name)
-                files += [(path, split, class_dir.name) for path in sorted(class_dir.iterdir())
-                          if path.suffix.lower() in self.spec.source.extensions and not path.name.startswith(".")]
+                entries += [Entry(path.relative_to(self.root).as_posix(), self.label_ids[class_dir.name], None, split, path)
+                            for path in sorted(class_dir.iterdir())
+                            if path.suffix.lower() in self.spec.source.extensions and not path.name.startswith(".")]
         missing = [name for name in self.label_ids if name not in seen]
         if missing:
             raise DataError(f"image folder {self.root} has no folder for classes {missing}",
                             "add a folder per class or remove those classes from the spec")
-        return files
-
-    def _split_dirs(self) -> list[Path]:
-        split_dirs = _visible_dirs(self.root)
-        class_named = [d.name for d in split_dirs if d.name in self.label_ids]
-        if class_named:
-            raise DataError(f"{self.root} holds class folders {class_named}, but 'split: {{type: source}}' "
-                            "expects <split>/<class>/<image>", "add split folders or use 'split: {type: random}'")
-        return split_dirs
+        return entries
 
     def _class_dirs(self, folder: Path) -> list[Path]:
         class_dirs = _visible_dirs(folder)
@@ -373,11 +361,7 @@ class ImageFolderReader(_ImageFileReader):
         return class_dirs
 
     def fingerprint(self) -> str:
-        return self.fingerprint_of([path for path, _, _ in self._files], root=self.root)
-
-    def entries(self) -> Listing:
-        return Listing(Entry(path.relative_to(self.root).as_posix(), self.label_ids[name], None, split, path)
-                       for path, split, name in self._files)
+        return self.fingerprint_of(list(self.entries().refs), root=self.root)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -432,12 +416,10 @@ class ManifestReader(_ImageFileReader):
         """The manifest file's path, size and mtime (the images it names are not visited)."""
         return self.fingerprint_of([Path(self.spec.source.path)])
 
-    def entries(self) -> Listing:
-        return self._entries
-
-    @cached_property
-    def _entries(self) -> Listing:
-        """The rows as entries, listed once (so that a duplicate is reported once)."""
+    def list_entries(self) -> Iterator[Entry]:
+        """The rows in order; a row that repeats an earlier row's image is a DataError, or under ``on_error:
+        skip`` reported (the first row is kept). Only caption-only data, whose spec lists no classes, may be
+        unlabelled."""
         path = Path(self.spec.source.path)
         columns = read_table(path)
         if "path" not in columns or not ({"label", "caption"} & columns.keys()):
@@ -447,36 +429,19 @@ class ManifestReader(_ImageFileReader):
             raise DataError(f"manifest {path} row {columns['path'].index(None)} has no path", "fill in every path")
         rows = len(columns["path"])
         labels, captions, splits = (columns.get(name, [None] * rows) for name in ("label", "caption", "split"))
-        self._refuse_unlabelled(labels, path)
-        entries = [Entry(str(image), self._label(label, path, row), caption, split, self.image_root / str(image))
-                   for row, (image, label, caption, split) in enumerate(zip(columns["path"], labels, captions, splits))]
-        return Listing(self._first_of_each_image(entries, path))
-
-    def _refuse_unlabelled(self, labels: list[Any], path: Path) -> None:
-        """DataError naming the rows without a label when the spec lists classes (only caption-only data,
-        whose spec lists none, may be unlabelled)."""
         unlabelled = [row for row, label in enumerate(labels) if _is_blank(label)]
         if self.label_ids and unlabelled:
             raise DataError(f"manifest {path} has no label in {_name_rows(unlabelled)}, but the spec lists classes",
                             "give every row one of the spec's classes, or remove 'classes' for caption-only data")
-
-    def _label(self, label: Any, path: Path, row: int) -> int | None:
-        return None if _is_blank(label) else self.label_of(str(label), f"manifest {path} row {row}")
-
-    def _first_of_each_image(self, entries: list[Entry], path: Path) -> list[Entry]:
-        """``entries`` without the rows that repeat an earlier row's image: DataError, or under
-        ``on_error: skip`` the first row is kept and the others are reported."""
         first_row: dict[str, int] = {}
-        kept = []
-        for row, entry in enumerate(entries):
-            first = first_row.setdefault(os.path.normpath(entry.ref), row)
+        for row, (image, label, caption, split) in enumerate(zip(columns["path"], labels, captions, splits)):
+            label = None if _is_blank(label) else self.label_of(str(label), f"manifest {path} row {row}")
+            first = first_row.setdefault(os.path.normpath(self.image_root / str(image)), row)
             if first == row:
-                kept.append(entry)
+                yield Entry(str(image), label, caption, split, self.image_root / str(image))
             else:
-                self.skip_or_fail(entry.source_id, f"manifest {path} rows {first} and {row} both give path "
-                                  f"{entry.source_id}", "keep one row per image, or set 'on_error: skip' in "
-                                  "the data spec to keep the first")
-        return kept
+                self.skip_or_fail(str(image), f"manifest {path} rows {first} and {row} both give path {image}",
+                                  "keep one row per image, or set 'on_error: skip' in the data spec to keep the first")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -527,49 +492,37 @@ class WebDatasetReader(Reader):
             return self.fingerprint_of(self.tars)
         return remote.fingerprint([*map(str, self.tars), manifest, beside(manifest, "shards.json")])
 
-    def entries(self) -> Listing:
-        return self._entries
-
-    @cached_property
-    def _entries(self) -> Listing:
-        """Every tar's entries, listed once (so that a damaged tar is reported once)."""
-        return Listing(entry for number, tar in enumerate(self.tars) for entry in self._tar_entries(number, tar))
-
-    def _tar_entries(self, number: int, tar: Path) -> Iterator[Entry]:
-        """Entries of tar ``number``, ``ref`` (tar number, data offset, size) of the image member or None. A
-        damaged tar is a DataError or, under ``on_error: skip``, reported, keeping all but its last sample read."""
-        samples, damage = self._tar_samples(tar)
-        if damage:
-            self.skip_or_fail(tar.name, f"{tar} {damage}", "re-create or re-download it, or set 'on_error: skip' "
-                              "in the data spec to keep the samples before the damage")
-            samples = dict(list(samples.items())[:-1])
-        for key, members in samples.items():
-            where = f"{tar}:{key}"
-            image = members.get(self.spec.source.image_ext)
-            yield Entry(f"{tar.name}/{key}", self._label(members.get("json"), where), members.get("txt"),
-                        None, None if image is None else (number, *image))
+    def list_entries(self) -> Iterator[Entry]:
+        """``ref``: (tar number, data offset, size) of the image member, or None. A damaged tar is a DataError
+        or, under ``on_error: skip``, reported, keeping all but its last sample read."""
+        for number, tar in enumerate(self.tars):
+            samples, damage = self._tar_samples(tar)
+            if damage:
+                self.skip_or_fail(tar.name, f"{tar} {damage}", "re-create or re-download it, or set 'on_error: skip' "
+                                  "in the data spec to keep the samples before the damage")
+                samples = dict(list(samples.items())[:-1])
+            for key, members in samples.items():
+                image = members.get(self.spec.source.image_ext)
+                yield Entry(f"{tar.name}/{key}", self._label(members.get("json"), f"{tar}:{key}"), members.get("txt"),
+                            None, None if image is None else (number, *image))
 
     def _tar_samples(self, tar: Path) -> tuple[dict[str, dict[str, Any]], str | None]:
         """{key: {extension: value}} in member order, and why the tar is damaged (None when it is whole)."""
         samples: dict[str, dict[str, Any]] = {}
         try:
             with tarfile.open(tar, "r:") as archive:
-                for member in archive:
-                    if member.isfile():
-                        key, ext = _split_member_name(member.name)
-                        samples.setdefault(key, {})[ext] = self._member_value(archive, member, ext)
+                for member in filter(tarfile.TarInfo.isfile, archive):
+                    key, ext = _split_member_name(member.name)
+                    sample = samples.setdefault(key, {})
+                    if ext == self.spec.source.image_ext:
+                        sample[ext] = (member.offset_data, member.size)
+                    elif ext in ("txt", "json"):
+                        text = archive.extractfile(member).read().decode("utf-8", errors="replace")
+                        sample[ext] = text.strip() if ext == "txt" else text
                 ends = _end_block_at(tar, archive.offset)
         except (tarfile.TarError, OSError) as err:
             return samples, f"is not a readable tar ({err})"
         return samples, None if ends else "is truncated (no end-of-archive block after its last member)"
-
-    def _member_value(self, archive: tarfile.TarFile, member: tarfile.TarInfo, ext: str) -> Any:
-        if ext == self.spec.source.image_ext:
-            return (member.offset_data, member.size)
-        if ext in ("txt", "json"):
-            text = archive.extractfile(member).read().decode("utf-8", errors="replace")
-            return text.strip() if ext == "txt" else text
-        return None
 
     def _label(self, metadata: str | None, where: str) -> int | None:
         field = self.spec.source.label_field
