@@ -21,6 +21,7 @@ FAISS is imported on first use, so the rest of the library works where it is abs
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -60,11 +61,6 @@ def require_faiss():
         raise SimilarityError("FAISS is not installed", "pip install 'repsim[cpu]' (faiss-cpu), or 'repsim[gpu]' "
                               "(faiss-gpu-cu12) on a CUDA 12 machine; `repsim doctor` shows what is there") from None
     return faiss
-
-
-def gpu_available() -> bool:
-    """Whether the installed FAISS can use a GPU."""
-    return require_faiss().get_num_gpus() > 0
 
 
 def descending(metric: str) -> bool:
@@ -195,11 +191,12 @@ def _training_sample(points: np.ndarray, rows: np.ndarray | None, metric: str, k
 
 
 def _resolve_gpu(use_gpu: bool | None, kind: str) -> bool:
-    if use_gpu is None:
-        return kind != "hnsw" and gpu_available()
     if use_gpu and kind == "hnsw":
         raise SimilarityError("FAISS has no GPU HNSW index", "use index='ivf', 'ivfpq' or 'flat' on the GPU")
-    if use_gpu and not gpu_available():
+    has_gpu = use_gpu is not False and kind != "hnsw" and require_faiss().get_num_gpus() > 0
+    if use_gpu is None:
+        return has_gpu
+    if use_gpu and not has_gpu:
         raise SimilarityError("use_gpu=True but the installed FAISS sees no GPU",
                               "install repsim[gpu] (faiss-gpu-cu12) on a GPU machine, or leave use_gpu unset")
     return use_gpu
@@ -239,7 +236,14 @@ def exact_search(queries: ArrayLike, keys: ArrayLike, k: int, metric: str = "cos
     dtype = dtype or torch.promote_types(keys.dtype, torch.float32)
     query_ids, key_ids = _exclusion(exclude, len(queries), len(keys), device)
     keys = keys.to(device)
-    return _exact_chunks(queries, keys, k, metric, dtype, query_ids, key_ids, chunk_size, key_chunk_size)
+
+    def search(start: int) -> NeighborChunk:
+        chunk = _prepared(queries[start:start + chunk_size].to(device, dtype), metric)
+        chunk_ids = None if query_ids is None else query_ids[start:start + chunk_size]
+        nearness, indices = _top_k(chunk, keys, k, metric, chunk_ids, key_ids, key_chunk_size)
+        return NeighborChunk(start, nearness if descending(metric) else -nearness, indices)
+
+    return map(search, range(0, len(queries), chunk_size))
 
 
 def nearest(queries: ArrayLike, keys: ArrayLike, k: int, metric: str = "cosine",
@@ -281,16 +285,6 @@ def _exclusion(exclude: tuple[ArrayLike, ArrayLike] | None, queries: int, keys: 
 
 def _prepared(x: torch.Tensor, metric: str) -> torch.Tensor:
     return F.normalize(x, dim=1) if metric == "cosine" else x
-
-
-def _exact_chunks(queries: torch.Tensor, keys: torch.Tensor, k: int, metric: str, dtype: torch.dtype,
-                  query_ids: torch.Tensor | None, key_ids: torch.Tensor | None, chunk_size: int,
-                  key_chunk_size: int) -> Iterator[NeighborChunk]:
-    for start in range(0, len(queries), chunk_size):
-        chunk = _prepared(queries[start:start + chunk_size].to(keys.device, dtype), metric)
-        chunk_ids = None if query_ids is None else query_ids[start:start + chunk_size]
-        nearness, indices = _top_k(chunk, keys, k, metric, chunk_ids, key_ids, key_chunk_size)
-        yield NeighborChunk(start, nearness if descending(metric) else -nearness, indices)
 
 
 def _top_k(queries: torch.Tensor, keys: torch.Tensor, k: int, metric: str, query_ids: torch.Tensor | None,
@@ -359,17 +353,17 @@ def knn(base: np.ndarray, k: int, queries: np.ndarray | None = None, index: str 
     query_rows = rows if queries is None else None
     _check_k(k, pool - skip_self, skip_self, index_options.get("use_gpu"))
     if index == "flat" and not _resolve_gpu(index_options.get("use_gpu"), index):
-        faiss_index = FlatScan(base, rows, metric, chunk_size)
+        search = functools.partial(_flat_scan, base, rows, metric, chunk_size)
     else:
-        faiss_index = build_index(base, index, metric, rows=rows, chunk_size=chunk_size, progress=progress,
-                                  **index_options)
+        search = build_index(base, index, metric, rows=rows, chunk_size=chunk_size, progress=progress,
+                             **index_options).search
     count = pool if queries is None else len(query_points)
     wanted = k + skip_self
     factor = rerank or (IVFPQ_RERANK if index == "ivfpq" else 1)
     ids, scores = _outputs(count, k, out)
     for start, chunk in tqdm(_chunks(query_points, query_rows, metric, "queries", chunk_size),
                              desc=f"{index} search", total=-(-count // chunk_size), disable=not progress):
-        found_scores, found_ids = faiss_index.search(chunk, min(pool, wanted * factor))
+        found_scores, found_ids = search(chunk, min(pool, wanted * factor))
         if rows is not None:
             found_ids = np.where(found_ids >= 0, rows[np.maximum(found_ids, 0)], -1)
         if factor > 1:
@@ -383,27 +377,23 @@ def knn(base: np.ndarray, k: int, queries: np.ndarray | None = None, index: str 
     return ids, scores
 
 
-class FlatScan:
-    """Exact search on the CPU, FAISS's flat search over ``chunk_size`` candidates at a time with the results
-    merged, so memory holds one chunk; ``search`` answers like a FAISS index (positions among the candidates)."""
-
-    def __init__(self, points: np.ndarray, rows: np.ndarray | None, metric: str, chunk_size: int = CHUNK_ROWS):
-        self.points, self.rows, self.metric, self.chunk_size = points, rows, metric, chunk_size
-
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """(Q, k) scores and candidate positions of the k nearest candidates of each query, nearest first."""
-        faiss = require_faiss()
-        faiss_metric = faiss.METRIC_L2 if self.metric == "l2" else faiss.METRIC_INNER_PRODUCT
-        scores = np.empty((len(queries), 0), dtype=np.float32)
-        ids = np.empty((len(queries), 0), dtype=np.int64)
-        for start, chunk in _chunks(self.points, self.rows, self.metric, "points", self.chunk_size):
-            index = faiss.IndexFlat(chunk.shape[1], faiss_metric)
-            index.add(chunk)
-            found_scores, found_ids = index.search(queries, min(k, len(chunk)))
-            scores, ids = np.hstack([scores, found_scores]), np.hstack([ids, found_ids + start])
-            order = np.argsort(-scores if descending(self.metric) else scores, axis=1, kind="stable")[:, :k]
-            scores, ids = np.take_along_axis(scores, order, axis=1), np.take_along_axis(ids, order, axis=1)
-        return scores, ids
+def _flat_scan(points: np.ndarray, rows: np.ndarray | None, metric: str, chunk_size: int, queries: np.ndarray,
+               k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Exact search on the CPU as a FAISS index's ``search`` answers it: (Q, k) scores and positions among the
+    candidates, nearest first. FAISS's flat search over ``chunk_size`` candidates at a time, the results
+    merged, so memory holds one chunk."""
+    faiss = require_faiss()
+    faiss_metric = faiss.METRIC_L2 if metric == "l2" else faiss.METRIC_INNER_PRODUCT
+    scores = np.empty((len(queries), 0), dtype=np.float32)
+    ids = np.empty((len(queries), 0), dtype=np.int64)
+    for start, chunk in _chunks(points, rows, metric, "points", chunk_size):
+        index = faiss.IndexFlat(chunk.shape[1], faiss_metric)
+        index.add(chunk)
+        found_scores, found_ids = index.search(queries, min(k, len(chunk)))
+        scores, ids = np.hstack([scores, found_scores]), np.hstack([ids, found_ids + start])
+        order = np.argsort(-scores if descending(metric) else scores, axis=1, kind="stable")[:, :k]
+        scores, ids = np.take_along_axis(scores, order, axis=1), np.take_along_axis(ids, order, axis=1)
+    return scores, ids
 
 
 def rerank_exactly(base: np.ndarray, queries: np.ndarray, candidates: np.ndarray, metric: str,

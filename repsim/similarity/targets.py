@@ -1,12 +1,6 @@
 """Target similarities: ``source(indices, labels)`` with (B,) int64 tensors gives the batch's (B, B) float32
 target on the device of ``indices``, diagonal exactly 1. Sources keep their tables on the host until first
 called, then move them to the calling device once.
-
-- :class:`ClassMatrixSource`: a precomputed (C, C) matrix indexed by labels (WordNet, user matrices).
-- :class:`LabelSource`: 1 for the same label, else 0 (SupCon's positives).
-- :class:`IdentitySource`: the identity (SimCLR's positives).
-- :class:`EmbeddingSource`: cosine ``E_b E_bᵀ`` of stored per-sample embeddings (captions); never N x N.
-- :class:`GraphSource`: a sparse, symmetric sample graph; pairs it does not list are 0.
 """
 
 from __future__ import annotations
@@ -28,23 +22,11 @@ GRAPH_COLUMNS = ("key_i", "key_j", "s")
 
 
 class SimilaritySource(ABC):
-    """Maps a batch to its target similarity: (B,) indices, (B,) labels -> (B, B) float32, diagonal 1."""
+    """Maps a batch to its target similarity: (B,) int64 sample indices and class ids -> (B, B) float32 on
+    ``indices.device``, diagonal 1."""
 
     @abstractmethod
-    def __call__(self, indices: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """(B,) int64 sample indices and class ids -> (B, B) float32 on ``indices.device``."""
-
-
-class _Resident:
-    """A tensor moved to a device the first time it is asked for there, and kept there."""
-
-    def __init__(self, tensor: torch.Tensor):
-        self._tensor = tensor
-
-    def on(self, device: torch.device) -> torch.Tensor:
-        if self._tensor.device != device:
-            self._tensor = self._tensor.to(device)
-        return self._tensor
+    def __call__(self, indices: torch.Tensor, labels: torch.Tensor) -> torch.Tensor: ...
 
 
 class ClassMatrixSource(SimilaritySource):
@@ -53,11 +35,11 @@ class ClassMatrixSource(SimilaritySource):
     def __init__(self, matrix: np.ndarray | torch.Tensor, class_names: Sequence[str] | None = None):
         checked = validate_class_matrix(torch.as_tensor(matrix).detach().cpu().double().numpy(), class_names)
         self.num_classes = len(checked)
-        self._matrix = _Resident(torch.from_numpy(checked).float())
+        self._matrix = torch.from_numpy(checked).float()
 
     def __call__(self, indices: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        labels = labels.to(indices.device)
-        return self._matrix.on(indices.device)[labels[:, None], labels[None, :]]
+        labels, self._matrix = labels.to(indices.device), self._matrix.to(indices.device)  # moved once, then kept
+        return self._matrix[labels[:, None], labels[None, :]]
 
 
 class LabelSource(SimilaritySource):
@@ -88,7 +70,7 @@ class EmbeddingSource(SimilaritySource):
                                   "store one embedding row per sample")
         self.num_samples = len(embeddings)
         self._embeddings = embeddings
-        self._table = _Resident(torch.from_numpy(np.array(embeddings))) if resident else None
+        self._table = torch.from_numpy(np.array(embeddings)) if resident else None
 
     @classmethod
     def from_npy(cls, path: str | Path, resident: bool = False) -> EmbeddingSource:
@@ -100,7 +82,8 @@ class EmbeddingSource(SimilaritySource):
     def _rows(self, indices: torch.Tensor) -> torch.Tensor:
         """(B,) indices -> (B, D) float32 unit rows on ``indices.device``."""
         if self._table is not None:
-            rows = self._table.on(indices.device)[indices]
+            self._table = self._table.to(indices.device)
+            rows = self._table[indices]
         else:
             rows = torch.from_numpy(self._embeddings[indices.cpu().numpy()]).to(indices.device)
         return torch.nn.functional.normalize(rows.float(), dim=1)
@@ -124,8 +107,8 @@ class GraphSource(SimilaritySource):
         # A last code above every real one (N * N) with value 0 keeps each lookup inside the table.
         self.num_samples = num_samples
         self.num_pairs = len(codes) // 2
-        self._codes = _Resident(torch.from_numpy(np.append(codes, num_samples * num_samples)))
-        self._values = _Resident(torch.from_numpy(np.append(values, 0.0)).float())
+        self._codes = torch.from_numpy(np.append(codes, num_samples * num_samples))
+        self._values = torch.from_numpy(np.append(values, 0.0)).float()
 
     @classmethod
     def from_parquet(cls, path: str | Path, keys: Sequence[str]) -> GraphSource:
@@ -143,10 +126,10 @@ class GraphSource(SimilaritySource):
         return cls(i, j, _numbers(table["s"]), len(key_set))
 
     def __call__(self, indices: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        codes, values = self._codes.on(indices.device), self._values.on(indices.device)
+        self._codes, self._values = self._codes.to(indices.device), self._values.to(indices.device)
         query = indices[:, None] * self.num_samples + indices[None, :]
-        found = torch.searchsorted(codes, query)
-        return _one_for_same_sample(indices, torch.where(codes[found] == query, values[found], 0.0))
+        found = torch.searchsorted(self._codes, query)
+        return _one_for_same_sample(indices, torch.where(self._codes[found] == query, self._values[found], 0.0))
 
 
 def _one_for_same_sample(indices: torch.Tensor, similarity: torch.Tensor) -> torch.Tensor:
