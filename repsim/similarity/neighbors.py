@@ -72,7 +72,6 @@ def descending(metric: str) -> bool:
 # Checked float32 chunks of possibly memory-mapped rows
 
 def _checked_matrix(x: np.ndarray, name: str) -> np.ndarray:
-    """``x`` as an (N, D) array (a memory map stays one), refused unless 2-D with N, D > 0."""
     x = x if isinstance(x, np.ndarray) else np.asarray(x)
     if x.ndim != 2 or 0 in x.shape:
         raise SimilarityError(f"{name} must be a non-empty (N, D) array, not {x.shape}", "pass one row per point")
@@ -82,8 +81,7 @@ def _checked_matrix(x: np.ndarray, name: str) -> np.ndarray:
 
 
 def _rows(x: np.ndarray, rows: np.ndarray | slice, metric: str, name: str, offset: int = 0) -> np.ndarray:
-    """``x[rows]`` as contiguous float32, refused if any value is NaN or infinite, unit-normalised
-    for the cosine metric. ``offset`` only numbers rows in the error message."""
+    """``x[rows]`` as contiguous float32, unit rows for cosine; ``offset`` numbers rows in the error message."""
     fancy = isinstance(rows, np.ndarray)  # fancy indexing copies already; a slice is a view to copy
     chunk = np.ascontiguousarray(np.asarray(x[rows]).astype(np.float32, copy=not fancy))
     bad = np.flatnonzero(~np.isfinite(chunk).all(axis=1))
@@ -273,7 +271,6 @@ def _host(x: ArrayLike) -> np.ndarray:
 
 def _exclusion(exclude: tuple[ArrayLike, ArrayLike] | None, queries: int, keys: int,
                device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``exclude``'s query ids (Q,) and key ids (N,) on ``device``, refused unless one per query and key."""
     if exclude is None:
         return None, None
     query_ids, key_ids = (torch.as_tensor(ids, device=device) for ids in exclude)
@@ -289,8 +286,8 @@ def _prepared(x: torch.Tensor, metric: str) -> torch.Tensor:
 
 def _top_k(queries: torch.Tensor, keys: torch.Tensor, k: int, metric: str, query_ids: torch.Tensor | None,
            key_ids: torch.Tensor | None, key_chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(nearness, key rows) (B, k) of prepared queries (B, D) among keys (N, D), each chunk of keys
-    converted to the queries' dtype and prepared in turn, nearest first, with a running top-k merge."""
+    """(nearness, key rows) (B, k) of prepared queries (B, D) among keys (N, D), nearest first, a chunk of keys
+    at a time with a running top-k merge."""
     best = queries.new_empty((len(queries), 0))
     best_indices = torch.empty((len(queries), 0), dtype=torch.long, device=queries.device)
     for key_start in range(0, len(keys), key_chunk_size):
@@ -379,9 +376,8 @@ def knn(base: np.ndarray, k: int, queries: np.ndarray | None = None, index: str 
 
 def _flat_scan(points: np.ndarray, rows: np.ndarray | None, metric: str, chunk_size: int, queries: np.ndarray,
                k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Exact search on the CPU as a FAISS index's ``search`` answers it: (Q, k) scores and positions among the
-    candidates, nearest first. FAISS's flat search over ``chunk_size`` candidates at a time, the results
-    merged, so memory holds one chunk."""
+    """Exact search on the CPU, answered as FAISS's ``search``: a flat index over ``chunk_size`` candidates at a
+    time, the results merged, so memory holds one chunk."""
     faiss = require_faiss()
     faiss_metric = faiss.METRIC_L2 if metric == "l2" else faiss.METRIC_INNER_PRODUCT
     scores = np.empty((len(queries), 0), dtype=np.float32)
@@ -452,7 +448,6 @@ def _check_k(k: int, pool: int, skip_self: bool, use_gpu: bool | None) -> None:
 
 
 def _outputs(count: int, k: int, out: str | Path | None) -> tuple[np.ndarray, np.ndarray]:
-    """Empty (count, k) ids and scores, in memory or as ``.npy`` memory maps in ``out``."""
     if out is None:
         return np.empty((count, k), dtype=np.int64), np.empty((count, k), dtype=np.float32)
     folder = Path(out)
@@ -468,8 +463,7 @@ def drop_self(ids: np.ndarray, scores: np.ndarray, own: np.ndarray) -> tuple[np.
 
 
 def _drop_marked(ids: np.ndarray, scores: np.ndarray, marked: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(B, k + 1) results -> (B, k) without each row's one ``marked`` (B, k + 1) entry, else its last."""
-    kept = np.argsort(marked, axis=1, kind="stable")[:, :-1]  # unmarked first, in their order
+    kept = np.argsort(marked, axis=1, kind="stable")[:, :-1]  # unmarked first, in their order: drops the last else
     return np.take_along_axis(ids, kept, axis=1), np.take_along_axis(scores, kept, axis=1)
 
 

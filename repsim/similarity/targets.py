@@ -38,7 +38,7 @@ class ClassMatrixSource(SimilaritySource):
         self._matrix = torch.from_numpy(checked).float()
 
     def __call__(self, indices: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        labels, self._matrix = labels.to(indices.device), self._matrix.to(indices.device)  # moved once, then kept
+        labels, self._matrix = labels.to(indices.device), self._matrix.to(indices.device)
         return self._matrix[labels[:, None], labels[None, :]]
 
 
@@ -69,8 +69,7 @@ class EmbeddingSource(SimilaritySource):
             raise SimilarityError(f"sample embeddings must be (N, D), not {tuple(embeddings.shape)}",
                                   "store one embedding row per sample")
         self.num_samples = len(embeddings)
-        self._embeddings = embeddings
-        self._table = torch.from_numpy(np.array(embeddings)) if resident else None
+        self._embeddings = torch.from_numpy(np.array(embeddings)) if resident else embeddings
 
     @classmethod
     def from_npy(cls, path: str | Path, resident: bool = False) -> EmbeddingSource:
@@ -79,17 +78,13 @@ class EmbeddingSource(SimilaritySource):
             raise SimilarityError(f"sample embeddings {path} do not exist", "run the caption embedding stage")
         return cls(np.load(path, mmap_mode="r"), resident=resident)
 
-    def _rows(self, indices: torch.Tensor) -> torch.Tensor:
-        """(B,) indices -> (B, D) float32 unit rows on ``indices.device``."""
-        if self._table is not None:
-            self._table = self._table.to(indices.device)
-            rows = self._table[indices]
+    def __call__(self, indices: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if isinstance(self._embeddings, torch.Tensor):
+            self._embeddings = self._embeddings.to(indices.device)
+            rows = self._embeddings[indices]
         else:
             rows = torch.from_numpy(self._embeddings[indices.cpu().numpy()]).to(indices.device)
-        return torch.nn.functional.normalize(rows.float(), dim=1)
-
-    def __call__(self, indices: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        rows = self._rows(indices)
+        rows = torch.nn.functional.normalize(rows.float(), dim=1)
         return _one_for_same_sample(indices, (rows @ rows.T).clamp_(-1.0, 1.0))
 
 
