@@ -166,7 +166,10 @@ def neighbors_stage_of(embeddings: EmbeddingsLike, k: int = 10, index: str = "au
     if index not in STAGE_INDEXES:
         raise SimilarityError(f"unknown index {index!r}", f"index is one of {', '.join(STAGE_INDEXES)}")
     if index == "auto":
-        index = auto_index(*_shape(path))
+        shape = np.load(path, mmap_mode="r").shape
+        if len(shape) != 2:
+            raise SimilarityError(f"embeddings {path} have shape {shape}", "pass an (N, D) array, one row per point")
+        index = auto_index(*shape)
     sample = {"recall_queries": recall_queries, "seed": seed} if index != "flat" else {}
     return Stage("neighbors", NEIGHBORS_VERSION, config={"k": k, "index": index, "metric": metric, **sample},
                  inputs={"embeddings": upstream})
@@ -185,13 +188,6 @@ def _embeddings_input(embeddings: EmbeddingsLike) -> tuple[Path, str]:
     if record is not None and path.name == EMBEDDINGS_FILE:
         return path, record["key"]
     return path, fingerprint_files([path])
-
-
-def _shape(path: Path) -> tuple[int, int]:
-    shape = np.load(path, mmap_mode="r").shape
-    if len(shape) != 2:
-        raise SimilarityError(f"embeddings {path} have shape {shape}", "pass an (N, D) array, one row per point")
-    return shape
 
 
 def _write_neighbors(path: Path, config: dict, progress: bool, out: Path) -> dict[str, float]:

@@ -98,7 +98,12 @@ class GraphSource(SimilaritySource):
         _check_graph(i, j, s, num_samples)
         apart = i != j  # self pairs are 1 by definition
         codes = np.concatenate([i[apart] * num_samples + j[apart], j[apart] * num_samples + i[apart]])
-        codes, values = _unique_pairs(codes, np.concatenate([s[apart], s[apart]]))
+        values = np.concatenate([s[apart], s[apart]])
+        codes, first, group = np.unique(codes, return_index=True, return_inverse=True)  # sorted
+        if not np.allclose(values, values[first][group], atol=TOLERANCE, rtol=0):
+            raise SimilarityError("the graph lists a pair twice with different similarities",
+                                  "keep one s per unordered pair (i, j)")
+        values = values[first]
         # A last code above every real one (N * N) with value 0 keeps each lookup inside the table.
         self.num_samples = num_samples
         self.num_pairs = len(codes) // 2
@@ -170,15 +175,6 @@ def _float_or_nan(value: object) -> float:
         return np.nan
 
 
-def _unique_pairs(codes: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted unique codes and their values; a pair listed twice must agree with itself."""
-    unique, first, group = np.unique(codes, return_index=True, return_inverse=True)
-    if not np.allclose(values, values[first][group], atol=TOLERANCE, rtol=0):
-        raise SimilarityError("the graph lists a pair twice with different similarities",
-                              "keep one s per unordered pair (i, j)")
-    return unique, values[first]
-
-
 def _key_indices(column: pa.ChunkedArray, key_set: pa.Array, path: str | Path) -> np.ndarray:
     """(P,) int64 position of each key of ``column`` in ``key_set``; unknown keys are an error."""
     found = pc.index_in(pc.cast(column, pa.string()), value_set=key_set)
@@ -212,16 +208,7 @@ def load_class_matrix(path: str | Path, class_names: Sequence[str]) -> np.ndarra
     first column names each row's class, the others are named by class (checked by :func:`validate_class_matrix`)."""
     table = _read_table(Path(path))
     rows = [str(name) for name in table.column(0).to_pylist()]
-    columns = table.column_names[1:]
-    _check_class_names(rows, columns, class_names, path)
-    position = {name: k for k, name in enumerate(rows)}
-    order = [position[name] for name in class_names]
-    matrix = np.stack([_numbers(table[name])[order] for name in class_names], axis=1)
-    return validate_class_matrix(matrix, class_names)
-
-
-def _check_class_names(rows: list[str], columns: list[str], class_names: Sequence[str], path) -> None:
-    for axis, names in (("rows", rows), ("columns", columns)):
+    for axis, names in (("rows", rows), ("columns", table.column_names[1:])):
         repeated = sorted(name for name, count in Counter(names).items() if count > 1)
         missing = [name for name in class_names if name not in names]
         unknown = sorted(set(names) - set(class_names))
@@ -231,6 +218,10 @@ def _check_class_names(rows: list[str], columns: list[str], class_names: Sequenc
             raise SimilarityError(f"the {axis} of {path} do not match the dataset's classes "
                                   f"({'; '.join(problems)})",
                                   "give one row and one column per class, named as in the data spec")
+    position = {name: k for k, name in enumerate(rows)}
+    order = [position[name] for name in class_names]
+    matrix = np.stack([_numbers(table[name])[order] for name in class_names], axis=1)
+    return validate_class_matrix(matrix, class_names)
 
 
 def validate_class_matrix(matrix: np.ndarray, class_names: Sequence[str] | None = None) -> np.ndarray:
