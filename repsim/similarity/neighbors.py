@@ -136,13 +136,16 @@ def build_index(points: np.ndarray, kind: str = "flat", metric: str = "cosine", 
     count, dim = (len(points) if rows is None else len(rows)), points.shape[1]
     lists = nlist or default_nlist(count)
     faiss_metric = faiss.METRIC_L2 if metric == "l2" else faiss.METRIC_INNER_PRODUCT
+    pq_m = pq_m or default_pq_m(dim)
+    if kind == "ivfpq" and dim % pq_m:
+        raise SimilarityError(f"pq_m={pq_m} does not divide the dimension {dim}", f"choose pq_m = {default_pq_m(dim)}")
     if kind == "flat":
         index = faiss.IndexFlat(dim, faiss_metric)
     elif kind in ("ivf", "ivfpq"):
         if kind == "ivf":
             index = faiss.IndexIVFFlat(faiss.IndexFlat(dim, faiss_metric), dim, lists, faiss_metric)
         else:
-            index = faiss.IndexIVFPQ(faiss.IndexFlat(dim, faiss_metric), dim, lists, _pq_m(pq_m, dim), 8, faiss_metric)
+            index = faiss.IndexIVFPQ(faiss.IndexFlat(dim, faiss_metric), dim, lists, pq_m, 8, faiss_metric)
         index.nprobe = nprobe or max(1, lists // 8)
     else:
         index = faiss.IndexHNSWFlat(dim, m, faiss_metric)
@@ -167,13 +170,6 @@ def auto_index(count: int, dim: int, m: int = 32, memory: int | None = None) -> 
         return "flat"
     memory = memory or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return "hnsw" if count * (4 * dim + 8 * m) <= HNSW_MEMORY_SHARE * memory else "ivfpq"
-
-
-def _pq_m(pq_m: int | None, dim: int) -> int:
-    pq_m = pq_m or default_pq_m(dim)
-    if dim % pq_m:
-        raise SimilarityError(f"pq_m={pq_m} does not divide the dimension {dim}", f"choose pq_m = {default_pq_m(dim)}")
-    return pq_m
 
 
 def _training_sample(points: np.ndarray, rows: np.ndarray | None, metric: str, kind: str, lists: int,
