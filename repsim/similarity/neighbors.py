@@ -44,6 +44,7 @@ QUERY_CHUNK = 1024  # queries of an exact search at a time
 KEY_CHUNK = 32768  # keys scored at a time: with QUERY_CHUNK, 128 MB of float32 scores
 IDS_FILE = "neighbor_ids.npy"
 SCORES_FILE = "neighbor_scores.npy"
+LIST_FILES = {IDS_FILE: np.int64, SCORES_FILE: np.float32}  # the neighbor lists' files and dtypes, ids first
 MIN_POINTS_PER_LIST = 39  # fewer training points per IVF list and FAISS warns of poor centroids
 TRAIN_POINTS_PER_LIST = 256  # FAISS k-means subsamples to this many points per centroid anyway
 PQ_TRAIN_POINTS = 65536  # 256 points per code of an 8-bit product quantiser
@@ -443,14 +444,12 @@ def _check_k(k: int, pool: int, skip_self: bool, use_gpu: bool | None) -> None:
                               "lower k, or search on the CPU (use_gpu=False)")
 
 
-def _outputs(count: int, k: int, out: str | Path | None) -> tuple[np.ndarray, np.ndarray]:
+def _outputs(count: int, k: int, out: str | Path | None) -> tuple[np.ndarray, ...]:
     if out is None:
-        return np.empty((count, k), dtype=np.int64), np.empty((count, k), dtype=np.float32)
-    folder = Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
-    open_memmap = np.lib.format.open_memmap
-    return (open_memmap(folder / IDS_FILE, mode="w+", dtype=np.int64, shape=(count, k)),
-            open_memmap(folder / SCORES_FILE, mode="w+", dtype=np.float32, shape=(count, k)))
+        return tuple(np.empty((count, k), dtype) for dtype in LIST_FILES.values())
+    Path(out).mkdir(parents=True, exist_ok=True)
+    return tuple(np.lib.format.open_memmap(Path(out) / name, mode="w+", dtype=dtype, shape=(count, k))
+                 for name, dtype in LIST_FILES.items())
 
 
 def drop_self(ids: np.ndarray, scores: np.ndarray, own: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -481,9 +480,8 @@ def recall_at_k(approx_ids: np.ndarray, exact_ids: np.ndarray, k: int | None = N
 def load_neighbors(folder: str | Path, mmap: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """(N, L) ids and scores written by :func:`knn` with ``out``, memory-mapped unless ``mmap=False``."""
     folder = Path(folder)
-    missing = [name for name in (IDS_FILE, SCORES_FILE) if not (folder / name).is_file()]
+    missing = [name for name in LIST_FILES if not (folder / name).is_file()]
     if missing:
         raise SimilarityError(f"{folder} holds no neighbor list ({', '.join(missing)} missing)",
                               "run the neighbor stage first")
-    mode = "r" if mmap else None
-    return np.load(folder / IDS_FILE, mmap_mode=mode), np.load(folder / SCORES_FILE, mmap_mode=mode)
+    return tuple(np.load(folder / name, mmap_mode="r" if mmap else None) for name in LIST_FILES)
