@@ -8,7 +8,7 @@ import torch
 
 from repsim.errors import SimilarityError
 from repsim.similarity.targets import (ClassMatrixSource, EmbeddingSource, GraphSource, IdentitySource,
-                                       LabelSource, _Resident, load_class_matrix, validate_class_matrix)
+                                       LabelSource, load_class_matrix, validate_class_matrix)
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 CLASSES = ["cat", "dog", "sneaker"]
@@ -261,10 +261,12 @@ def test_validation_makes_near_symmetry_exact():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_tables_move_to_a_device_once(device):
-    resident = _Resident(torch.ones(3))
-    first = resident.on(torch.device(device))
+    source, indices = ClassMatrixSource(np.eye(3)), torch.arange(3, device=device)
+    source(indices, indices)
+    first = source._matrix
     assert first.device.type == device
-    assert resident.on(first.device) is first
+    source(indices, indices)
+    assert source._matrix is first
 
 
 def test_a_class_matrix_that_is_not_utf8_or_not_a_file_is_one_line(tmp_path):

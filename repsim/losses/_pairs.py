@@ -54,8 +54,7 @@ class ViewPairs:
     @property
     def self_mask(self) -> torch.Tensor:
         """(2B, 2B') bool, True at each row's own column."""
-        mask = torch.zeros_like(self.logits, dtype=torch.bool)
-        return mask.scatter_(1, self.row_ids[:, None], True)
+        return torch.zeros_like(self.logits, dtype=torch.bool).scatter_(1, self.row_ids[:, None], True)
 
     def positive_ids(self) -> torch.Tensor:
         """(2B,) the column of each row's other view of the same sample."""

@@ -48,7 +48,10 @@ def neighborhood_kernel(points: torch.Tensor, kind: Kernel = "heat", sigma: floa
         unit = F.normalize(points, dim=-1)
         kernel = (1 + unit @ unit.transpose(1, 2)) / 2
     elif kind == "knn":
-        kernel = _binary_knn(points, knn_k)
+        if not 1 <= knn_k <= points.shape[1]:
+            raise ValueError(f"knn_k must be from 1 to the neighborhood size {points.shape[1]}, not {knn_k}")
+        distances = torch.cdist(points, points)
+        kernel = torch.zeros_like(distances).scatter_(-1, distances.topk(knn_k, dim=-1, largest=False).indices, 1.0)
     else:
         raise ValueError(f"unknown kernel {kind!r}; use one of {', '.join(KERNELS)}")
     kernel = kernel.clamp(min=KERNEL_FLOOR)
@@ -62,14 +65,6 @@ def _heat(points: torch.Tensor, sigma: float, squared_epsilon: bool) -> torch.Te
     m = points.shape[1]
     epsilon = sigma * (squared if squared_epsilon else distances).sum(dim=(1, 2), keepdim=True) / (m * (m - 1))
     return torch.exp(-squared / epsilon.clamp(min=EPSILON_FLOOR))
-
-
-def _binary_knn(points: torch.Tensor, k: int) -> torch.Tensor:
-    if not 1 <= k <= points.shape[1]:
-        raise ValueError(f"knn_k must be from 1 to the neighborhood size {points.shape[1]}, not {k}")
-    nearest = torch.cdist(points, points).topk(k, dim=-1, largest=False).indices
-    return torch.zeros(points.shape[:2] + points.shape[1:2], dtype=points.dtype, device=points.device).scatter_(
-        -1, nearest, 1.0)
 
 
 class GeometricLoss(nn.Module):

@@ -66,15 +66,15 @@ def embed_captions(texts: Sequence[str] | pa.Array | pa.ChunkedArray, model: Any
         out = np.empty((len(texts), encoder.get_embedding_dimension()), dtype=np.float32)
     with tqdm(total=len(unique), unit="caption", desc="embed captions", disable=not progress) as bar:
         for chosen, rows, slots in _longest_first_batches(unique, inverse, batch_size):
-            embeddings = _unit_rows(encoder.encode([unique[u] for u in chosen], batch_size=len(chosen),
-                                                   convert_to_numpy=True, show_progress_bar=False))
+            embeddings = np.asarray(encoder.encode([unique[u] for u in chosen], batch_size=len(chosen),
+                                                   convert_to_numpy=True, show_progress_bar=False), dtype=np.float32)
+            embeddings = embeddings / np.maximum(np.linalg.norm(embeddings, axis=1, keepdims=True), 1e-12)
             out[rows] = embeddings[slots]
             bar.update(len(chosen))
     return out
 
 
 def _check_texts(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> None:
-    """Refuse an empty caption list or one holding anything but strings."""
     if len(texts) == 0:
         raise SimilarityError("no captions to embed", "pass at least one caption")
     if isinstance(texts, (pa.Array, pa.ChunkedArray)):
@@ -109,9 +109,3 @@ def _deduplicate(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> tuple[lis
         column = column.combine_chunks()
     encoded = column.dictionary_encode()
     return encoded.dictionary.to_pylist(), encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
-
-
-def _unit_rows(embeddings: np.ndarray) -> np.ndarray:
-    """(B, D) float32 rows scaled to unit L2 norm."""
-    embeddings = np.asarray(embeddings, dtype=np.float32)
-    return embeddings / np.maximum(np.linalg.norm(embeddings, axis=1, keepdims=True), 1e-12)

@@ -21,6 +21,7 @@ FAISS is imported on first use, so the rest of the library works where it is abs
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ QUERY_CHUNK = 1024  # queries of an exact search at a time
 KEY_CHUNK = 32768  # keys scored at a time: with QUERY_CHUNK, 128 MB of float32 scores
 IDS_FILE = "neighbor_ids.npy"
 SCORES_FILE = "neighbor_scores.npy"
+LIST_FILES = {IDS_FILE: np.int64, SCORES_FILE: np.float32}  # the neighbor lists' files and dtypes, ids first
 MIN_POINTS_PER_LIST = 39  # fewer training points per IVF list and FAISS warns of poor centroids
 TRAIN_POINTS_PER_LIST = 256  # FAISS k-means subsamples to this many points per centroid anyway
 PQ_TRAIN_POINTS = 65536  # 256 points per code of an 8-bit product quantiser
@@ -62,11 +64,6 @@ def require_faiss():
     return faiss
 
 
-def gpu_available() -> bool:
-    """Whether the installed FAISS can use a GPU."""
-    return require_faiss().get_num_gpus() > 0
-
-
 def descending(metric: str) -> bool:
     """Whether larger scores are nearer for ``metric`` (cosine, ip) rather than smaller (l2)."""
     return metric != "l2"
@@ -76,7 +73,6 @@ def descending(metric: str) -> bool:
 # Checked float32 chunks of possibly memory-mapped rows
 
 def _checked_matrix(x: np.ndarray, name: str) -> np.ndarray:
-    """``x`` as an (N, D) array (a memory map stays one), refused unless 2-D with N, D > 0."""
     x = x if isinstance(x, np.ndarray) else np.asarray(x)
     if x.ndim != 2 or 0 in x.shape:
         raise SimilarityError(f"{name} must be a non-empty (N, D) array, not {x.shape}", "pass one row per point")
@@ -86,8 +82,7 @@ def _checked_matrix(x: np.ndarray, name: str) -> np.ndarray:
 
 
 def _rows(x: np.ndarray, rows: np.ndarray | slice, metric: str, name: str, offset: int = 0) -> np.ndarray:
-    """``x[rows]`` as contiguous float32, refused if any value is NaN or infinite, unit-normalised
-    for the cosine metric. ``offset`` only numbers rows in the error message."""
+    """``x[rows]`` as contiguous float32, unit rows for cosine; ``offset`` numbers rows in the error message."""
     fancy = isinstance(rows, np.ndarray)  # fancy indexing copies already; a slice is a view to copy
     chunk = np.ascontiguousarray(np.asarray(x[rows]).astype(np.float32, copy=not fancy))
     bad = np.flatnonzero(~np.isfinite(chunk).all(axis=1))
@@ -142,13 +137,16 @@ def build_index(points: np.ndarray, kind: str = "flat", metric: str = "cosine", 
     count, dim = (len(points) if rows is None else len(rows)), points.shape[1]
     lists = nlist or default_nlist(count)
     faiss_metric = faiss.METRIC_L2 if metric == "l2" else faiss.METRIC_INNER_PRODUCT
+    pq_m = pq_m or default_pq_m(dim)
+    if kind == "ivfpq" and dim % pq_m:
+        raise SimilarityError(f"pq_m={pq_m} does not divide the dimension {dim}", f"choose pq_m = {default_pq_m(dim)}")
     if kind == "flat":
         index = faiss.IndexFlat(dim, faiss_metric)
     elif kind in ("ivf", "ivfpq"):
         if kind == "ivf":
             index = faiss.IndexIVFFlat(faiss.IndexFlat(dim, faiss_metric), dim, lists, faiss_metric)
         else:
-            index = faiss.IndexIVFPQ(faiss.IndexFlat(dim, faiss_metric), dim, lists, _pq_m(pq_m, dim), 8, faiss_metric)
+            index = faiss.IndexIVFPQ(faiss.IndexFlat(dim, faiss_metric), dim, lists, pq_m, 8, faiss_metric)
         index.nprobe = nprobe or max(1, lists // 8)
     else:
         index = faiss.IndexHNSWFlat(dim, m, faiss_metric)
@@ -175,13 +173,6 @@ def auto_index(count: int, dim: int, m: int = 32, memory: int | None = None) -> 
     return "hnsw" if count * (4 * dim + 8 * m) <= HNSW_MEMORY_SHARE * memory else "ivfpq"
 
 
-def _pq_m(pq_m: int | None, dim: int) -> int:
-    pq_m = pq_m or default_pq_m(dim)
-    if dim % pq_m:
-        raise SimilarityError(f"pq_m={pq_m} does not divide the dimension {dim}", f"choose pq_m = {default_pq_m(dim)}")
-    return pq_m
-
-
 def _training_sample(points: np.ndarray, rows: np.ndarray | None, metric: str, kind: str, lists: int,
                      seed: int) -> np.ndarray:
     """A seeded sample of the candidates to train IVF centroids (and PQ codebooks) on."""
@@ -195,11 +186,12 @@ def _training_sample(points: np.ndarray, rows: np.ndarray | None, metric: str, k
 
 
 def _resolve_gpu(use_gpu: bool | None, kind: str) -> bool:
-    if use_gpu is None:
-        return kind != "hnsw" and gpu_available()
     if use_gpu and kind == "hnsw":
         raise SimilarityError("FAISS has no GPU HNSW index", "use index='ivf', 'ivfpq' or 'flat' on the GPU")
-    if use_gpu and not gpu_available():
+    has_gpu = use_gpu is not False and kind != "hnsw" and require_faiss().get_num_gpus() > 0
+    if use_gpu is None:
+        return has_gpu
+    if use_gpu and not has_gpu:
         raise SimilarityError("use_gpu=True but the installed FAISS sees no GPU",
                               "install repsim[gpu] (faiss-gpu-cu12) on a GPU machine, or leave use_gpu unset")
     return use_gpu
@@ -239,7 +231,14 @@ def exact_search(queries: ArrayLike, keys: ArrayLike, k: int, metric: str = "cos
     dtype = dtype or torch.promote_types(keys.dtype, torch.float32)
     query_ids, key_ids = _exclusion(exclude, len(queries), len(keys), device)
     keys = keys.to(device)
-    return _exact_chunks(queries, keys, k, metric, dtype, query_ids, key_ids, chunk_size, key_chunk_size)
+
+    def search(start: int) -> NeighborChunk:
+        chunk = _prepared(queries[start:start + chunk_size].to(device, dtype), metric)
+        chunk_ids = None if query_ids is None else query_ids[start:start + chunk_size]
+        nearness, indices = _top_k(chunk, keys, k, metric, chunk_ids, key_ids, key_chunk_size)
+        return NeighborChunk(start, nearness if descending(metric) else -nearness, indices)
+
+    return map(search, range(0, len(queries), chunk_size))
 
 
 def nearest(queries: ArrayLike, keys: ArrayLike, k: int, metric: str = "cosine",
@@ -269,7 +268,6 @@ def _host(x: ArrayLike) -> np.ndarray:
 
 def _exclusion(exclude: tuple[ArrayLike, ArrayLike] | None, queries: int, keys: int,
                device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``exclude``'s query ids (Q,) and key ids (N,) on ``device``, refused unless one per query and key."""
     if exclude is None:
         return None, None
     query_ids, key_ids = (torch.as_tensor(ids, device=device) for ids in exclude)
@@ -283,20 +281,10 @@ def _prepared(x: torch.Tensor, metric: str) -> torch.Tensor:
     return F.normalize(x, dim=1) if metric == "cosine" else x
 
 
-def _exact_chunks(queries: torch.Tensor, keys: torch.Tensor, k: int, metric: str, dtype: torch.dtype,
-                  query_ids: torch.Tensor | None, key_ids: torch.Tensor | None, chunk_size: int,
-                  key_chunk_size: int) -> Iterator[NeighborChunk]:
-    for start in range(0, len(queries), chunk_size):
-        chunk = _prepared(queries[start:start + chunk_size].to(keys.device, dtype), metric)
-        chunk_ids = None if query_ids is None else query_ids[start:start + chunk_size]
-        nearness, indices = _top_k(chunk, keys, k, metric, chunk_ids, key_ids, key_chunk_size)
-        yield NeighborChunk(start, nearness if descending(metric) else -nearness, indices)
-
-
 def _top_k(queries: torch.Tensor, keys: torch.Tensor, k: int, metric: str, query_ids: torch.Tensor | None,
            key_ids: torch.Tensor | None, key_chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(nearness, key rows) (B, k) of prepared queries (B, D) among keys (N, D), each chunk of keys
-    converted to the queries' dtype and prepared in turn, nearest first, with a running top-k merge."""
+    """(nearness, key rows) (B, k) of prepared queries (B, D) among keys (N, D), nearest first, a chunk of keys
+    at a time with a running top-k merge."""
     best = queries.new_empty((len(queries), 0))
     best_indices = torch.empty((len(queries), 0), dtype=torch.long, device=queries.device)
     for key_start in range(0, len(keys), key_chunk_size):
@@ -359,17 +347,17 @@ def knn(base: np.ndarray, k: int, queries: np.ndarray | None = None, index: str 
     query_rows = rows if queries is None else None
     _check_k(k, pool - skip_self, skip_self, index_options.get("use_gpu"))
     if index == "flat" and not _resolve_gpu(index_options.get("use_gpu"), index):
-        faiss_index = FlatScan(base, rows, metric, chunk_size)
+        search = functools.partial(_flat_scan, base, rows, metric, chunk_size)
     else:
-        faiss_index = build_index(base, index, metric, rows=rows, chunk_size=chunk_size, progress=progress,
-                                  **index_options)
+        search = build_index(base, index, metric, rows=rows, chunk_size=chunk_size, progress=progress,
+                             **index_options).search
     count = pool if queries is None else len(query_points)
     wanted = k + skip_self
     factor = rerank or (IVFPQ_RERANK if index == "ivfpq" else 1)
     ids, scores = _outputs(count, k, out)
     for start, chunk in tqdm(_chunks(query_points, query_rows, metric, "queries", chunk_size),
                              desc=f"{index} search", total=-(-count // chunk_size), disable=not progress):
-        found_scores, found_ids = faiss_index.search(chunk, min(pool, wanted * factor))
+        found_scores, found_ids = search(chunk, min(pool, wanted * factor))
         if rows is not None:
             found_ids = np.where(found_ids >= 0, rows[np.maximum(found_ids, 0)], -1)
         if factor > 1:
@@ -383,27 +371,22 @@ def knn(base: np.ndarray, k: int, queries: np.ndarray | None = None, index: str 
     return ids, scores
 
 
-class FlatScan:
-    """Exact search on the CPU, FAISS's flat search over ``chunk_size`` candidates at a time with the results
-    merged, so memory holds one chunk; ``search`` answers like a FAISS index (positions among the candidates)."""
-
-    def __init__(self, points: np.ndarray, rows: np.ndarray | None, metric: str, chunk_size: int = CHUNK_ROWS):
-        self.points, self.rows, self.metric, self.chunk_size = points, rows, metric, chunk_size
-
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """(Q, k) scores and candidate positions of the k nearest candidates of each query, nearest first."""
-        faiss = require_faiss()
-        faiss_metric = faiss.METRIC_L2 if self.metric == "l2" else faiss.METRIC_INNER_PRODUCT
-        scores = np.empty((len(queries), 0), dtype=np.float32)
-        ids = np.empty((len(queries), 0), dtype=np.int64)
-        for start, chunk in _chunks(self.points, self.rows, self.metric, "points", self.chunk_size):
-            index = faiss.IndexFlat(chunk.shape[1], faiss_metric)
-            index.add(chunk)
-            found_scores, found_ids = index.search(queries, min(k, len(chunk)))
-            scores, ids = np.hstack([scores, found_scores]), np.hstack([ids, found_ids + start])
-            order = np.argsort(-scores if descending(self.metric) else scores, axis=1, kind="stable")[:, :k]
-            scores, ids = np.take_along_axis(scores, order, axis=1), np.take_along_axis(ids, order, axis=1)
-        return scores, ids
+def _flat_scan(points: np.ndarray, rows: np.ndarray | None, metric: str, chunk_size: int, queries: np.ndarray,
+               k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Exact search on the CPU, answered as FAISS's ``search``: a flat index over ``chunk_size`` candidates at a
+    time, the results merged, so memory holds one chunk."""
+    faiss = require_faiss()
+    faiss_metric = faiss.METRIC_L2 if metric == "l2" else faiss.METRIC_INNER_PRODUCT
+    scores = np.empty((len(queries), 0), dtype=np.float32)
+    ids = np.empty((len(queries), 0), dtype=np.int64)
+    for start, chunk in _chunks(points, rows, metric, "points", chunk_size):
+        index = faiss.IndexFlat(chunk.shape[1], faiss_metric)
+        index.add(chunk)
+        found_scores, found_ids = index.search(queries, min(k, len(chunk)))
+        scores, ids = np.hstack([scores, found_scores]), np.hstack([ids, found_ids + start])
+        order = np.argsort(-scores if descending(metric) else scores, axis=1, kind="stable")[:, :k]
+        scores, ids = np.take_along_axis(scores, order, axis=1), np.take_along_axis(ids, order, axis=1)
+    return scores, ids
 
 
 def rerank_exactly(base: np.ndarray, queries: np.ndarray, candidates: np.ndarray, metric: str,
@@ -461,15 +444,12 @@ def _check_k(k: int, pool: int, skip_self: bool, use_gpu: bool | None) -> None:
                               "lower k, or search on the CPU (use_gpu=False)")
 
 
-def _outputs(count: int, k: int, out: str | Path | None) -> tuple[np.ndarray, np.ndarray]:
-    """Empty (count, k) ids and scores, in memory or as ``.npy`` memory maps in ``out``."""
+def _outputs(count: int, k: int, out: str | Path | None) -> tuple[np.ndarray, ...]:
     if out is None:
-        return np.empty((count, k), dtype=np.int64), np.empty((count, k), dtype=np.float32)
-    folder = Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
-    open_memmap = np.lib.format.open_memmap
-    return (open_memmap(folder / IDS_FILE, mode="w+", dtype=np.int64, shape=(count, k)),
-            open_memmap(folder / SCORES_FILE, mode="w+", dtype=np.float32, shape=(count, k)))
+        return tuple(np.empty((count, k), dtype) for dtype in LIST_FILES.values())
+    Path(out).mkdir(parents=True, exist_ok=True)
+    return tuple(np.lib.format.open_memmap(Path(out) / name, mode="w+", dtype=dtype, shape=(count, k))
+                 for name, dtype in LIST_FILES.items())
 
 
 def drop_self(ids: np.ndarray, scores: np.ndarray, own: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -478,8 +458,7 @@ def drop_self(ids: np.ndarray, scores: np.ndarray, own: np.ndarray) -> tuple[np.
 
 
 def _drop_marked(ids: np.ndarray, scores: np.ndarray, marked: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(B, k + 1) results -> (B, k) without each row's one ``marked`` (B, k + 1) entry, else its last."""
-    kept = np.argsort(marked, axis=1, kind="stable")[:, :-1]  # unmarked first, in their order
+    kept = np.argsort(marked, axis=1, kind="stable")[:, :-1]  # unmarked first, in their order: drops the last else
     return np.take_along_axis(ids, kept, axis=1), np.take_along_axis(scores, kept, axis=1)
 
 
@@ -501,9 +480,8 @@ def recall_at_k(approx_ids: np.ndarray, exact_ids: np.ndarray, k: int | None = N
 def load_neighbors(folder: str | Path, mmap: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """(N, L) ids and scores written by :func:`knn` with ``out``, memory-mapped unless ``mmap=False``."""
     folder = Path(folder)
-    missing = [name for name in (IDS_FILE, SCORES_FILE) if not (folder / name).is_file()]
+    missing = [name for name in LIST_FILES if not (folder / name).is_file()]
     if missing:
         raise SimilarityError(f"{folder} holds no neighbor list ({', '.join(missing)} missing)",
                               "run the neighbor stage first")
-    mode = "r" if mmap else None
-    return np.load(folder / IDS_FILE, mmap_mode=mode), np.load(folder / SCORES_FILE, mmap_mode=mode)
+    return tuple(np.load(folder / name, mmap_mode="r" if mmap else None) for name in LIST_FILES)

@@ -61,7 +61,6 @@ def embed_captions_stage(shards: ShardResult | str | Path, model: str | Path | N
 
 
 def embed_captions_stage_of(shards: ShardResult | str | Path, model: str | Path | None = None) -> Stage:
-    """The caption stage of ``shards`` with ``model``: keyed by the shard key and the model's identity."""
     return Stage("captions", STAGE_VERSION, config={"model": text_model_identity(model)},
                  inputs={"shards": ShardResult.of(shards).key})
 
@@ -113,7 +112,6 @@ def wordnet_similarity_stage(classes: ClassesLike, measure: str = "wup", out_dir
 
 
 def wordnet_similarity_stage_of(classes: ClassesLike, measure: str = "wup") -> Stage:
-    """The WordNet stage: keyed by the measure and the (name, synset) pairs in label order."""
     pairs = [[name, synset] for name, synset in spec_classes(classes).items()]
     return Stage("wordnet", STAGE_VERSION, config={"measure": measure, "classes": pairs})
 
@@ -164,13 +162,14 @@ def neighbors_stage(embeddings: EmbeddingsLike, k: int = 10, index: str = "auto"
 
 def neighbors_stage_of(embeddings: EmbeddingsLike, k: int = 10, index: str = "auto", metric: str = "cosine",
                        recall_queries: int = RECALL_QUERIES, seed: int = 0) -> Stage:
-    """The neighbor stage: keyed by the embeddings' key, k, the index (``auto`` resolved) and metric
-    (and, for approximate indexes, the recall sample)."""
     path, upstream = _embeddings_input(embeddings)
     if index not in STAGE_INDEXES:
         raise SimilarityError(f"unknown index {index!r}", f"index is one of {', '.join(STAGE_INDEXES)}")
     if index == "auto":
-        index = auto_index(*_shape(path))
+        shape = np.load(path, mmap_mode="r").shape
+        if len(shape) != 2:
+            raise SimilarityError(f"embeddings {path} have shape {shape}", "pass an (N, D) array, one row per point")
+        index = auto_index(*shape)
     sample = {"recall_queries": recall_queries, "seed": seed} if index != "flat" else {}
     return Stage("neighbors", NEIGHBORS_VERSION, config={"k": k, "index": index, "metric": metric, **sample},
                  inputs={"embeddings": upstream})
@@ -191,14 +190,6 @@ def _embeddings_input(embeddings: EmbeddingsLike) -> tuple[Path, str]:
     return path, fingerprint_files([path])
 
 
-def _shape(path: Path) -> tuple[int, int]:
-    """(N, D) of the ``.npy`` at ``path``, from its header; SimilarityError unless it is 2-D."""
-    shape = np.load(path, mmap_mode="r").shape
-    if len(shape) != 2:
-        raise SimilarityError(f"embeddings {path} have shape {shape}", "pass an (N, D) array, one row per point")
-    return shape
-
-
 def _write_neighbors(path: Path, config: dict, progress: bool, out: Path) -> dict[str, float]:
     started = time.time()
     points = np.load(path, mmap_mode="r")
@@ -212,7 +203,6 @@ def _write_neighbors(path: Path, config: dict, progress: bool, out: Path) -> dic
 
 
 def _recall(points: np.ndarray, ids: np.ndarray, scores: np.ndarray, config: dict) -> dict[str, float]:
-    """Recall of approximate lists (N, k) against exact search, on a seeded sample of queries."""
     k, metric = config["k"], config["metric"]
     rng = np.random.default_rng(config["seed"])
     queries = np.sort(rng.choice(len(points), min(config["recall_queries"], len(points)), replace=False))

@@ -1,12 +1,6 @@
 """Target similarities: ``source(indices, labels)`` with (B,) int64 tensors gives the batch's (B, B) float32
 target on the device of ``indices``, diagonal exactly 1. Sources keep their tables on the host until first
 called, then move them to the calling device once.
-
-- :class:`ClassMatrixSource`: a precomputed (C, C) matrix indexed by labels (WordNet, user matrices).
-- :class:`LabelSource`: 1 for the same label, else 0 (SupCon's positives).
-- :class:`IdentitySource`: the identity (SimCLR's positives).
-- :class:`EmbeddingSource`: cosine ``E_b E_bᵀ`` of stored per-sample embeddings (captions); never N x N.
-- :class:`GraphSource`: a sparse, symmetric sample graph; pairs it does not list are 0.
 """
 
 from __future__ import annotations
@@ -28,23 +22,11 @@ GRAPH_COLUMNS = ("key_i", "key_j", "s")
 
 
 class SimilaritySource(ABC):
-    """Maps a batch to its target similarity: (B,) indices, (B,) labels -> (B, B) float32, diagonal 1."""
+    """Maps a batch to its target similarity: (B,) int64 sample indices and class ids -> (B, B) float32 on
+    ``indices.device``, diagonal 1."""
 
     @abstractmethod
-    def __call__(self, indices: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """(B,) int64 sample indices and class ids -> (B, B) float32 on ``indices.device``."""
-
-
-class _Resident:
-    """A tensor moved to a device the first time it is asked for there, and kept there."""
-
-    def __init__(self, tensor: torch.Tensor):
-        self._tensor = tensor
-
-    def on(self, device: torch.device) -> torch.Tensor:
-        if self._tensor.device != device:
-            self._tensor = self._tensor.to(device)
-        return self._tensor
+    def __call__(self, indices: torch.Tensor, labels: torch.Tensor) -> torch.Tensor: ...
 
 
 class ClassMatrixSource(SimilaritySource):
@@ -53,11 +35,11 @@ class ClassMatrixSource(SimilaritySource):
     def __init__(self, matrix: np.ndarray | torch.Tensor, class_names: Sequence[str] | None = None):
         checked = validate_class_matrix(torch.as_tensor(matrix).detach().cpu().double().numpy(), class_names)
         self.num_classes = len(checked)
-        self._matrix = _Resident(torch.from_numpy(checked).float())
+        self._matrix = torch.from_numpy(checked).float()
 
     def __call__(self, indices: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        labels = labels.to(indices.device)
-        return self._matrix.on(indices.device)[labels[:, None], labels[None, :]]
+        labels, self._matrix = labels.to(indices.device), self._matrix.to(indices.device)
+        return self._matrix[labels[:, None], labels[None, :]]
 
 
 class LabelSource(SimilaritySource):
@@ -87,8 +69,7 @@ class EmbeddingSource(SimilaritySource):
             raise SimilarityError(f"sample embeddings must be (N, D), not {tuple(embeddings.shape)}",
                                   "store one embedding row per sample")
         self.num_samples = len(embeddings)
-        self._embeddings = embeddings
-        self._table = _Resident(torch.from_numpy(np.array(embeddings))) if resident else None
+        self._embeddings = torch.from_numpy(np.array(embeddings)) if resident else embeddings
 
     @classmethod
     def from_npy(cls, path: str | Path, resident: bool = False) -> EmbeddingSource:
@@ -97,16 +78,13 @@ class EmbeddingSource(SimilaritySource):
             raise SimilarityError(f"sample embeddings {path} do not exist", "run the caption embedding stage")
         return cls(np.load(path, mmap_mode="r"), resident=resident)
 
-    def _rows(self, indices: torch.Tensor) -> torch.Tensor:
-        """(B,) indices -> (B, D) float32 unit rows on ``indices.device``."""
-        if self._table is not None:
-            rows = self._table.on(indices.device)[indices]
+    def __call__(self, indices: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if isinstance(self._embeddings, torch.Tensor):
+            self._embeddings = self._embeddings.to(indices.device)
+            rows = self._embeddings[indices]
         else:
             rows = torch.from_numpy(self._embeddings[indices.cpu().numpy()]).to(indices.device)
-        return torch.nn.functional.normalize(rows.float(), dim=1)
-
-    def __call__(self, indices: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        rows = self._rows(indices)
+        rows = torch.nn.functional.normalize(rows.float(), dim=1)
         return _one_for_same_sample(indices, (rows @ rows.T).clamp_(-1.0, 1.0))
 
 
@@ -120,12 +98,17 @@ class GraphSource(SimilaritySource):
         _check_graph(i, j, s, num_samples)
         apart = i != j  # self pairs are 1 by definition
         codes = np.concatenate([i[apart] * num_samples + j[apart], j[apart] * num_samples + i[apart]])
-        codes, values = _unique_pairs(codes, np.concatenate([s[apart], s[apart]]))
+        values = np.concatenate([s[apart], s[apart]])
+        codes, first, group = np.unique(codes, return_index=True, return_inverse=True)  # sorted
+        if not np.allclose(values, values[first][group], atol=TOLERANCE, rtol=0):
+            raise SimilarityError("the graph lists a pair twice with different similarities",
+                                  "keep one s per unordered pair (i, j)")
+        values = values[first]
         # A last code above every real one (N * N) with value 0 keeps each lookup inside the table.
         self.num_samples = num_samples
         self.num_pairs = len(codes) // 2
-        self._codes = _Resident(torch.from_numpy(np.append(codes, num_samples * num_samples)))
-        self._values = _Resident(torch.from_numpy(np.append(values, 0.0)).float())
+        self._codes = torch.from_numpy(np.append(codes, num_samples * num_samples))
+        self._values = torch.from_numpy(np.append(values, 0.0)).float()
 
     @classmethod
     def from_parquet(cls, path: str | Path, keys: Sequence[str]) -> GraphSource:
@@ -143,10 +126,10 @@ class GraphSource(SimilaritySource):
         return cls(i, j, _numbers(table["s"]), len(key_set))
 
     def __call__(self, indices: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        codes, values = self._codes.on(indices.device), self._values.on(indices.device)
+        self._codes, self._values = self._codes.to(indices.device), self._values.to(indices.device)
         query = indices[:, None] * self.num_samples + indices[None, :]
-        found = torch.searchsorted(codes, query)
-        return _one_for_same_sample(indices, torch.where(codes[found] == query, values[found], 0.0))
+        found = torch.searchsorted(self._codes, query)
+        return _one_for_same_sample(indices, torch.where(self._codes[found] == query, self._values[found], 0.0))
 
 
 def _one_for_same_sample(indices: torch.Tensor, similarity: torch.Tensor) -> torch.Tensor:
@@ -192,15 +175,6 @@ def _float_or_nan(value: object) -> float:
         return np.nan
 
 
-def _unique_pairs(codes: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted unique codes and their values; a pair listed twice must agree with itself."""
-    unique, first, group = np.unique(codes, return_index=True, return_inverse=True)
-    if not np.allclose(values, values[first][group], atol=TOLERANCE, rtol=0):
-        raise SimilarityError("the graph lists a pair twice with different similarities",
-                              "keep one s per unordered pair (i, j)")
-    return unique, values[first]
-
-
 def _key_indices(column: pa.ChunkedArray, key_set: pa.Array, path: str | Path) -> np.ndarray:
     """(P,) int64 position of each key of ``column`` in ``key_set``; unknown keys are an error."""
     found = pc.index_in(pc.cast(column, pa.string()), value_set=key_set)
@@ -234,16 +208,7 @@ def load_class_matrix(path: str | Path, class_names: Sequence[str]) -> np.ndarra
     first column names each row's class, the others are named by class (checked by :func:`validate_class_matrix`)."""
     table = _read_table(Path(path))
     rows = [str(name) for name in table.column(0).to_pylist()]
-    columns = table.column_names[1:]
-    _check_class_names(rows, columns, class_names, path)
-    position = {name: k for k, name in enumerate(rows)}
-    order = [position[name] for name in class_names]
-    matrix = np.stack([_numbers(table[name])[order] for name in class_names], axis=1)
-    return validate_class_matrix(matrix, class_names)
-
-
-def _check_class_names(rows: list[str], columns: list[str], class_names: Sequence[str], path) -> None:
-    for axis, names in (("rows", rows), ("columns", columns)):
+    for axis, names in (("rows", rows), ("columns", table.column_names[1:])):
         repeated = sorted(name for name, count in Counter(names).items() if count > 1)
         missing = [name for name in class_names if name not in names]
         unknown = sorted(set(names) - set(class_names))
@@ -253,6 +218,10 @@ def _check_class_names(rows: list[str], columns: list[str], class_names: Sequenc
             raise SimilarityError(f"the {axis} of {path} do not match the dataset's classes "
                                   f"({'; '.join(problems)})",
                                   "give one row and one column per class, named as in the data spec")
+    position = {name: k for k, name in enumerate(rows)}
+    order = [position[name] for name in class_names]
+    matrix = np.stack([_numbers(table[name])[order] for name in class_names], axis=1)
+    return validate_class_matrix(matrix, class_names)
 
 
 def validate_class_matrix(matrix: np.ndarray, class_names: Sequence[str] | None = None) -> np.ndarray:

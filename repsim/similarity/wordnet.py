@@ -179,53 +179,47 @@ def noun_max_depth() -> int:
     return depth
 
 
-class _PathLengths:
-    """Shortest path length (hops along hypernym/hyponym links) between synsets, computed as NLTK's
-    ``shortest_path_distance`` does: through the common ancestor that minimises the sum of hops."""
-
-    def __init__(self):
-        self._ancestors: dict = {}
-
-    def ancestors(self, synset) -> dict:
-        """Hops from ``synset`` to each of its hypernyms (itself at 0), found breadth first; memoised."""
-        if synset not in self._ancestors:
-            hops: dict = {}
-            queue = deque([(synset, 0)])
-            while queue:
-                node, distance = queue.popleft()
-                if node not in hops:
-                    hops[node] = distance
-                    parents = node.hypernyms() + node.instance_hypernyms()
-                    queue.extend((parent, distance + 1) for parent in parents)
-            self._ancestors[synset] = hops
-        return self._ancestors[synset]
-
-    def __call__(self, a, b) -> int:
-        up_a, up_b = self.ancestors(a), self.ancestors(b)
-        return min(up_a[common] + up_b[common] for common in up_a.keys() & up_b.keys())
+@functools.cache
+def _ancestors(synset) -> dict:
+    """Hops from ``synset`` to each of its hypernyms (itself at 0), found breadth first."""
+    hops: dict = {}
+    queue = deque([(synset, 0)])
+    while queue:
+        node, distance = queue.popleft()
+        if node not in hops:
+            hops[node] = distance
+            queue.extend((parent, distance + 1) for parent in node.hypernyms() + node.instance_hypernyms())
+    return hops
 
 
-def _wup(a, b, path_length: _PathLengths) -> float:
+def _path_length(a, b) -> int:
+    """Shortest path length (hops along hypernym/hyponym links) between synsets, as NLTK's
+    ``shortest_path_distance``: through the common ancestor that minimises the sum of hops."""
+    up_a, up_b = _ancestors(a), _ancestors(b)
+    return min(up_a[common] + up_b[common] for common in up_a.keys() & up_b.keys())
+
+
+def _wup(a, b) -> float:
     """NLTK's ``wup_similarity``: the subsumer is the common hypernym of greatest minimum depth
     (``a`` itself if it qualifies, else the first by name)."""
-    common = path_length.ancestors(a).keys() & path_length.ancestors(b).keys()
+    common = _ancestors(a).keys() & _ancestors(b).keys()
     deepest = max(s.min_depth() for s in common)
     subsumer = a if a in common and a.min_depth() == deepest else min(
         (s for s in common if s.min_depth() == deepest), key=lambda s: s.name())
     depth = subsumer.max_depth() + 1
-    return 2.0 * depth / (path_length(a, subsumer) + path_length(b, subsumer) + 2 * depth)
+    return 2.0 * depth / (_path_length(a, subsumer) + _path_length(b, subsumer) + 2 * depth)
 
 
 def _pair_measure(measure: str) -> Callable:
-    """``f(a, b, path_length) -> similarity`` for one measure."""
+    """``f(a, b) -> similarity`` for one measure."""
     if measure == "wup":
-        return lambda a, b, path_length: (_wup(a, b, path_length) + _wup(b, a, path_length)) / 2
+        return lambda a, b: (_wup(a, b) + _wup(b, a)) / 2
     if measure == "path":
-        return lambda a, b, path_length: 1.0 / (1 + path_length(a, b))
+        return lambda a, b: 1.0 / (1 + _path_length(a, b))
     two_d = 2 * noun_max_depth()
     if measure == "lch":
-        return lambda a, b, path_length: max(0.0, 1 - math.log(1 + path_length(a, b)) / math.log(two_d))
-    return lambda a, b, path_length: 1 - path_length(a, b) / two_d
+        return lambda a, b: max(0.0, 1 - math.log(1 + _path_length(a, b)) / math.log(two_d))
+    return lambda a, b: 1 - _path_length(a, b) / two_d
 
 
 def class_similarity(synsets: Sequence[str], measure: str = "wup", progress: bool = False) -> np.ndarray:
@@ -237,9 +231,9 @@ def class_similarity(synsets: Sequence[str], measure: str = "wup", progress: boo
     if verbs:
         raise SimilarityError(f"class synsets must be nouns, not {', '.join(verbs)}",
                               "choose a noun sense (lemma.n.NN); see repsim.similarity.synsets_for")
-    similarity, path_length = _pair_measure(measure), _PathLengths()
+    similarity = _pair_measure(measure)
     matrix = np.eye(len(nodes))
     for i in tqdm(range(len(nodes)), desc=f"wordnet {measure}", disable=not progress):
         for j in range(i + 1, len(nodes)):
-            matrix[i, j] = matrix[j, i] = similarity(nodes[i], nodes[j], path_length)
+            matrix[i, j] = matrix[j, i] = similarity(nodes[i], nodes[j])
     return matrix
