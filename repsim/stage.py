@@ -2,8 +2,7 @@
 hashing the stage name, version, resolved config and input keys. It is built under a temporary name and
 renamed when complete; its ``stage.json`` records config, inputs, timings, metrics, library versions and
 every file's size and sha256. A complete output that still matches it is served at once; a damaged one
-is built again.
-"""
+is built again."""
 
 from __future__ import annotations
 
@@ -23,8 +22,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import filelock
-
 from repsim.errors import RepsimError, StageError, disk_full, disk_full_error
 
 STAGE_FILE = "stage.json"
@@ -41,10 +38,6 @@ def artifacts_root() -> Path:
     return repsim_home() / "artifacts"
 
 
-def _canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
-
-
 @dataclass(frozen=True)
 class Stage:
     """One stage invocation. ``config`` is JSON-serialisable (``model_dump(mode="json")``); ``inputs``
@@ -57,9 +50,9 @@ class Stage:
 
     @property
     def key(self) -> str:
-        payload = {"stage": self.name, "version": self.version,
-                   "config": self.config, "inputs": dict(self.inputs)}
-        return hashlib.sha256(_canonical_json(payload).encode()).hexdigest()[:20]
+        payload = {"stage": self.name, "version": self.version, "config": self.config, "inputs": dict(self.inputs)}
+        canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
+        return hashlib.sha256(canonical.encode()).hexdigest()[:20]
 
     def default_dir(self) -> Path:
         return artifacts_root() / self.name / self.key
@@ -239,22 +232,12 @@ def _completed(stage: Stage, out: Path) -> StageOutput | None:
     return StageOutput(stage.name, stage.key, out, True, record)
 
 
-def _remove_stale_temporaries(out: Path) -> None:
-    for pattern in (f".{out.name}.tmp-*", f".{out.name}.old-*"):
-        for stale in out.parent.glob(pattern):
-            shutil.rmtree(stale, ignore_errors=True)
-
-
 class OutputLock:
     """The cross-process lock of the stage output at ``out``: exclusive while a stage writes (or ``clean``
-    removes) it, shared while running stages read it as an input.
-
-    Both are flock(2) locks on ``.<key>.lock`` beside the output, so the OS releases them when a holder
-    dies; the file is never removed (a waiting and a new process would lock different files). The
-    exclusive one is :class:`filelock.FileLock` (``preserve_lock_file`` rules out its marker-file
-    fallback); the shared one is taken here, since filelock's ``ReadWriteLock`` queues readers behind a
-    waiting writer, which could deadlock a stage holding one input while it waits for the next.
-    """
+    removes) it, shared while running stages read it as an input. A flock(2) lock on ``.<key>.lock`` beside
+    the output, so the OS releases it when a holder dies; the file is never removed (a waiting and a new
+    process would lock different files). Not filelock's ``ReadWriteLock``: it queues readers behind a
+    waiting writer, which could deadlock a stage holding one input while it waits for the next."""
 
     def __init__(self, out: Path) -> None:
         self.path = out.parent / f".{out.name}.lock"
@@ -263,8 +246,13 @@ class OutputLock:
     def held(self, shared: bool = False, blocking: bool = True) -> Iterator[bool]:
         """Hold the lock, ``shared`` or exclusive, for the block; yields False if not ``blocking`` and taken."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.ExitStack() as release:
-            yield (self._share if shared else self._take)(release, blocking)
+        with open(self.path, "a") as handle:  # closing it releases the lock
+            try:
+                fcntl.flock(handle, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            yield True
 
     def holder(self) -> str | None:
         """``locked`` (held exclusively: being written), ``in use`` (held shared: being read) or None, at once."""
@@ -276,37 +264,12 @@ class OutputLock:
                     return holder
         return LOCKED
 
-    def _take(self, release: contextlib.ExitStack, blocking: bool) -> bool:
-        lock = filelock.FileLock(self.path, preserve_lock_file=True)
-        try:
-            lock.acquire(blocking=blocking)
-        except filelock.Timeout:
-            return False
-        release.callback(lock.release)
-        return True
-
-    def _share(self, release: contextlib.ExitStack, blocking: bool) -> bool:
-        handle = release.enter_context(open(self.path, "a"))  # closing it releases the lock
-        try:
-            fcntl.flock(handle, fcntl.LOCK_SH | (0 if blocking else fcntl.LOCK_NB))
-        except BlockingIOError:
-            return False
-        return True
-
 
 def _set_aside(path: Path) -> Path:
     """Rename the output ``path`` to a hidden ``.old-`` name beside it, which never looks complete."""
     aside = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
     os.rename(path, aside)
     return aside
-
-
-def _move_into_place(tmp: Path, out: Path) -> None:
-    """Rename the complete ``tmp`` to ``out``; an old ``out`` is moved aside first and removed only after."""
-    old = _set_aside(out) if out.exists() else None
-    os.rename(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -350,7 +313,8 @@ def run_stage(stage: Stage, build: Build, out_dir: str | Path | None = None,
 
 
 def _build_atomically(stage: Stage, build: Build, out: Path, file_details: FileDetails | None) -> dict[str, Any]:
-    _remove_stale_temporaries(out)
+    for stale in [*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")]:
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
@@ -365,7 +329,10 @@ def _build_atomically(stage: Stage, build: Build, out: Path, file_details: FileD
             "files": output_files(tmp, file_details(tmp) if file_details is not None else None),
         }
         (tmp / STAGE_FILE).write_text(json.dumps(record, indent=2, sort_keys=True, default=str))
-        _move_into_place(tmp, out)
+        old = _set_aside(out) if out.exists() else None  # removed only once the new output is in place
+        os.rename(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     except BaseException as err:
         full = disk_full(err)
         written = sum(file.stat().st_size for file in tmp.rglob("*") if file.is_file()) if full else 0
@@ -458,17 +425,13 @@ def _outputs_in(folder: Path, hashes: bool) -> Iterator[StoredOutput]:
 
 def _stored(stage: str, key: str, path: Path, output: Path, record: Mapping[str, Any] | None = None,
             hashes: bool = False) -> StoredOutput:
-    """``path`` as listed: locked or in use by the lock of ``output``, else by its ``record`` (None: incomplete)."""
+    """``path`` as listed: locked or in use by the lock of ``output``, else by its ``record`` (None: incomplete):
+    complete while its files match the record."""
     status, note = OutputLock(output).holder(), ""
-    if status is None:
-        status, note = _condition(path, record, hashes) if record is not None else (INCOMPLETE, "")
+    if status is None and record is None:
+        status = INCOMPLETE
+    elif status is None:
+        found = damage(path, record, hashes)
+        status, note = (DAMAGED, found) if found else (COMPLETE, "" if "files" in record else UNVERIFIED)
     marker = path / STAGE_FILE if record is not None else path
     return StoredOutput(stage, key, status, path, marker.stat().st_mtime, dict((record or {}).get("inputs", {})), note)
-
-
-def _condition(path: Path, record: Mapping[str, Any], hashes: bool) -> tuple[str, str]:
-    """(status, note) of a complete output: whether its files still match its record."""
-    if "files" not in record:
-        return COMPLETE, UNVERIFIED
-    found = damage(path, record, hashes)
-    return (COMPLETE, "") if found is None else (DAMAGED, found)
