@@ -114,12 +114,10 @@ def cmd_synsets(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from repsim.data import load_spec
     from repsim.layering import as_settings
     from repsim.methods.config import load_config
 
     config = load_config(args.config, args.overrides)
-    spec = load_spec(config.data.spec)  # validate before orchestration
     # Under torchrun, rank 0 orchestrates and the others train alongside; with --direct (how the train
     # task launches torchrun) every rank trains directly.
     rank = int(os.environ.get("RANK", "0"))
@@ -129,15 +127,17 @@ def cmd_train(args: argparse.Namespace) -> None:
         train(config, progress=args.direct and rank == 0)
         return
     method = {"config": args.config, "settings": as_settings(args.overrides, "optim.lr=0.01")}
-    outcome = _run_section(spec.name, config.data.spec, {"kind": "train", "methods": [method]})
-    _print_stage_summary(outcome["stages"], "train", "trained")
+    _run_configured(config.data.spec, {"kind": "train", "methods": [method]}, "trained")
 
 
-def _print_stage_summary(stages: list[dict], stage: str, done: str) -> None:
-    """The metrics of the flow's ``stage`` as a table, then whether it was ``done`` or found cached, and where."""
+def _run_configured(data: str | os.PathLike, section: dict, done: str) -> None:
+    """Run the one ``section`` of a configured stage on the data spec ``data``, then print its metrics as a
+    table, whether it was ``done`` or found cached, and where."""
+    from repsim.data import load_spec
     from repsim.stage import read_record
 
-    [summary] = [summary for summary in stages if summary["stage"] == stage]
+    stages = _run_section(load_spec(data).name, data, section)["stages"]  # the spec validated before orchestration
+    [summary] = [summary for summary in stages if summary["stage"] == section["kind"]]
     metrics = read_record(Path(summary["path"]))["metrics"]
     print(_table(["metric", "value"], [[name, f"{value:.4g}"] for name, value in sorted(metrics.items())]))
     print(f"{'cached' if summary['cached'] else done}: {summary['path']}")
@@ -145,14 +145,12 @@ def _print_stage_summary(stages: list[dict], stage: str, done: str) -> None:
 
 def cmd_align(args: argparse.Namespace) -> None:
     from repsim.align.config import load_align_config
-    from repsim.data import load_spec
     from repsim.layering import as_settings
 
     config = load_align_config(args.config, args.overrides)
-    spec = load_spec(config.data.spec)  # validate before orchestration
     section = {"kind": "align", "config": args.config, "settings": as_settings(args.overrides, "geometry.alpha=0"),
                "as_configured": True}
-    _print_stage_summary(_run_section(spec.name, config.data.spec, section)["stages"], "align", "aligned")
+    _run_configured(config.data.spec, section, "aligned")
 
 
 def cmd_run(args: argparse.Namespace) -> None:
@@ -484,14 +482,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run(args) or 0
     except Stopped as err:
         stopping.exit_now(err.signum, str(err))
-    except RepsimError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_USER_ERROR
     except Exception as err:
-        full = _filled_a_disk(err)
-        if full is None:
+        user_error = err if isinstance(err, RepsimError) else _filled_a_disk(err)
+        if user_error is None:
             raise
-        print(f"error: {full}", file=sys.stderr)
+        print(f"error: {user_error}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("interrupted; run the same command again to resume", file=sys.stderr)
