@@ -317,13 +317,11 @@ def _apply(values: dict[str, Any], override: str) -> dict[str, Any]:
                         f"start the key with one of {', '.join(['name', 'data', *kinds])}")
     if not rest:
         raise SpecError(f"{name} replaces a whole section", f"set one of its fields, e.g. {head}.<field>=...")
-    stages = list(values["stages"])
-    section = stages[kinds.index(head)]
+    stages, index = list(values["stages"]), kinds.index(head)
     if head == "train" and rest[0] == "methods" and len(rest) > 2:
-        section = {**section, "methods": _set_method(section["methods"], rest[1], rest[2:], value, name)}
+        stages[index] = {**stages[index], "methods": _set_method(stages[index]["methods"], rest[1], rest[2:], value, name)}
     else:
-        section = set_dotted(section, rest, value)
-    stages[kinds.index(head)] = section
+        stages[index] = set_dotted(stages[index], rest, value)
     return {**values, "stages": stages}
 
 
