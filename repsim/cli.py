@@ -181,14 +181,10 @@ def cmd_run(args: argparse.Namespace) -> None:
 
 def _print_outcome(outcome: dict) -> None:
     """One row per stage (with how many members share it, when there are several), then the results."""
-    from repsim.results import cell
+    from repsim.results import table
 
-    rows, columns = outcome["rows"], outcome["columns"]
-    swept = any(row.point for row in rows)
     _print_stages(outcome["stages"])
-    print("\n" + _table([*(["grid point"] if swept else []), "method", *columns],
-                        [[*([row.point] if swept else []), row.encoder, *(cell(row, name) for name in columns.values())]
-                         for row in rows]))
+    print("\n" + _table(*table(outcome["rows"], outcome["columns"], encoder="method")))
 
 
 def _print_stages(stages: list[dict]) -> None:
