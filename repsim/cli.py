@@ -316,16 +316,14 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
 
 
-class _NoTracebackForUserErrors(logging.Filter):
+def _keep_log_record(record: logging.LogRecord) -> bool:
     """Keep Prefect's console line for a RepsimError but drop its traceback, and drop the records of a
     full disk (a store's failed writes): the CLI explains both in one line."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
-        if isinstance(error, RepsimError):
-            record.exc_info, record.exc_text = None, None
-            return True
-        return not (disk_full(error) or any(text in record.getMessage() for text in DISK_FULL_TEXTS))
+    error = record.exc_info[1] if record.exc_info else None
+    if isinstance(error, RepsimError):
+        record.exc_info, record.exc_text = None, None
+        return True
+    return not (disk_full(error) or any(text in record.getMessage() for text in DISK_FULL_TEXTS))
 
 
 def _filled_a_disk(err: BaseException) -> DiskFull | None:
@@ -356,7 +354,7 @@ def _start_orchestration(stop_on_signals: bool = False) -> None:
 
     setup_logging()
     for handler in logging.getLogger().handlers + logging.getLogger("mlflow").handlers:
-        handler.addFilter(_NoTracebackForUserErrors())
+        handler.addFilter(_keep_log_record)
     if stop_on_signals:
         stopping.install()
 
