@@ -8,6 +8,7 @@ paths resolve against the experiment file's folder, those in overrides against t
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 from collections.abc import Sequence
@@ -291,9 +292,7 @@ def with_overrides(experiment: Experiment, overrides: Sequence[str], origin: str
     """``experiment`` with each ``key=value`` override applied in order (paths against the cwd)."""
     if not overrides:
         return experiment
-    values = experiment.model_dump(mode="json")
-    for override in overrides:
-        values = _apply(values, override)
+    values = functools.reduce(_apply, overrides, experiment.model_dump(mode="json"))
     return _validate(resolve_paths(values, PATH_FIELDS, Path.cwd()), f"{origin} with --set {' '.join(overrides)}")
 
 

@@ -381,10 +381,10 @@ def list_outputs(hashes: bool = False) -> list[StoredOutput]:
     return sorted(found, key=lambda output: (output.stage, output.modified))
 
 
-def unreferenced_outputs(older_than: float, now: float | None = None) -> list[StoredOutput]:
+def unreferenced_outputs(older_than: float) -> list[StoredOutput]:
     """Outputs last modified over ``older_than`` seconds ago that no kept output (one modified since, or
     transitively an input of one) depends on, and that are neither locked nor in use."""
-    outputs, cutoff = list_outputs(), (time.time() if now is None else now) - older_than
+    outputs, cutoff = list_outputs(), time.time() - older_than
     complete = {output.key: output for output in outputs if output.status != INCOMPLETE}
     kept: set[str] = set()
     pending = [output for output in complete.values() if output.modified >= cutoff]
