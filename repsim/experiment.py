@@ -41,8 +41,7 @@ AS_CONFIGURED = "config"  # the image side that an alignment config names itself
 
 
 class _Section(Strict):
-    def needs(self) -> tuple[str, ...]:
-        """The section kinds that must come before this one."""
+    def needs(self) -> tuple[str, ...]:  # the section kinds that must come before this one
         return ()
 
 
@@ -112,8 +111,7 @@ class TrainSection(_Section):
                      self)
 
     def overrides(self, run: MethodRun, data: Path) -> list[str]:
-        """``--set`` overrides of ``run``'s config: the experiment's data spec, then the shared
-        settings, then the run's own."""
+        """``--set`` overrides of ``run``'s config: the data spec, then the shared settings, then the run's own."""
         return [f"data.spec={data}", *as_overrides(self.settings), *as_overrides(run.settings)]
 
 
@@ -243,8 +241,7 @@ class Member:
 
 
 def _can_change(key: str, later: set[str], method: str) -> bool:
-    """Whether sweep ``key`` can change a stage of ``method``'s encoder (``pixels``: none trained)
-    before the ``later`` sections."""
+    """Whether sweep ``key`` can change a stage of ``method``'s encoder before the ``later`` sections."""
     parts = key.split(".")
     if parts[0] == "train" and method == "pixels":
         return False
@@ -335,8 +332,7 @@ def _set_method(methods: list[dict[str, Any]], label: str, keys: Sequence[str], 
 
 
 def check_experiment(experiment: Experiment) -> list[Member]:
-    """Load the data spec and, for every member, every method and alignment config (with their
-    overrides): SpecError before any work. The members."""
+    """The members, once their data spec and every method and alignment config load: SpecError before any work."""
     from repsim.align.config import load_align_config
     from repsim.data import load_spec
     from repsim.methods.config import load_config

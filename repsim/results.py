@@ -59,9 +59,8 @@ def cell(row: Row, metric: str) -> str:
 
 
 def column(metric: str, statistic: str = "") -> str:
-    """The result table's column of ``metric``'s ``statistic`` (``""``: the mean, ``"std"``, ``"n"``):
-    no dots, which MLflow's table view leaves blank (``linear_val_top1_wd0.01 std`` ->
-    ``linear_val_top1_wd0_01 std``)."""
+    """The result table's column of ``metric``'s ``statistic`` (``""``: the mean, ``"std"``, ``"n"``), without
+    the dots that MLflow's table view leaves blank: ``linear_val_top1_wd0_01 std``."""
     return " ".join(filter(None, [metric.replace(".", "_"), statistic]))
 
 

@@ -24,7 +24,6 @@ def folder(kind: str) -> Path:
 
 
 def shipped(kind: str) -> dict[str, Path]:
-    """The shipped files of ``kind`` by name, sorted."""
     return {path.stem: path for path in sorted(folder(kind).glob(f"*{SUFFIX}"), key=lambda path: path.stem)}
 
 

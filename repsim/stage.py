@@ -159,9 +159,8 @@ VERIFY_ENV = "REPSIM_VERIFY"
 
 
 def rebuilding(stages: Iterable[str]) -> contextlib.AbstractContextManager[None]:
-    """Within the block, outputs of the named stages completed before it began are built again, the old
-    one kept until the new one is complete; those built inside it are reused. Set in ``REPSIM_REBUILD``,
-    so subprocesses (e.g. torchrun ranks) see it too."""
+    """Within the block, outputs of the named stages completed before it began are built again; those built
+    inside it are reused. Set in ``REPSIM_REBUILD``, so subprocesses (e.g. torchrun ranks) see it too."""
     names = sorted(set(stages))
     return _environment(REBUILD_ENV, f"{','.join(names)}@{time.time()!r}" if names else None)
 
@@ -172,7 +171,6 @@ def verifying(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
 
 
 def verification_requested() -> bool:
-    """Whether cache hits check hashes now (inside :func:`verifying`)."""
     return os.environ.get(VERIFY_ENV) == "1"
 
 
@@ -290,12 +288,9 @@ FileDetails = Callable[[Path], Mapping[str, Mapping[str, Any]]]
 def run_stage(stage: Stage, build: Build, out_dir: str | Path | None = None,
               file_details: FileDetails | None = None) -> StageOutput:
     """Build ``stage`` into its output directory unless it is complete and intact (a damaged one is logged
-    and built again; see :func:`rebuilding`, :func:`verifying`).
-
-    ``build(tmp_dir)`` writes every output file into ``tmp_dir`` and may return metrics, stored in
-    ``stage.json`` with every file's size and sha256 (and its entry of ``file_details(tmp_dir)``). The
-    directory gets its final name only once that is written; meanwhile the inputs' locks are held shared.
-    """
+    and built again). ``build(tmp_dir)`` writes every output file and may return metrics, stored in
+    ``stage.json`` with every file's size, sha256 and entry of ``file_details(tmp_dir)``; the inputs' locks
+    are held shared meanwhile."""
     out = stage.output_dir(out_dir)
     done = _completed(stage, out)
     if done is not None and is_current(out, done.record):
@@ -355,9 +350,8 @@ UNVERIFIED = "unverified: its record lists no files"
 class StoredOutput:
     """One directory under the artifact root (or a train stage's scratch folder). ``status``: ``complete``,
     ``damaged`` (``note`` names the first bad file), ``incomplete`` (a partial build or a resumable scratch
-    folder), ``locked`` (being written) or ``in use`` (read by a running stage); a complete output whose
-    record lists no files has the note ``unverified: ...``. ``modified``: when completed (or last written).
-    """
+    folder), ``locked`` (being written) or ``in use`` (read by a running stage). ``modified``: when completed
+    (or last written)."""
 
     stage: str
     key: str
@@ -425,8 +419,7 @@ def _outputs_in(folder: Path, hashes: bool) -> Iterator[StoredOutput]:
 
 def _stored(stage: str, key: str, path: Path, output: Path, record: Mapping[str, Any] | None = None,
             hashes: bool = False) -> StoredOutput:
-    """``path`` as listed: locked or in use by the lock of ``output``, else by its ``record`` (None: incomplete):
-    complete while its files match the record."""
+    """``path`` as listed: locked or in use by the lock of ``output``, else by its ``record`` (None: incomplete)."""
     status, note = OutputLock(output).holder(), ""
     if status is None and record is None:
         status = INCOMPLETE
