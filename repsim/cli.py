@@ -56,16 +56,18 @@ def _run_section(name: str, data: str | os.PathLike, section: dict) -> dict:
     return experiment_flow(experiment=experiment)
 
 
-PRECOMPUTE_STAGES = {  # subcommand: (captions, wordnet, neighbors)
-    "all": (True, True, True), "captions": (True, False, False), "wordnet": (False, True, False),
-    "neighbors": (True, False, True)}
+PRECOMPUTE_STAGES = {  # subcommand: (captions, wordnet, neighbors), what it computes
+    "all": ((True, True, True), "caption embeddings, WordNet similarities and caption neighbors"),
+    "captions": ((True, False, False), "caption embeddings (N x D, float16, manifest order)"),
+    "wordnet": ((False, True, False), "WordNet class similarities (C x C)"),
+    "neighbors": ((True, False, True), "caption embeddings and each caption's k nearest others")}
 
 
 def cmd_precompute(args: argparse.Namespace) -> None:
     from repsim.data import load_spec
     from repsim.similarity.precompute import spec_classes
 
-    captions, wordnet, neighbors = PRECOMPUTE_STAGES[args.stages]
+    (captions, wordnet, neighbors), _ = PRECOMPUTE_STAGES[args.stages]
     spec = load_spec(args.spec)  # validate before starting any orchestration
     measures = list(dict.fromkeys(args.measures or ["wup"])) if wordnet else []
     if measures:
@@ -385,12 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     precompute = commands.add_parser(
         "precompute", help="shard a data spec, then embed captions, WordNet similarities, neighbors (cached)")
     stages = precompute.add_subparsers(dest="stages", metavar="STAGES", required=True)
-    for name, what in (("all", "caption embeddings, WordNet similarities and caption neighbors"),
-                       ("captions", "caption embeddings (N x D, float16, manifest order)"),
-                       ("wordnet", "WordNet class similarities (C x C)"),
-                       ("neighbors", "caption embeddings and each caption's k nearest others")):
-        _add_precompute_options(stages.add_parser(name, help=what, description=f"Shard SPEC, then compute {what}."),
-                                name)
+    for name, (_, what) in PRECOMPUTE_STAGES.items():
+        _add_precompute_options(stages.add_parser(name, help=what, description=f"Shard SPEC, then compute {what}."), name)
     evaluate = command(
         "eval", cmd_eval, help="evaluate an encoder on a data spec: kNN, linear probe, diagnostics, plots (cached)")
     evaluate.add_argument("spec", metavar="SPEC", help="data spec YAML file or shipped name, e.g. animal-mnist")
@@ -447,7 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_precompute_options(parser: argparse.ArgumentParser, stages: str) -> None:
     from repsim.similarity.neighbors import METRICS, STAGE_INDEXES
 
-    captions, wordnet, neighbors = PRECOMPUTE_STAGES[stages]
+    (captions, wordnet, neighbors), _ = PRECOMPUTE_STAGES[stages]
     parser.add_argument("spec", metavar="SPEC", help="data spec YAML file or shipped name, e.g. animal-mnist")
     parser.set_defaults(run=cmd_precompute, measures=None, k=10, index="auto", metric="cosine", model=None)
     if captions:
