@@ -157,6 +157,7 @@ def cmd_align(args: argparse.Namespace) -> None:
 
 def cmd_run(args: argparse.Namespace) -> None:
     from repsim.experiment import check_experiment, load_experiment
+    from repsim.results import table
 
     experiment = load_experiment(args.experiment, args.overrides)
     check_experiment(experiment)  # validate before orchestration
@@ -176,17 +177,11 @@ def cmd_run(args: argparse.Namespace) -> None:
     flow = experiment_flow if args.concurrency is None else experiment_flow.with_options(
         task_runner=ThreadPoolTaskRunner(max_workers=args.concurrency))
     # the file as written and the overrides apart, so that the run records the command that made it
-    _print_outcome(flow(experiment=load_experiment(args.experiment), overrides=args.overrides, force=args.force,
-                        spread=args.spread))
-    print(f"\n{_where_to_look()}")
-
-
-def _print_outcome(outcome: dict) -> None:
-    """One row per stage (with how many members share it, when there are several), then the results."""
-    from repsim.results import table
-
+    outcome = flow(experiment=load_experiment(args.experiment), overrides=args.overrides, force=args.force,
+                   spread=args.spread)
     _print_stages(outcome["stages"])
     print("\n" + _table(*table(outcome["rows"], outcome["columns"], encoder="method")))
+    print(f"\n{_where_to_look()}")
 
 
 def _print_stages(stages: list[dict]) -> None:

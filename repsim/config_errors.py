@@ -60,9 +60,7 @@ def read_text(path: Path, kind: str) -> str:
 
 def _what_value(value: Any) -> str:
     """How a YAML top level that is not a mapping reads to a person: "empty", "a list", "text"."""
-    if value is None:
-        return "empty"
-    return {list: "a list", str: "text"}.get(type(value), f"a single value ({value!r:.40})")
+    return {type(None): "empty", list: "a list", str: "text"}.get(type(value), f"a single value ({value!r:.40})")
 
 
 def describe(err: ValidationError, path: Path | str, model: type[BaseModel]) -> tuple[str, str]:

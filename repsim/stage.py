@@ -273,7 +273,7 @@ def _set_aside(path: Path) -> Path:
 @contextlib.contextmanager
 def _reading(keys: Iterable[str]) -> Iterator[None]:
     """Hold shared the lock of every stored output whose key is among ``keys`` (a stage's inputs)."""
-    inputs = [folder / key for folder in _stage_folders(artifacts_root()) for key in set(keys)
+    inputs = [folder / key for folder in _subfolders(artifacts_root()) for key in set(keys)
               if (folder / key).is_dir()]
     with contextlib.ExitStack() as held:
         for path in inputs:
@@ -369,9 +369,9 @@ class StoredOutput:
 
 def list_outputs(hashes: bool = False) -> list[StoredOutput]:
     """Every stage output under ``$REPSIM_HOME``, by stage then age; complete ones checked by :func:`damage`."""
-    found = [output for folder in _stage_folders(artifacts_root()) for output in _outputs_in(folder, hashes)]
+    found = [output for folder in _subfolders(artifacts_root()) for output in _outputs_in(folder, hashes)]
     found += [_stored(folder.name, path.name, path, artifacts_root() / folder.name / path.name)
-              for folder in _stage_folders(repsim_home() / "scratch") for path in folder.iterdir() if path.is_dir()]
+              for folder in _subfolders(repsim_home() / "scratch") for path in _subfolders(folder)]
     return sorted(found, key=lambda output: (output.stage, output.modified))
 
 
@@ -400,14 +400,12 @@ def remove_output(output: StoredOutput) -> bool:
         return True
 
 
-def _stage_folders(root: Path) -> list[Path]:
+def _subfolders(root: Path) -> list[Path]:
     return sorted(path for path in root.iterdir() if path.is_dir()) if root.is_dir() else []
 
 
 def _outputs_in(folder: Path, hashes: bool) -> Iterator[StoredOutput]:
-    for path in folder.iterdir():
-        if not path.is_dir():
-            continue
+    for path in _subfolders(folder):
         if not path.name.startswith("."):
             record = read_record(path)
             if record is not None:
