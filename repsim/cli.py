@@ -56,16 +56,18 @@ def _run_section(name: str, data: str | os.PathLike, section: dict) -> dict:
     return experiment_flow(experiment=experiment)
 
 
-PRECOMPUTE_STAGES = {  # subcommand: (captions, wordnet, neighbors)
-    "all": (True, True, True), "captions": (True, False, False), "wordnet": (False, True, False),
-    "neighbors": (True, False, True)}
+PRECOMPUTE_STAGES = {  # subcommand: (captions, wordnet, neighbors), what it computes
+    "all": ((True, True, True), "caption embeddings, WordNet similarities and caption neighbors"),
+    "captions": ((True, False, False), "caption embeddings (N x D, float16, manifest order)"),
+    "wordnet": ((False, True, False), "WordNet class similarities (C x C)"),
+    "neighbors": ((True, False, True), "caption embeddings and each caption's k nearest others")}
 
 
 def cmd_precompute(args: argparse.Namespace) -> None:
     from repsim.data import load_spec
     from repsim.similarity.precompute import spec_classes
 
-    captions, wordnet, neighbors = PRECOMPUTE_STAGES[args.stages]
+    (captions, wordnet, neighbors), _ = PRECOMPUTE_STAGES[args.stages]
     spec = load_spec(args.spec)  # validate before starting any orchestration
     measures = list(dict.fromkeys(args.measures or ["wup"])) if wordnet else []
     if measures:
@@ -114,12 +116,10 @@ def cmd_synsets(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from repsim.data import load_spec
     from repsim.layering import as_settings
     from repsim.methods.config import load_config
 
     config = load_config(args.config, args.overrides)
-    spec = load_spec(config.data.spec)  # validate before orchestration
     # Under torchrun, rank 0 orchestrates and the others train alongside; with --direct (how the train
     # task launches torchrun) every rank trains directly.
     rank = int(os.environ.get("RANK", "0"))
@@ -129,15 +129,17 @@ def cmd_train(args: argparse.Namespace) -> None:
         train(config, progress=args.direct and rank == 0)
         return
     method = {"config": args.config, "settings": as_settings(args.overrides, "optim.lr=0.01")}
-    outcome = _run_section(spec.name, config.data.spec, {"kind": "train", "methods": [method]})
-    _print_stage_summary(outcome["stages"], "train", "trained")
+    _run_configured(config.data.spec, {"kind": "train", "methods": [method]}, "trained")
 
 
-def _print_stage_summary(stages: list[dict], stage: str, done: str) -> None:
-    """The metrics of the flow's ``stage`` as a table, then whether it was ``done`` or found cached, and where."""
+def _run_configured(data: str | os.PathLike, section: dict, done: str) -> None:
+    """Run the one ``section`` of a configured stage on the data spec ``data``, then print its metrics as a
+    table, whether it was ``done`` or found cached, and where."""
+    from repsim.data import load_spec
     from repsim.stage import read_record
 
-    [summary] = [summary for summary in stages if summary["stage"] == stage]
+    stages = _run_section(load_spec(data).name, data, section)["stages"]  # the spec validated before orchestration
+    [summary] = [summary for summary in stages if summary["stage"] == section["kind"]]
     metrics = read_record(Path(summary["path"]))["metrics"]
     print(_table(["metric", "value"], [[name, f"{value:.4g}"] for name, value in sorted(metrics.items())]))
     print(f"{'cached' if summary['cached'] else done}: {summary['path']}")
@@ -145,18 +147,17 @@ def _print_stage_summary(stages: list[dict], stage: str, done: str) -> None:
 
 def cmd_align(args: argparse.Namespace) -> None:
     from repsim.align.config import load_align_config
-    from repsim.data import load_spec
     from repsim.layering import as_settings
 
     config = load_align_config(args.config, args.overrides)
-    spec = load_spec(config.data.spec)  # validate before orchestration
     section = {"kind": "align", "config": args.config, "settings": as_settings(args.overrides, "geometry.alpha=0"),
                "as_configured": True}
-    _print_stage_summary(_run_section(spec.name, config.data.spec, section)["stages"], "align", "aligned")
+    _run_configured(config.data.spec, section, "aligned")
 
 
 def cmd_run(args: argparse.Namespace) -> None:
     from repsim.experiment import check_experiment, load_experiment
+    from repsim.results import table
 
     experiment = load_experiment(args.experiment, args.overrides)
     check_experiment(experiment)  # validate before orchestration
@@ -176,21 +177,11 @@ def cmd_run(args: argparse.Namespace) -> None:
     flow = experiment_flow if args.concurrency is None else experiment_flow.with_options(
         task_runner=ThreadPoolTaskRunner(max_workers=args.concurrency))
     # the file as written and the overrides apart, so that the run records the command that made it
-    _print_outcome(flow(experiment=load_experiment(args.experiment), overrides=args.overrides, force=args.force,
-                        spread=args.spread))
-    print(f"\n{_where_to_look()}")
-
-
-def _print_outcome(outcome: dict) -> None:
-    """One row per stage (with how many members share it, when there are several), then the results."""
-    from repsim.results import cell
-
-    rows, columns = outcome["rows"], outcome["columns"]
-    swept = any(row.point for row in rows)
+    outcome = flow(experiment=load_experiment(args.experiment), overrides=args.overrides, force=args.force,
+                   spread=args.spread)
     _print_stages(outcome["stages"])
-    print("\n" + _table([*(["grid point"] if swept else []), "method", *columns],
-                        [[*([row.point] if swept else []), row.encoder, *(cell(row, name) for name in columns.values())]
-                         for row in rows]))
+    print("\n" + _table(*table(outcome["rows"], outcome["columns"], encoder="method")))
+    print(f"\n{_where_to_look()}")
 
 
 def _print_stages(stages: list[dict]) -> None:
@@ -322,16 +313,14 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
 
 
-class _NoTracebackForUserErrors(logging.Filter):
+def _keep_log_record(record: logging.LogRecord) -> bool:
     """Keep Prefect's console line for a RepsimError but drop its traceback, and drop the records of a
     full disk (a store's failed writes): the CLI explains both in one line."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
-        if isinstance(error, RepsimError):
-            record.exc_info, record.exc_text = None, None
-            return True
-        return not (disk_full(error) or any(text in record.getMessage() for text in DISK_FULL_TEXTS))
+    error = record.exc_info[1] if record.exc_info else None
+    if isinstance(error, RepsimError):
+        record.exc_info, record.exc_text = None, None
+        return True
+    return not (disk_full(error) or any(text in record.getMessage() for text in DISK_FULL_TEXTS))
 
 
 def _filled_a_disk(err: BaseException) -> DiskFull | None:
@@ -362,7 +351,7 @@ def _start_orchestration(stop_on_signals: bool = False) -> None:
 
     setup_logging()
     for handler in logging.getLogger().handlers + logging.getLogger("mlflow").handlers:
-        handler.addFilter(_NoTracebackForUserErrors())
+        handler.addFilter(_keep_log_record)
     if stop_on_signals:
         stopping.install()
 
@@ -393,12 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     precompute = commands.add_parser(
         "precompute", help="shard a data spec, then embed captions, WordNet similarities, neighbors (cached)")
     stages = precompute.add_subparsers(dest="stages", metavar="STAGES", required=True)
-    for name, what in (("all", "caption embeddings, WordNet similarities and caption neighbors"),
-                       ("captions", "caption embeddings (N x D, float16, manifest order)"),
-                       ("wordnet", "WordNet class similarities (C x C)"),
-                       ("neighbors", "caption embeddings and each caption's k nearest others")):
-        _add_precompute_options(stages.add_parser(name, help=what, description=f"Shard SPEC, then compute {what}."),
-                                name)
+    for name, (_, what) in PRECOMPUTE_STAGES.items():
+        _add_precompute_options(stages.add_parser(name, help=what, description=f"Shard SPEC, then compute {what}."), name)
     evaluate = command(
         "eval", cmd_eval, help="evaluate an encoder on a data spec: kNN, linear probe, diagnostics, plots (cached)")
     evaluate.add_argument("spec", metavar="SPEC", help="data spec YAML file or shipped name, e.g. animal-mnist")
@@ -455,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_precompute_options(parser: argparse.ArgumentParser, stages: str) -> None:
     from repsim.similarity.neighbors import METRICS, STAGE_INDEXES
 
-    captions, wordnet, neighbors = PRECOMPUTE_STAGES[stages]
+    (captions, wordnet, neighbors), _ = PRECOMPUTE_STAGES[stages]
     parser.add_argument("spec", metavar="SPEC", help="data spec YAML file or shipped name, e.g. animal-mnist")
     parser.set_defaults(run=cmd_precompute, measures=None, k=10, index="auto", metric="cosine", model=None)
     if captions:
@@ -484,14 +469,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run(args) or 0
     except Stopped as err:
         stopping.exit_now(err.signum, str(err))
-    except RepsimError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_USER_ERROR
     except Exception as err:
-        full = _filled_a_disk(err)
-        if full is None:
+        user_error = err if isinstance(err, RepsimError) else _filled_a_disk(err)
+        if user_error is None:
             raise
-        print(f"error: {full}", file=sys.stderr)
+        print(f"error: {user_error}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("interrupted; run the same command again to resume", file=sys.stderr)

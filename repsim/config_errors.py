@@ -60,9 +60,7 @@ def read_text(path: Path, kind: str) -> str:
 
 def _what_value(value: Any) -> str:
     """How a YAML top level that is not a mapping reads to a person: "empty", "a list", "text"."""
-    if value is None:
-        return "empty"
-    return {list: "a list", str: "text"}.get(type(value), f"a single value ({value!r:.40})")
+    return {type(None): "empty", list: "a list", str: "text"}.get(type(value), f"a single value ({value!r:.40})")
 
 
 def describe(err: ValidationError, path: Path | str, model: type[BaseModel]) -> tuple[str, str]:
@@ -77,12 +75,11 @@ def describe(err: ValidationError, path: Path | str, model: type[BaseModel]) -> 
         close = difflib.get_close_matches(field[-1], allowed, n=1)
         hint = f"did you mean '{close[0]}'? " if close else ""
         return f"{path}: unknown field '{dotted}'", f"{hint}allowed here: {', '.join(allowed)}"
+    tag_field = first.get("ctx", {}).get("discriminator", "").strip("'")
     if kind == "union_tag_invalid":
-        tag_field = first["ctx"]["discriminator"].strip("'")
         return (f"{path}: field '{dotted}.{tag_field}' is {first['ctx']['tag']!r}, which is not known",
                 f"use one of {first['ctx']['expected_tags']}")
     if kind == "union_tag_not_found":
-        tag_field = first["ctx"]["discriminator"].strip("'")
         return (f"{path}: field '{dotted}' has no '{tag_field}'",
                 f"add '{tag_field}:' with one of {_tags_at(model, loc, tag_field)}")
     if kind == "missing":

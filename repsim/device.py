@@ -48,19 +48,16 @@ class CpuPlan:
 
 def cpu_plan(device: torch.device, workers: int | None = None, threads: int | None = None,
              cores: int | None = None) -> CpuPlan:
-    """The split of ``cores`` (default :func:`cores_per_process`) for training on ``device``; a
-    given ``workers`` or ``threads`` is kept, and the threads default to the cores the workers leave."""
+    """The split of ``cores`` (default :func:`cores_per_process`) for training on ``device``; a given ``workers``
+    or ``threads`` is kept, and the threads default to the cores the workers leave. The workers default, on a GPU,
+    to up to 8, keeping a core for the process; on a CPU to 0 up to 4 cores (the main process reads between
+    steps), else a quarter of them."""
     cores = cores or cores_per_process()
-    workers = default_workers(device, cores) if workers is None else workers
+    if workers is None and device.type == "cuda":
+        workers = min(MAX_GPU_WORKERS, cores - 1)
+    elif workers is None:
+        workers = 0 if cores <= SMALL_CPU else cores // 4
     return CpuPlan(threads or max(1, cores - workers), workers)
-
-
-def default_workers(device: torch.device, cores: int) -> int:
-    """DataLoader workers for ``cores`` when the model runs on ``device``: on a GPU up to 8, keeping a core for
-    the process; on a CPU 0 up to 4 cores (the main process reads between steps), else a quarter of them."""
-    if device.type == "cuda":
-        return min(MAX_GPU_WORKERS, cores - 1)
-    return 0 if cores <= SMALL_CPU else cores // 4
 
 
 def rank_and_world() -> tuple[int, int]:

@@ -111,7 +111,6 @@ def _version(distribution: str) -> str:
 
 
 def checks() -> list[Check]:
-    """Every check of this installation, core first."""
     return [Check("repsim", OK, f"{repsim.__version__} from {Path(repsim.__file__).parent}"), torch_check(),
             faiss_check(), *data_checks(), *tracking_checks()]
 

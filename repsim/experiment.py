@@ -8,6 +8,7 @@ paths resolve against the experiment file's folder, those in overrides against t
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 from collections.abc import Sequence
@@ -40,8 +41,7 @@ AS_CONFIGURED = "config"  # the image side that an alignment config names itself
 
 
 class _Section(Strict):
-    def needs(self) -> tuple[str, ...]:
-        """The section kinds that must come before this one."""
+    def needs(self) -> tuple[str, ...]:  # the section kinds that must come before this one
         return ()
 
 
@@ -111,8 +111,7 @@ class TrainSection(_Section):
                      self)
 
     def overrides(self, run: MethodRun, data: Path) -> list[str]:
-        """``--set`` overrides of ``run``'s config: the experiment's data spec, then the shared
-        settings, then the run's own."""
+        """``--set`` overrides of ``run``'s config: the data spec, then the shared settings, then the run's own."""
         return [f"data.spec={data}", *as_overrides(self.settings), *as_overrides(run.settings)]
 
 
@@ -242,8 +241,7 @@ class Member:
 
 
 def _can_change(key: str, later: set[str], method: str) -> bool:
-    """Whether sweep ``key`` can change a stage of ``method``'s encoder (``pixels``: none trained)
-    before the ``later`` sections."""
+    """Whether sweep ``key`` can change a stage of ``method``'s encoder before the ``later`` sections."""
     parts = key.split(".")
     if parts[0] == "train" and method == "pixels":
         return False
@@ -291,9 +289,7 @@ def with_overrides(experiment: Experiment, overrides: Sequence[str], origin: str
     """``experiment`` with each ``key=value`` override applied in order (paths against the cwd)."""
     if not overrides:
         return experiment
-    values = experiment.model_dump(mode="json")
-    for override in overrides:
-        values = _apply(values, override)
+    values = functools.reduce(_apply, overrides, experiment.model_dump(mode="json"))
     return _validate(resolve_paths(values, PATH_FIELDS, Path.cwd()), f"{origin} with --set {' '.join(overrides)}")
 
 
@@ -317,13 +313,11 @@ def _apply(values: dict[str, Any], override: str) -> dict[str, Any]:
                         f"start the key with one of {', '.join(['name', 'data', *kinds])}")
     if not rest:
         raise SpecError(f"{name} replaces a whole section", f"set one of its fields, e.g. {head}.<field>=...")
-    stages = list(values["stages"])
-    section = stages[kinds.index(head)]
+    stages, index = list(values["stages"]), kinds.index(head)
     if head == "train" and rest[0] == "methods" and len(rest) > 2:
-        section = {**section, "methods": _set_method(section["methods"], rest[1], rest[2:], value, name)}
+        stages[index] = {**stages[index], "methods": _set_method(stages[index]["methods"], rest[1], rest[2:], value, name)}
     else:
-        section = set_dotted(section, rest, value)
-    stages[kinds.index(head)] = section
+        stages[index] = set_dotted(stages[index], rest, value)
     return {**values, "stages": stages}
 
 
@@ -338,8 +332,7 @@ def _set_method(methods: list[dict[str, Any]], label: str, keys: Sequence[str], 
 
 
 def check_experiment(experiment: Experiment) -> list[Member]:
-    """Load the data spec and, for every member, every method and alignment config (with their
-    overrides): SpecError before any work. The members."""
+    """The members, once their data spec and every method and alignment config load: SpecError before any work."""
     from repsim.align.config import load_align_config
     from repsim.data import load_spec
     from repsim.methods.config import load_config

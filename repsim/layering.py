@@ -126,7 +126,6 @@ def parse_override(override: str, example: str) -> tuple[list[str], Any]:
 
 
 def merge_layers(layers: Iterable[Layer]) -> dict[str, Any]:
-    """The values of ``layers`` merged in order (see :func:`merge`)."""
     return functools.reduce(merge, (layer.values for layer in layers), {})
 
 
@@ -168,8 +167,7 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def as_overrides(tree: Mapping[str, Any]) -> list[str]:
-    """A nested mapping as the ``key=value`` overrides that set it: ``{"optim": {"lr": 0.1}}`` ->
-    ``["optim.lr=0.1"]``."""
+    """A nested mapping as the ``key=value`` overrides that set it: ``{"optim": {"lr": 0.1}}`` -> ``["optim.lr=0.1"]``."""
     return [f"{key}={inline(value)}" for key, value in flatten(tree).items()]
 
 

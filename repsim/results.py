@@ -59,9 +59,8 @@ def cell(row: Row, metric: str) -> str:
 
 
 def column(metric: str, statistic: str = "") -> str:
-    """The result table's column of ``metric``'s ``statistic`` (``""``: the mean, ``"std"``, ``"n"``):
-    no dots, which MLflow's table view leaves blank (``linear_val_top1_wd0.01 std`` ->
-    ``linear_val_top1_wd0_01 std``)."""
+    """The result table's column of ``metric``'s ``statistic`` (``""``: the mean, ``"std"``, ``"n"``), without
+    the dots that MLflow's table view leaves blank: ``linear_val_top1_wd0_01 std``."""
     return " ".join(filter(None, [metric.replace(".", "_"), statistic]))
 
 
@@ -76,12 +75,16 @@ def as_records(rows: Sequence[Row], first: Iterable[str] = ()) -> list[dict]:
             for row in rows]
 
 
-def markdown(rows: Sequence[Row], columns: dict[str, str]) -> str:
-    """The rows as a markdown table of the ``columns`` ({title: metric name}), with any grid point."""
+def table(rows: Sequence[Row], columns: dict[str, str], encoder: str = "encoder") -> tuple[list[str], list[list[str]]]:
+    """(header, cells) of the rows' table of the ``columns`` ({title: metric name}), with any grid point."""
     swept = any(row.point for row in rows)
-    header = [*(["grid point"] if swept else []), "encoder", *columns]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * (len(header) - len(columns)) + "---:|" * len(columns)]
-    for row in rows:
-        cells = [*([row.point] if swept else []), row.encoder, *(cell(row, name) for name in columns.values())]
-        lines.append("| " + " | ".join(cells) + " |")
+    return ([*(["grid point"] if swept else []), encoder, *columns],
+            [[*([row.point] if swept else []), row.encoder, *(cell(row, name) for name in columns.values())] for row in rows])
+
+
+def markdown(rows: Sequence[Row], columns: dict[str, str]) -> str:
+    """The rows as a markdown table (see :func:`table`)."""
+    header, cells = table(rows, columns)
+    lines = ["| " + " | ".join(line) + " |" for line in [header, *cells]]
+    lines.insert(1, "|" + "---|" * (len(header) - len(columns)) + "---:|" * len(columns))
     return "\n".join(lines)

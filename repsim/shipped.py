@@ -7,7 +7,6 @@ installed. Every loader passes its file argument through :func:`locate`.
 
 from __future__ import annotations
 
-import os
 import stat
 from importlib.resources import files
 from pathlib import Path
@@ -25,7 +24,6 @@ def folder(kind: str) -> Path:
 
 
 def shipped(kind: str) -> dict[str, Path]:
-    """The shipped files of ``kind`` by name, sorted."""
     return {path.stem: path for path in sorted(folder(kind).glob(f"*{SUFFIX}"), key=lambda path: path.stem)}
 
 
@@ -40,9 +38,16 @@ def packaged(kind: str, name: str) -> Path:
 
 def locate(path: str | Path, kind: str) -> Path:
     """``path`` if it is a file; else the shipped ``kind`` file of a bare name (``xclr`` or ``xclr.yaml``); else
-    ``path`` if anything is there (the reader says what); else SpecError listing the shipped names."""
+    ``path`` if anything is there (the reader says what); else SpecError listing the shipped names, or in one
+    line when the system refuses to look (a name too long, a loop of links, a NUL byte)."""
     given = Path(path)
-    found = _status(given, kind)
+    try:
+        found = given.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        found = None
+    except (OSError, ValueError) as err:
+        reason = getattr(err, "strerror", None) or err
+        raise SpecError(f"{kind} {path!r} cannot be looked up ({reason})", "check the path") from None
     if found is not None and stat.S_ISREG(found.st_mode):
         return given
     choices = shipped(kind)
@@ -53,15 +58,3 @@ def locate(path: str | Path, kind: str) -> Path:
         return given
     raise SpecError(f"{kind} {path} does not exist",
                     f"check the path, or name a shipped {kind}: {', '.join(choices)}")
-
-
-def _status(path: Path, kind: str) -> os.stat_result | None:
-    """What is at ``path`` (None: nothing); SpecError in one line when the system refuses to look (a
-    name too long, a loop of links, a NUL byte)."""
-    try:
-        return path.stat()
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except (OSError, ValueError) as err:
-        reason = getattr(err, "strerror", None) or err
-        raise SpecError(f"{kind} {path!r} cannot be looked up ({reason})", "check the path") from None

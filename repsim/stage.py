@@ -2,8 +2,7 @@
 hashing the stage name, version, resolved config and input keys. It is built under a temporary name and
 renamed when complete; its ``stage.json`` records config, inputs, timings, metrics, library versions and
 every file's size and sha256. A complete output that still matches it is served at once; a damaged one
-is built again.
-"""
+is built again."""
 
 from __future__ import annotations
 
@@ -23,8 +22,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import filelock
-
 from repsim.errors import RepsimError, StageError, disk_full, disk_full_error
 
 STAGE_FILE = "stage.json"
@@ -41,10 +38,6 @@ def artifacts_root() -> Path:
     return repsim_home() / "artifacts"
 
 
-def _canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
-
-
 @dataclass(frozen=True)
 class Stage:
     """One stage invocation. ``config`` is JSON-serialisable (``model_dump(mode="json")``); ``inputs``
@@ -57,9 +50,9 @@ class Stage:
 
     @property
     def key(self) -> str:
-        payload = {"stage": self.name, "version": self.version,
-                   "config": self.config, "inputs": dict(self.inputs)}
-        return hashlib.sha256(_canonical_json(payload).encode()).hexdigest()[:20]
+        payload = {"stage": self.name, "version": self.version, "config": self.config, "inputs": dict(self.inputs)}
+        canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
+        return hashlib.sha256(canonical.encode()).hexdigest()[:20]
 
     def default_dir(self) -> Path:
         return artifacts_root() / self.name / self.key
@@ -166,9 +159,8 @@ VERIFY_ENV = "REPSIM_VERIFY"
 
 
 def rebuilding(stages: Iterable[str]) -> contextlib.AbstractContextManager[None]:
-    """Within the block, outputs of the named stages completed before it began are built again, the old
-    one kept until the new one is complete; those built inside it are reused. Set in ``REPSIM_REBUILD``,
-    so subprocesses (e.g. torchrun ranks) see it too."""
+    """Within the block, outputs of the named stages completed before it began are built again; those built
+    inside it are reused. Set in ``REPSIM_REBUILD``, so subprocesses (e.g. torchrun ranks) see it too."""
     names = sorted(set(stages))
     return _environment(REBUILD_ENV, f"{','.join(names)}@{time.time()!r}" if names else None)
 
@@ -179,7 +171,6 @@ def verifying(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
 
 
 def verification_requested() -> bool:
-    """Whether cache hits check hashes now (inside :func:`verifying`)."""
     return os.environ.get(VERIFY_ENV) == "1"
 
 
@@ -239,22 +230,12 @@ def _completed(stage: Stage, out: Path) -> StageOutput | None:
     return StageOutput(stage.name, stage.key, out, True, record)
 
 
-def _remove_stale_temporaries(out: Path) -> None:
-    for pattern in (f".{out.name}.tmp-*", f".{out.name}.old-*"):
-        for stale in out.parent.glob(pattern):
-            shutil.rmtree(stale, ignore_errors=True)
-
-
 class OutputLock:
     """The cross-process lock of the stage output at ``out``: exclusive while a stage writes (or ``clean``
-    removes) it, shared while running stages read it as an input.
-
-    Both are flock(2) locks on ``.<key>.lock`` beside the output, so the OS releases them when a holder
-    dies; the file is never removed (a waiting and a new process would lock different files). The
-    exclusive one is :class:`filelock.FileLock` (``preserve_lock_file`` rules out its marker-file
-    fallback); the shared one is taken here, since filelock's ``ReadWriteLock`` queues readers behind a
-    waiting writer, which could deadlock a stage holding one input while it waits for the next.
-    """
+    removes) it, shared while running stages read it as an input. A flock(2) lock on ``.<key>.lock`` beside
+    the output, so the OS releases it when a holder dies; the file is never removed (a waiting and a new
+    process would lock different files). Not filelock's ``ReadWriteLock``: it queues readers behind a
+    waiting writer, which could deadlock a stage holding one input while it waits for the next."""
 
     def __init__(self, out: Path) -> None:
         self.path = out.parent / f".{out.name}.lock"
@@ -263,8 +244,13 @@ class OutputLock:
     def held(self, shared: bool = False, blocking: bool = True) -> Iterator[bool]:
         """Hold the lock, ``shared`` or exclusive, for the block; yields False if not ``blocking`` and taken."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.ExitStack() as release:
-            yield (self._share if shared else self._take)(release, blocking)
+        with open(self.path, "a") as handle:  # closing it releases the lock
+            try:
+                fcntl.flock(handle, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            yield True
 
     def holder(self) -> str | None:
         """``locked`` (held exclusively: being written), ``in use`` (held shared: being read) or None, at once."""
@@ -276,23 +262,6 @@ class OutputLock:
                     return holder
         return LOCKED
 
-    def _take(self, release: contextlib.ExitStack, blocking: bool) -> bool:
-        lock = filelock.FileLock(self.path, preserve_lock_file=True)
-        try:
-            lock.acquire(blocking=blocking)
-        except filelock.Timeout:
-            return False
-        release.callback(lock.release)
-        return True
-
-    def _share(self, release: contextlib.ExitStack, blocking: bool) -> bool:
-        handle = release.enter_context(open(self.path, "a"))  # closing it releases the lock
-        try:
-            fcntl.flock(handle, fcntl.LOCK_SH | (0 if blocking else fcntl.LOCK_NB))
-        except BlockingIOError:
-            return False
-        return True
-
 
 def _set_aside(path: Path) -> Path:
     """Rename the output ``path`` to a hidden ``.old-`` name beside it, which never looks complete."""
@@ -301,18 +270,10 @@ def _set_aside(path: Path) -> Path:
     return aside
 
 
-def _move_into_place(tmp: Path, out: Path) -> None:
-    """Rename the complete ``tmp`` to ``out``; an old ``out`` is moved aside first and removed only after."""
-    old = _set_aside(out) if out.exists() else None
-    os.rename(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 @contextlib.contextmanager
 def _reading(keys: Iterable[str]) -> Iterator[None]:
     """Hold shared the lock of every stored output whose key is among ``keys`` (a stage's inputs)."""
-    inputs = [folder / key for folder in _stage_folders(artifacts_root()) for key in set(keys)
+    inputs = [folder / key for folder in _subfolders(artifacts_root()) for key in set(keys)
               if (folder / key).is_dir()]
     with contextlib.ExitStack() as held:
         for path in inputs:
@@ -327,12 +288,9 @@ FileDetails = Callable[[Path], Mapping[str, Mapping[str, Any]]]
 def run_stage(stage: Stage, build: Build, out_dir: str | Path | None = None,
               file_details: FileDetails | None = None) -> StageOutput:
     """Build ``stage`` into its output directory unless it is complete and intact (a damaged one is logged
-    and built again; see :func:`rebuilding`, :func:`verifying`).
-
-    ``build(tmp_dir)`` writes every output file into ``tmp_dir`` and may return metrics, stored in
-    ``stage.json`` with every file's size and sha256 (and its entry of ``file_details(tmp_dir)``). The
-    directory gets its final name only once that is written; meanwhile the inputs' locks are held shared.
-    """
+    and built again). ``build(tmp_dir)`` writes every output file and may return metrics, stored in
+    ``stage.json`` with every file's size, sha256 and entry of ``file_details(tmp_dir)``; the inputs' locks
+    are held shared meanwhile."""
     out = stage.output_dir(out_dir)
     done = _completed(stage, out)
     if done is not None and is_current(out, done.record):
@@ -350,7 +308,8 @@ def run_stage(stage: Stage, build: Build, out_dir: str | Path | None = None,
 
 
 def _build_atomically(stage: Stage, build: Build, out: Path, file_details: FileDetails | None) -> dict[str, Any]:
-    _remove_stale_temporaries(out)
+    for stale in [*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")]:
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
@@ -365,7 +324,10 @@ def _build_atomically(stage: Stage, build: Build, out: Path, file_details: FileD
             "files": output_files(tmp, file_details(tmp) if file_details is not None else None),
         }
         (tmp / STAGE_FILE).write_text(json.dumps(record, indent=2, sort_keys=True, default=str))
-        _move_into_place(tmp, out)
+        old = _set_aside(out) if out.exists() else None  # removed only once the new output is in place
+        os.rename(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     except BaseException as err:
         full = disk_full(err)
         written = sum(file.stat().st_size for file in tmp.rglob("*") if file.is_file()) if full else 0
@@ -388,9 +350,8 @@ UNVERIFIED = "unverified: its record lists no files"
 class StoredOutput:
     """One directory under the artifact root (or a train stage's scratch folder). ``status``: ``complete``,
     ``damaged`` (``note`` names the first bad file), ``incomplete`` (a partial build or a resumable scratch
-    folder), ``locked`` (being written) or ``in use`` (read by a running stage); a complete output whose
-    record lists no files has the note ``unverified: ...``. ``modified``: when completed (or last written).
-    """
+    folder), ``locked`` (being written) or ``in use`` (read by a running stage). ``modified``: when completed
+    (or last written)."""
 
     stage: str
     key: str
@@ -408,16 +369,16 @@ class StoredOutput:
 
 def list_outputs(hashes: bool = False) -> list[StoredOutput]:
     """Every stage output under ``$REPSIM_HOME``, by stage then age; complete ones checked by :func:`damage`."""
-    found = [output for folder in _stage_folders(artifacts_root()) for output in _outputs_in(folder, hashes)]
+    found = [output for folder in _subfolders(artifacts_root()) for output in _outputs_in(folder, hashes)]
     found += [_stored(folder.name, path.name, path, artifacts_root() / folder.name / path.name)
-              for folder in _stage_folders(repsim_home() / "scratch") for path in folder.iterdir() if path.is_dir()]
+              for folder in _subfolders(repsim_home() / "scratch") for path in _subfolders(folder)]
     return sorted(found, key=lambda output: (output.stage, output.modified))
 
 
-def unreferenced_outputs(older_than: float, now: float | None = None) -> list[StoredOutput]:
+def unreferenced_outputs(older_than: float) -> list[StoredOutput]:
     """Outputs last modified over ``older_than`` seconds ago that no kept output (one modified since, or
     transitively an input of one) depends on, and that are neither locked nor in use."""
-    outputs, cutoff = list_outputs(), (time.time() if now is None else now) - older_than
+    outputs, cutoff = list_outputs(), time.time() - older_than
     complete = {output.key: output for output in outputs if output.status != INCOMPLETE}
     kept: set[str] = set()
     pending = [output for output in complete.values() if output.modified >= cutoff]
@@ -439,14 +400,12 @@ def remove_output(output: StoredOutput) -> bool:
         return True
 
 
-def _stage_folders(root: Path) -> list[Path]:
+def _subfolders(root: Path) -> list[Path]:
     return sorted(path for path in root.iterdir() if path.is_dir()) if root.is_dir() else []
 
 
 def _outputs_in(folder: Path, hashes: bool) -> Iterator[StoredOutput]:
-    for path in folder.iterdir():
-        if not path.is_dir():
-            continue
+    for path in _subfolders(folder):
         if not path.name.startswith("."):
             record = read_record(path)
             if record is not None:
@@ -460,15 +419,10 @@ def _stored(stage: str, key: str, path: Path, output: Path, record: Mapping[str,
             hashes: bool = False) -> StoredOutput:
     """``path`` as listed: locked or in use by the lock of ``output``, else by its ``record`` (None: incomplete)."""
     status, note = OutputLock(output).holder(), ""
-    if status is None:
-        status, note = _condition(path, record, hashes) if record is not None else (INCOMPLETE, "")
+    if status is None and record is None:
+        status = INCOMPLETE
+    elif status is None:
+        found = damage(path, record, hashes)
+        status, note = (DAMAGED, found) if found else (COMPLETE, "" if "files" in record else UNVERIFIED)
     marker = path / STAGE_FILE if record is not None else path
     return StoredOutput(stage, key, status, path, marker.stat().st_mtime, dict((record or {}).get("inputs", {})), note)
-
-
-def _condition(path: Path, record: Mapping[str, Any], hashes: bool) -> tuple[str, str]:
-    """(status, note) of a complete output: whether its files still match its record."""
-    if "files" not in record:
-        return COMPLETE, UNVERIFIED
-    found = damage(path, record, hashes)
-    return (COMPLETE, "") if found is None else (DAMAGED, found)

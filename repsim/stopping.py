@@ -44,7 +44,6 @@ def install() -> None:
 
 
 def requested() -> signal.Signals | None:
-    """The signal that asked this process to stop, if one did."""
     return _requested[0] if _requested else None
 
 

@@ -142,16 +142,16 @@ def test_an_error_that_is_no_full_disk_is_not_taken_for_one(tmp_path, monkeypatc
 
 
 def test_log_records_of_a_full_disk_are_dropped_and_user_errors_lose_their_traceback():
-    keep = cli._NoTracebackForUserErrors()
+    keep = cli._keep_log_record
 
     def record(message: str, error: BaseException | None = None) -> logging.LogRecord:
         return logging.LogRecord("prefect", logging.ERROR, __file__, 1, message, None,
                                  (type(error), error, None) if error else None)
 
-    assert not keep.filter(record("SQLAlchemy database error.\n(sqlite3.OperationalError) database or disk is full"))
-    assert not keep.filter(record("Finished in state Failed", OSError(errno.ENOSPC, "No space left on device")))
-    assert not keep.filter(record("failed", sqlite3.OperationalError("database or disk is full")))
+    assert not keep(record("SQLAlchemy database error.\n(sqlite3.OperationalError) database or disk is full"))
+    assert not keep(record("Finished in state Failed", OSError(errno.ENOSPC, "No space left on device")))
+    assert not keep(record("failed", sqlite3.OperationalError("database or disk is full")))
     user = record("Finished in state Failed", DiskFull("the file system at /x is full", "free some"))
-    assert keep.filter(user) and user.exc_info is None
+    assert keep(user) and user.exc_info is None
     other = record("Finished in state Failed", ValueError("a bug"))
-    assert keep.filter(other) and other.exc_info is not None
+    assert keep(other) and other.exc_info is not None
