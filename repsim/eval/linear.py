@@ -6,8 +6,9 @@ L-BFGS when features and logits fit in ``FULL_BATCH_BYTES`` (or a quarter of the
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 
 import numpy as np
 import torch
@@ -79,25 +80,19 @@ class _Rows:
         return _Rows(features.to(device), labels.to(device), zero.to(device), one.to(device))
 
 
-@dataclass(frozen=True)
-class _Solver:
-    """Fits the penalised softmax regression on (N, D) features; ``kind`` is "lbfgs" or "adam"."""
+Fit = Callable[[_Rows, float, Parameters], Parameters]  # (data, weight decay, initial parameters) -> fitted
 
-    kind: str
-    device: torch.device
-    max_iter: int
-    epochs: int
-    batch_size: int
-    seed: int
 
-    def fit(self, data: _Rows, weight_decay: float, init: Parameters) -> Parameters:
-        weight, bias = (p.detach().clone().to(self.device).requires_grad_() for p in init)
-        fit = self._lbfgs if self.kind == "lbfgs" else self._adam
-        fit(data, weight_decay, weight, bias)
-        return weight.detach(), bias.detach()
+def _fit(data: _Rows, weight_decay: float, init: Parameters, *, solver: str, device: torch.device, max_iter: int,
+         epochs: int, batch_size: int, seed: int) -> Parameters:
+    """The penalised softmax regression fitted on ``data`` from ``init``, by L-BFGS (``solver`` "lbfgs") or Adam."""
+    weight, bias = (p.detach().clone().to(device).requires_grad_() for p in init)
 
-    def _lbfgs(self, data: _Rows, weight_decay: float, weight: torch.Tensor, bias: torch.Tensor) -> None:
-        optimiser = torch.optim.LBFGS([weight, bias], lr=1, max_iter=self.max_iter, history_size=10,
+    def cross_entropy(features: torch.Tensor, labels: torch.Tensor, reduction: str) -> torch.Tensor:
+        return F.cross_entropy(features.to(device) @ weight + bias, labels.to(device), reduction=reduction)
+
+    if solver == "lbfgs":
+        optimiser = torch.optim.LBFGS([weight, bias], lr=1, max_iter=max_iter, history_size=10,
                                       tolerance_grad=1e-6, tolerance_change=1e-10, line_search_fn="strong_wolfe")
 
         def closure() -> torch.Tensor:
@@ -107,31 +102,25 @@ class _Solver:
             penalty.backward()
             total = penalty.detach()
             for features, labels in data.chunks():
-                loss = _cross_entropy(features, labels, weight, bias, self.device, "sum") / len(data)
+                loss = cross_entropy(features, labels, "sum") / len(data)
                 loss.backward()
                 total = total + loss.detach()
             return total
 
         optimiser.step(closure)
-
-    def _adam(self, data: _Rows, weight_decay: float, weight: torch.Tensor, bias: torch.Tensor) -> None:
-        steps_per_epoch = -(-len(data) // self.batch_size)
-        optimiser = torch.optim.Adam([weight, bias], lr=ADAM_LR)
-        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimiser, T_max=self.epochs * steps_per_epoch)
-        generator = torch.Generator().manual_seed(self.seed)
-        for _ in range(self.epochs):
-            for positions in torch.randperm(len(data), generator=generator).split(self.batch_size):
-                optimiser.zero_grad()
-                features, labels = data.subset(positions).take(0, len(positions))
-                loss = _cross_entropy(features, labels, weight, bias, self.device, "mean")
-                (loss + 0.5 * weight_decay * weight.square().sum()).backward()
-                optimiser.step()
-                schedule.step()
-
-
-def _cross_entropy(features: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                   device: torch.device, reduction: str) -> torch.Tensor:
-    return F.cross_entropy(features.to(device) @ weight + bias, labels.to(device), reduction=reduction)
+        return weight.detach(), bias.detach()
+    steps_per_epoch = -(-len(data) // batch_size)
+    optimiser = torch.optim.Adam([weight, bias], lr=ADAM_LR)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimiser, T_max=epochs * steps_per_epoch)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(epochs):
+        for positions in torch.randperm(len(data), generator=generator).split(batch_size):
+            optimiser.zero_grad()
+            features, labels = data.subset(positions).take(0, len(positions))
+            (cross_entropy(features, labels, "mean") + 0.5 * weight_decay * weight.square().sum()).backward()
+            optimiser.step()
+            schedule.step()
+    return weight.detach(), bias.detach()
 
 
 def linear_probe(train_x: ArrayLike, train_y: ArrayLike, test_x: ArrayLike, test_y: ArrayLike,
@@ -153,17 +142,18 @@ def linear_probe(train_x: ArrayLike, train_y: ArrayLike, test_x: ArrayLike, test
     mean, std = _moments(train_x)
     train, test = (_Rows(x, y, mean, std) for x, y in ((train_x, train_y), (test_x, test_y)))
     device = resolve_device(device)
-    solver = _Solver(_solver_kind(solver, train_x.shape, num_classes, device), device, max_iter, epochs, batch_size, seed)
-    if solver.kind == "lbfgs":  # full-batch: on a GPU, move the features once, not once per fit
+    solver = _solver_kind(solver, train_x.shape, num_classes, device)
+    fit = partial(_fit, solver=solver, device=device, max_iter=max_iter, epochs=epochs, batch_size=batch_size, seed=seed)
+    if solver == "lbfgs":  # full-batch: on a GPU, move the features once, not once per fit
         train = train.on(device)
     init = (torch.zeros(train_x.shape[1], num_classes), torch.zeros(num_classes))
     metrics: dict[str, float] = {}
     if len(decays) > 1:
-        val_accuracies, fitted = _validate(solver, train, decays, val_fraction, seed, init)
+        val_accuracies, fitted = _validate(fit, train, decays, val_fraction, seed, init)
         metrics |= {f"linear_val_top1_wd{wd:g}": accuracy for wd, accuracy in val_accuracies.items()}
         decays = [max(val_accuracies, key=lambda wd: (val_accuracies[wd], wd))]
         init = fitted[decays[0]]
-    parameters = solver.fit(train, decays[0], init)
+    parameters = fit(train, decays[0], init)
     test_accuracy = top_k_accuracy(_rank_classes(test, parameters), test_y.numpy())
     return {"linear_top1": test_accuracy[1], "linear_top5": test_accuracy[5], "linear_weight_decay": decays[0]} | metrics
 
@@ -191,7 +181,7 @@ def _solver_kind(solver: str, shape: torch.Size, num_classes: int, device: torch
     return "lbfgs" if 4 * rows * (dims + 2 * num_classes) <= budget else "adam"
 
 
-def _validate(solver: _Solver, train: _Rows, decays: list[float], val_fraction: float, seed: int,
+def _validate(fit: Fit, train: _Rows, decays: list[float], val_fraction: float, seed: int,
               init: Parameters) -> tuple[dict[float, float], dict[float, Parameters]]:
     """Held-out top-1 and parameters per decay, fitted from the largest decay down, each warm-started."""
     labels = train.labels.cpu().numpy()
@@ -201,7 +191,7 @@ def _validate(solver: _Solver, train: _Rows, decays: list[float], val_fraction: 
                         "raise val_fraction or pass a single weight decay")
     accuracies, fitted = {}, {}
     for wd in decays:
-        init = fitted[wd] = solver.fit(train.subset(kept), wd, init)
+        init = fitted[wd] = fit(train.subset(kept), wd, init)
         accuracies[wd] = top_k_accuracy(_rank_classes(train.subset(held_out), init), labels[held_out], (1,))[1]
     return accuracies, fitted
 

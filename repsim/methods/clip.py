@@ -46,14 +46,10 @@ class CLIP(Method):
         self.text_embeddings = text_embeddings
         self.loss = ClipLoss(temperature, learnable=learn_temperature, gather=True)
 
-    def text_rows(self, indices: torch.Tensor) -> torch.Tensor:
-        """(B,) manifest indices -> (B, T) float32 frozen caption embeddings on ``indices.device``."""
-        rows = np.asarray(self.text_embeddings[indices.cpu().numpy()], dtype=np.float32)
-        return torch.from_numpy(rows).to(indices.device)
-
     def training_step(self, batch: Batch) -> dict[str, torch.Tensor]:
         image = self.projector(self.encoder(batch["views"][0]))
-        text = self.text_projection(self.text_rows(batch["index"]))
+        captions = np.asarray(self.text_embeddings[batch["index"].cpu().numpy()], dtype=np.float32)
+        text = self.text_projection(torch.from_numpy(captions).to(batch["index"].device))
         return {"loss": self.loss(image, text), "logit_scale": self.loss.scale.detach()}
 
 

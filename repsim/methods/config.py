@@ -108,7 +108,8 @@ class Config(Strict):
 def accept_method(name: str, settings: type[BaseModel]) -> None:
     """Let ``method.name: <name>`` validate into ``settings``, a model whose ``name`` is ``Literal["<name>"]``
     (see :func:`repsim.methods.base.register`); it replaces settings accepted under that name before."""
-    if _name_of(settings) != name:
+    field = settings.model_fields.get("name")
+    if field is None or get_args(field.annotation) != (name,):
         raise TypeError(f"the settings of method {name!r} must be a model with name: Literal[{name!r}]")
     _settings[name] = settings
     union = Union[tuple(_settings.values())]  # noqa: UP007 (a union of models known at run time)
@@ -135,13 +136,6 @@ def import_outside_method(name: str) -> None:
         except Exception as err:  # whatever the outside module raises while it imports
             raise SpecError(f"method {name!r} of {point.value!r} (entry point of {point.dist.name if point.dist else '?'}) "
                             f"does not import: {first_line(err)}", "fix or reinstall the package") from None
-
-
-def _name_of(settings: type[BaseModel]) -> str | None:
-    """The method a settings model is for: ``x`` of its field ``name: Literal["x"]``."""
-    field = settings.model_fields.get("name")
-    tags = get_args(field.annotation) if field is not None else ()
-    return tags[0] if len(tags) == 1 else None
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = (), schema: type[BaseModel] = Config) -> Any:

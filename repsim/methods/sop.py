@@ -117,8 +117,14 @@ class SOPBank(nn.Module):
             supports = Supports(self.supports, self.support_scores, self.support_kept)
         else:
             supports = self._draw_supports(anchors, anchor_ids, entries, ids)
-        if self.fixed_anchors and not kept and len(entries) == self.memory.size:
-            self._keep(anchors, anchor_ids, supports)
+        if self.fixed_anchors and not kept and len(entries) == self.memory.size:  # the first full-memory draw
+            self.anchors.copy_(anchors)
+            self.anchor_ids.copy_(anchor_ids)
+            self.anchors_drawn.fill_(True)
+            if self.fixed_supports:
+                self.supports.copy_(supports.embeddings)
+                self.support_scores.copy_(supports.scores)
+                self.support_kept.copy_(supports.kept)
         return assemble_sops(anchors, supports, self.epsilon, self.one_hot)
 
     def _draw_supports(self, anchors: torch.Tensor, anchor_ids: torch.Tensor, entries: torch.Tensor,
@@ -130,16 +136,6 @@ class SOPBank(nn.Module):
             empty = anchors[:0]
             return Supports(empty, empty[:, 0], empty[:, 0].bool())
         return draw_supports(anchors, anchor_ids, entries, ids, self.support_size, self.shared_supports)
-
-    def _keep(self, anchors: torch.Tensor, anchor_ids: torch.Tensor, supports: Supports) -> None:
-        """Keep the anchors (and with ``fixed_supports`` their supports) of the first full-memory draw."""
-        self.anchors.copy_(anchors)
-        self.anchor_ids.copy_(anchor_ids)
-        self.anchors_drawn.fill_(True)
-        if self.fixed_supports:
-            self.supports.copy_(supports.embeddings)
-            self.support_scores.copy_(supports.scores)
-            self.support_kept.copy_(supports.kept)
 
 
 class SOP(SelfDistillation):

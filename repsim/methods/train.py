@@ -1,10 +1,8 @@
 """The shared Trainer: any :class:`~repsim.methods.base.Method` on a shard loader, with AdamW or LARS, warm-up + cosine,
-mixed precision, checkpoints with exact resume, an online kNN monitor and DDP.
+mixed precision, checkpoints with exact resume, an online kNN monitor and DDP (rank 0 alone writes, logs and monitors).
 
-Exact resume: a checkpoint holds the model, optimizer, step, epoch, batches consumed in it and the RNG
-states; the loader replays an epoch identically, so a resumed run skips the consumed batches and takes
-the same steps as an uninterrupted one. Under DDP only rank 0 writes checkpoints, logs and runs the
-kNN monitor.
+Exact resume: a checkpoint holds the model, optimizer, progress and RNG states; the loader replays an epoch
+identically, so a resumed run skips the consumed batches and takes the same steps as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ import math
 import os
 import random
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -69,22 +67,19 @@ class LARS(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             for param in group["params"]:
-                if param.grad is not None:
-                    self._update(param, group)
+                if param.grad is None:
+                    continue
+                update = param.grad
+                if not group["lars_exclude"]:
+                    update = update.add(param, alpha=group["weight_decay"])
+                    param_norm, update_norm = param.norm(), update.norm()
+                    trust = group["trust_coefficient"] * param_norm / update_norm
+                    update = update * torch.where((param_norm > 0) & (update_norm > 0), trust, 1.0)
+                state = self.state[param]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(param)
+                param.add_(state["momentum_buffer"].mul_(group["momentum"]).add_(update), alpha=-group["lr"])
         return loss
-
-    def _update(self, param: torch.Tensor, group: dict[str, Any]) -> None:
-        update = param.grad
-        if not group["lars_exclude"]:
-            update = update.add(param, alpha=group["weight_decay"])
-            param_norm, update_norm = param.norm(), update.norm()
-            trust = group["trust_coefficient"] * param_norm / update_norm
-            update = update * torch.where((param_norm > 0) & (update_norm > 0), trust, 1.0)
-        state = self.state[param]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(param)
-        buffer = state["momentum_buffer"].mul_(group["momentum"]).add_(update)
-        param.add_(buffer, alpha=-group["lr"])
 
 
 def parameter_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -128,13 +123,6 @@ def init_distributed(backend: str | None = None) -> tuple[int, int]:
 
 def is_main_process() -> bool:
     return not distributed() or dist.get_rank() == 0
-
-
-def _indexed(device: torch.device) -> torch.device:
-    """``cuda`` as the current GPU, ``cuda:<n>``: DistributedDataParallel needs the explicit index."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
@@ -279,15 +267,6 @@ def read_checkpoint(path: Path) -> tuple[dict[str, Any] | None, str | None]:
 # ---------------------------------------------------------------------------------------------
 # The Trainer
 
-@dataclass
-class TrainResult:
-    """The final progress, the last step's scalars and the last kNN accuracies (empty if none ran)."""
-
-    progress: Progress
-    last_step: dict[str, float] = field(default_factory=dict)
-    knn: dict[str, float] = field(default_factory=dict)
-
-
 class Trainer:
     """Train ``method`` on ``loader`` for ``settings.epochs`` epochs, or ``settings.max_steps`` steps if fewer.
 
@@ -300,8 +279,11 @@ class Trainer:
                  monitor: KnnMonitor | None = None, checkpoint_path: Path | None = None,
                  log: LogFn | None = None, device: str | torch.device | None = None, progress: bool = True):
         self.settings, self.loader, self.monitor = settings, loader, monitor
-        self.checkpoint_path, self.log, self.show_progress = checkpoint_path, log, progress
-        self.device = _indexed(resolve_device(device))
+        self.checkpoint_path, self.show_progress = checkpoint_path, progress
+        self.log = log if log is not None and is_main_process() else lambda metrics, step: None
+        self.device = resolve_device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # DistributedDataParallel needs the index
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = autocast_dtype(settings.precision, self.device)
         self.method = method.to(self.device)
         if settings.channels_last:
@@ -320,29 +302,28 @@ class Trainer:
         self.total_steps = min(settings.epochs * self.steps_per_epoch, settings.max_steps or math.inf)
         self.warmup_steps = round(settings.warmup_epochs * self.steps_per_epoch)
 
-    # -- the loop ---------------------------------------------------------------------------
-
-    def fit(self) -> TrainResult:
-        """Train to the end (resuming from the checkpoint if there is one); returns the result."""
-        progress = self._resume()
-        result = TrainResult(progress)
+    def fit(self) -> Progress:
+        """Train to the end (resuming from the checkpoint if there is one); returns the final progress."""
+        progress, every = self._resume(), self.settings.checkpoint_every
         with tqdm(total=self.total_steps, initial=progress.step, desc="train", unit="step",
                   disable=not (self.show_progress and is_main_process())) as bar:
             while progress.epoch < self.settings.epochs and progress.step < self.total_steps:
                 for batch in self._remaining_batches(progress):
-                    result.last_step = self._step(batch, progress)
+                    loss = self._step(batch, progress)
                     bar.update()
-                    bar.set_postfix(loss=f"{result.last_step['loss']:.4f}", epoch=progress.epoch)
+                    bar.set_postfix(loss=f"{loss:.4f}", epoch=progress.epoch)
                     if progress.position == self.steps_per_epoch:
-                        result.knn = self._end_epoch(progress) or result.knn
+                        self._end_epoch(progress)
                     if stopping.requested():
                         self._save(progress)
                         raise stopping.stopped(f"at step {progress.step} of {self.total_steps}, its checkpoint written")
-                    if self._checkpoint_due(progress):
+                    if every > 0 and progress.step % every == 0 and progress.step < self.total_steps:
                         self._save(progress)
-        self._share_buffers()
+        if distributed():  # every rank ends with rank 0's buffers (e.g. BatchNorm statistics), as DDP gives them
+            for buffer in self.method.buffers():
+                dist.broadcast(buffer, src=0)
         self._save(progress)
-        return result
+        return progress
 
     def _remaining_batches(self, progress: Progress) -> Iterator[Batch]:
         """This epoch's batches after the ``position`` already consumed, up to its end or the last step."""
@@ -352,7 +333,7 @@ class Trainer:
         if stop == self.steps_per_epoch:
             progress.epoch, progress.position = progress.epoch + 1, 0
 
-    def _step(self, batch: Batch, progress: Progress) -> dict[str, float]:
+    def _step(self, batch: Batch, progress: Progress) -> float:
         lr = self.settings.lr * warmup_cosine(progress.step, self.warmup_steps, self.total_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -371,38 +352,20 @@ class Trainer:
         progress.step += 1
         progress.position += 1
         self.method.after_optimizer_step(progress.step, self.total_steps)
-        metrics = {**scalars, "lr": lr}
-        self._log(metrics, progress.step)
-        return metrics
+        self.log({**scalars, "lr": lr}, progress.step)
+        return scalars["loss"]
 
-    def _end_epoch(self, progress: Progress) -> dict[str, float]:
+    def _end_epoch(self, progress: Progress) -> None:
         """Log the finished epoch with the kNN monitor and the method's epoch metrics (rank 0; the others wait)."""
-        knn, extra = {}, {}
+        metrics = {"epoch": progress.epoch + 1}
         if is_main_process():
             if self.monitor is not None:
-                knn = {f"{prefix}{name}": value for prefix, encoder in self.method.monitored_encoders().items()
-                       for name, value in self.monitor(encoder, self.device, self.dtype).items()}
-            extra = self.method.epoch_metrics()
+                metrics |= {f"{prefix}{name}": value for prefix, encoder in self.method.monitored_encoders().items()
+                            for name, value in self.monitor(encoder, self.device, self.dtype).items()}
+            metrics |= self.method.epoch_metrics()
         if distributed():
             dist.barrier()
-        self._log({"epoch": progress.epoch + 1, **knn, **extra}, progress.step)
-        return knn
-
-    def _share_buffers(self) -> None:
-        """Give every rank rank 0's buffers (e.g. BatchNorm statistics), as DDP does before each forward."""
-        if distributed():
-            for buffer in self.method.buffers():
-                dist.broadcast(buffer, src=0)
-
-    def _log(self, metrics: dict[str, float], step: int) -> None:
-        if self.log is not None and is_main_process():
-            self.log(metrics, step)
-
-    # -- checkpoints ------------------------------------------------------------------------
-
-    def _checkpoint_due(self, progress: Progress) -> bool:
-        every = self.settings.checkpoint_every
-        return every > 0 and progress.step % every == 0 and progress.step < self.total_steps
+        self.log(metrics, progress.step)
 
     def _save(self, progress: Progress) -> None:
         if self.checkpoint_path is None or not is_main_process():
@@ -428,9 +391,8 @@ class Trainer:
         if unreadable:
             log.warning("checkpoint %s does not load and is set aside as .unreadable; training resumes from %s",
                         "; ".join(unreadable), f"{path.name} (step {state['step']})" if state else "the start")
-        return self._restore(path, state) if state is not None else Progress()
-
-    def _restore(self, path: Path, state: dict[str, Any]) -> Progress:
+        if state is None:
+            return Progress()
         if state["steps_per_epoch"] != self.steps_per_epoch:
             raise TrainingError(f"{path} was written with {state['steps_per_epoch']} steps per "
                                 f"epoch, this run has {self.steps_per_epoch}",

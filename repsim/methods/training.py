@@ -39,7 +39,7 @@ CHECKPOINT_FILE = "checkpoint.pt"
 METRICS_FILE = "metrics.jsonl"
 KEY_NEUTRAL = (("optim", "threads"), ("optim", "checkpoint_every"), ("monitor", "batch_size"), ("data", "spec"),
                ("method", "similarity", "path"), ("model", "init_encoder"))  # paths: their contents are keyed
-MACHINE_CHOSEN = ("optim", "num_workers")  # changes the batches; keyed when set, not when left to the machine
+MACHINE_CHOSEN = ("optim", "num_workers")  # changes the batches (a shuffle stream per worker): keyed when set only
 
 __all__ = ["file_digest", "load_encoder", "prepare", "train", "train_loader", "train_stage_of"]
 
@@ -58,22 +58,15 @@ def train_stage_of(config: Config, shards: ShardResult | str | Path | None = Non
     """The train stage of ``config`` (its key) without training; ``shards`` default to the completed ones."""
     spec = load_spec(config.data.spec)
     data = training_data(config, spec, sharded_already(spec, shards))
-    return _stage(config, data.shards, _upstream(config, data))
+    return _stage(config, data.shards, method_spec(config.method.name).upstream(config, data))
 
 
 def _stage(config: Config, shards: ShardResult, upstream: Upstream | None) -> Stage:
     inputs = {"shards": shards.key} | ({"upstream": upstream.key} if upstream is not None else {})
     if config.model.init_encoder is not None:
         inputs["init_encoder"] = file_digest(encoder_file(config.model.init_encoder), "model.init_encoder")
-    return Stage("train", VERSION, _recipe(config), inputs)
-
-
-def _recipe(config: Config) -> dict[str, Any]:
-    """What the train key hashes: the config less its key-neutral settings. ``optim.num_workers`` changes
-    the batches (one shuffle stream per worker), so it is keyed when set; left to the machine (None), the
-    count used is recorded in the metrics (``loader_workers``)."""
-    neutral = KEY_NEUTRAL + ((MACHINE_CHOSEN,) if config.optim.num_workers is None else ())
-    return _without(config.model_dump(mode="json"), neutral)
+    neutral = KEY_NEUTRAL + ((MACHINE_CHOSEN,) if config.optim.num_workers is None else ())  # its count: in the metrics
+    return Stage("train", VERSION, _without(config.model_dump(mode="json"), neutral), inputs)
 
 
 def _without(values: dict[str, Any], fields: tuple[tuple[str, ...], ...]) -> dict[str, Any]:
@@ -96,10 +89,6 @@ def training_data(config: Config, spec: DataSpec, shards: ShardResult) -> Traini
                         f"use one of {', '.join(shards.shards)}")
     channels, size = peek_image(str(shards.shards[split][0]))
     return TrainingData(spec, shards, channels, config.data.image_size or size)
-
-
-def _upstream(config: Config, data: TrainingData) -> Upstream | None:
-    return method_spec(config.method.name).upstream(config, data)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,7 +116,7 @@ def prepare(config: Config, shards: ShardResult | str | Path | None = None,
     """What ``config`` trains on: its shards (unless given) and its upstream output, both run (cached)."""
     spec = load_spec(config.data.spec)
     data = training_data(config, spec, sharded(spec, shards, progress))
-    upstream = _upstream(config, data)
+    upstream = method_spec(config.method.name).upstream(config, data)
     if upstream is not None and upstream.run is not None:
         data = replace(data, upstream=upstream.run())
     return data, upstream

@@ -171,13 +171,11 @@ def build(config: Config, data: TrainingData) -> XCLR:
                 method.target_temperature)
 
 
-# ---------------------------------------------------------------------------------------------
-# What the targets look like: how sharply a source and τ_s concentrate X-CLR's target mass on other samples
-
-def sample_targets(source: SimilaritySource, labels: np.ndarray, target_temperature: float = 0.1,
-                   batch_size: int = 256, batches: int = 8, seed: int = 0) -> np.ndarray:
-    """X-CLR's target mass on pairs of different samples over ``batches`` seeded random batches of
-    ``batch_size`` of the N samples with ``labels`` (N,): a flat float32 array of B (B - 1) values per batch."""
+def target_histogram(source: SimilaritySource, labels: np.ndarray, path: str | Path, name: str,
+                     target_temperature: float = 0.1, batch_size: int = 256, seed: int = 0, batches: int = 8) -> Path:
+    """How sharply a source and τ_s concentrate X-CLR's target mass on other samples: a PNG histogram at ``path`` of
+    that mass on pairs of different samples, for the source called ``name``, over ``batches`` seeded random
+    batches of ``batch_size`` of the N samples with ``labels`` (N,)."""
     count = len(labels)
     if count < 2 or target_temperature <= 0:
         raise SimilarityError(f"cannot sample targets from {count} samples at target_temperature={target_temperature}",
@@ -189,13 +187,6 @@ def sample_targets(source: SimilaritySource, labels: np.ndarray, target_temperat
         indices = np.sort(rng.choice(count, size, replace=False))
         similarity = source(torch.from_numpy(indices), torch.from_numpy(labels[indices]))
         values.append(_off_diagonal(target_mass(similarity, target_temperature)).float().numpy())
-    return np.concatenate(values)
-
-
-def target_histogram(source: SimilaritySource, labels: np.ndarray, path: str | Path, name: str,
-                     target_temperature: float = 0.1, batch_size: int = 256, seed: int = 0) -> Path:
-    """A PNG histogram at ``path`` of :func:`sample_targets` for the source called ``name``."""
-    values = sample_targets(source, labels, target_temperature, batch_size, seed=seed)
-    size = min(batch_size, len(labels))
-    return histogram_plot(values, path, title=f"X-CLR targets, {name}, τ_s = {target_temperature:g}, B = {size}",
+    title = f"X-CLR targets, {name}, τ_s = {target_temperature:g}, B = {size}"
+    return histogram_plot(np.concatenate(values), path, title=title,
                           xlabel=f"target probability of a view of sample j ≠ i (uniform: 1/{2 * size - 1})")
