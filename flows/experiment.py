@@ -41,8 +41,7 @@ from repsim.results import Row, Score, aggregate, as_records, headline_metrics, 
 from repsim.similarity.targets import ClassMatrixSource, EmbeddingSource, LabelSource, SimilaritySource
 from repsim.similarity.precompute import EMBEDDINGS_FILE, SIMILARITY_FILE
 from repsim.stage import StageOutput, read_record, rebuilding, verifying
-from repsim.tasks.stage_tasks import (KINDS, TASKS, current_record, from_prefect_cache, log_stage, planned, produced,
-                                      reused)
+from repsim.tasks.stage_tasks import KINDS, TASKS, current_record, from_prefect_cache, log_stage, planned, produced
 from repsim.tasks.tracking import MODEL_URI, StageRun, Tracker, model_directory, model_name
 
 RESULTS_TABLE = "results.json"  # the result table's file among the parent run's artifacts
@@ -92,11 +91,12 @@ class Stages:
         if call not in self._outputs:
             future, kind, label, encoder = self._submitted[call]
             output = self._outputs[call] = future.result()
-            if from_prefect_cache(future.state):  # the task did not run: its MLflow run is logged here
+            prefect_cached = from_prefect_cache(future.state)
+            if prefect_cached:  # the task did not run: its MLflow run is logged here
                 log_stage(self.tracker, self.parent, KINDS[kind], output.path, label, encoder)
             detail = ": ".join(filter(None, [label, produced(read_record(output.path))]))
             self.summaries.append({"stage": kind, "detail": detail, "key": output.key, "path": str(output.path),
-                                   "cached": reused(future.state), "members": self._uses[call]})
+                                   "cached": prefect_cached or output.cached, "members": self._uses[call]})
         return self._outputs[call]
 
     def log_figures(self, draw: Callable[[Path], list[Path]]) -> None:

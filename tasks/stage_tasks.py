@@ -123,12 +123,6 @@ def from_prefect_cache(state: State) -> bool:
     return state.name == "Cached"
 
 
-def reused(state: State) -> bool:
-    """Whether the finished stage task ``state`` built nothing: Prefect served it from its cache, or
-    the task found the stage's output complete."""
-    return from_prefect_cache(state) or state.result().cached
-
-
 def log_stage(tracker: Tracker, parent: StageRun, kind: StageKind, path: Path, label: str | None = None,
               encoder: str | None = None) -> None:
     """Log the stage output at ``path``, served from Prefect's cache, as a nested run under ``parent``."""

@@ -145,20 +145,18 @@ class StageRun:
 class Tracker:
     """Talks to the MLflow tracking store named by ``MLFLOW_TRACKING_URI``."""
 
-    def __init__(self, experiment: str = EXPERIMENT):
+    def __init__(self):
         self.client = MlflowClient()
-        self.experiment_id = self._experiment_id(experiment)
-
-    def _experiment_id(self, name: str) -> str:
-        found = self.client.get_experiment_by_name(name)
+        found = self.client.get_experiment_by_name(EXPERIMENT)
         if found is None:
             with contextlib.suppress(MlflowException):  # created concurrently by another process
-                self.client.create_experiment(name, artifact_location=mlflow_artifact_location(), tags=EXPERIMENT_KIND)
-            found = self.client.get_experiment_by_name(name)
+                self.client.create_experiment(EXPERIMENT, artifact_location=mlflow_artifact_location(),
+                                              tags=EXPERIMENT_KIND)
+            found = self.client.get_experiment_by_name(EXPERIMENT)
         for tag, value in (EXPERIMENT_KIND | runs_view(found.creation_time)).items():  # also one made before
             if found.tags.get(tag) != value:
                 self.client.set_experiment_tag(found.experiment_id, tag, value)
-        return found.experiment_id
+        self.experiment_id = found.experiment_id
 
     @contextlib.contextmanager
     def _run(self, name: str, tags: Mapping[str, str]) -> Iterator[StageRun]:

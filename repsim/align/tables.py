@@ -81,18 +81,13 @@ def embedding_tables_stage_of(shards: ShardResult, image: ImageSource, text: Ali
     """The tables stage, keyed by the shard key, the image source's key, the split and the text recipe."""
     config = {"split": split, "image": image.model_dump(mode="json", exclude={"path", "batch_size"}),
               "text": text.model_dump(mode="json", exclude={"model"}) | {"model": text_model_identity(text.model)}}
-    return Stage("embedding_tables", STAGE_VERSION, config,
-                 inputs={"shards": shards.key, "image": _image_key(shards, image, split, device)})
+    image_key = (file_digest(image.path, "image.path") if image.type == "table"
+                 else features_stage_of(shards, _encoder(image), split, device).key)
+    return Stage("embedding_tables", STAGE_VERSION, config, inputs={"shards": shards.key, "image": image_key})
 
 
 def _encoder(image: ImageSource) -> str:
     return "pixels" if image.type == "pixels" else str(image.path)
-
-
-def _image_key(shards: ShardResult, image: ImageSource, split: str, device: str | torch.device | None) -> str:
-    if image.type == "table":
-        return file_digest(image.path, "image.path")
-    return features_stage_of(shards, _encoder(image), split, device).key
 
 
 def load_tables(tables: StageOutput | str | Path) -> EmbeddingTables:
