@@ -126,7 +126,10 @@ class StageRun:
             if version.tags.get("repsim.stage_key") == record["key"]:
                 return version.version
         encoder = load_encoder(train_dir)
-        example = torch.zeros(1, *_input_shape(record, encoder.recipe))
+        metrics, data = record.get("metrics", {}), record["config"].get("data", {})  # (C, H, W) of its images:
+        size = int(encoder.recipe.get("image_size") or metrics.get("image_size") or data.get("image_size") or 224)
+        channels = int(encoder.recipe.get("in_channels") or metrics.get("channels") or 3)
+        example = torch.zeros(1, channels, size, size)
         with torch.no_grad():
             signature = infer_signature(example.numpy(), encoder(example).numpy())
         with _EXPORTING:  # MLflow saves the model with torch.export, which two threads cannot run at once
@@ -186,13 +189,6 @@ class Tracker:
         tags |= ({"repsim.encoder": encoder} if encoder else {}) | (
             {"repsim.method": config["method"]["name"]} if stage == "train" else {})
         return self._run(f"{stage} {label}" if label else stage, tags)
-
-
-def _input_shape(record: Mapping[str, Any], recipe: Mapping[str, Any]) -> tuple[int, int, int]:
-    """(C, H, W) of the images a train stage's encoder takes."""
-    metrics, data = record.get("metrics", {}), record["config"].get("data", {})
-    size = int(recipe.get("image_size") or metrics.get("image_size") or data.get("image_size") or 224)
-    return int(recipe.get("in_channels") or metrics.get("channels") or 3), size, size
 
 
 def runs_page(tracking_uri: str, experiment_id: str) -> str:
