@@ -161,10 +161,8 @@ class MemberRun:
         """Keep the metrics of an evaluate or align output of ``encoder`` (none from a stage only planned)."""
         if not output.record:
             return
-        if output.stage == "evaluate":
-            metrics = {name: value for suite in read_results(output)["suites"].values() for name, value in suite.items()}
-        else:
-            metrics = align_scores(output)
+        metrics = (align_scores(output) if output.stage == "align" else
+                   {name: value for suite in read_results(output)["suites"].values() for name, value in suite.items()})
         if metrics:
             self.scores.append(Score(self.member.point_label, encoder, output.key, metrics))
 

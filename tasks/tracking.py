@@ -84,9 +84,8 @@ class StageRun:
         built = self.client.search_runs([experiment], f"tags.`repsim.stage_key` = '{key}' and tags.`repsim.cached` = "
                                         "'false' and attributes.status = 'FINISHED'",
                                         order_by=["attributes.start_time DESC"], max_results=1)
-        for file in files:
-            if file.is_file():
-                self.tag_path(file)
+        for file in filter(Path.is_file, files):
+            self.tag_path(file)
         if not built:
             self.log_metrics(summary)
             return
@@ -102,9 +101,7 @@ class StageRun:
         """Every file as an artifact; with an embedded store (not a server), files over SMALL_ARTIFACT_BYTES
         only :meth:`tag_path`, since they already lie on its disk."""
         embedded = not self.client.tracking_uri.startswith(("http://", "https://"))
-        for path in paths:
-            if not path.is_file():
-                continue
+        for path in filter(Path.is_file, paths):
             if embedded and path.stat().st_size > SMALL_ARTIFACT_BYTES:
                 self.tag_path(path)
             else:

@@ -170,8 +170,7 @@ def class_captions(name: str, synset: str, templates: tuple[str, ...], lemmas: b
     lemmas; then each template with the name followed by the gloss and by "a kind of <first hypernym
     lemma>" (hypernyms ordered by name: NLTK's order varies between runs)."""
     entry = lookup(synset)
-    names = [name] + ([lemma.replace("_", " ") for lemma in entry.lemma_names()] if lemmas else [])
-    names = list(dict.fromkeys(names))
+    names = list(dict.fromkeys([name] + ([lemma.replace("_", " ") for lemma in entry.lemma_names()] if lemmas else [])))
     captions = [template.format(name=label) for template in templates for label in names]
     suffixes = ([entry.definition()] if gloss else []) + (
         [f"a kind of {parent.lemma_names()[0].replace('_', ' ')}"
