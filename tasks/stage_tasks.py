@@ -16,10 +16,8 @@ import requests
 from prefect import Task, task
 from prefect.client.schemas.objects import TaskRun
 from prefect.context import TaskRunContext
-from prefect.logging import get_run_logger
 from prefect.logging.loggers import task_run_logger
 from prefect.results import get_result_store
-from prefect.runtime import task_run
 from prefect.states import State
 
 from repsim.align.alignment import ALIGN
@@ -73,19 +71,20 @@ def stage_task(kind: StageKind) -> Task:
         key = cache_key(stage, out)
         if key is not None:
             get_result_store().write(output, key=key)
-        get_run_logger().info(summary_line(output, task_run.get_name()))
         return output
 
     return task(name=kind.name, cache_key_fn=stage_cache_key(kind), persist_result=True, retries=len(RETRY_DELAYS_S),
                 retry_delay_seconds=RETRY_DELAYS_S, retry_condition_fn=retry_if_transient,
-                on_completion=[summarize_if_cached])(run)
+                on_completion=[summarize])(run)
 
 
-def summarize_if_cached(task: Task, run: TaskRun, state: State) -> None:
-    """Prefect's ``on_completion`` hook: the summary line in the log of a task run served from
-    Prefect's cache, whose body (which logs it otherwise) did not run."""
+def summarize(task: Task, run: TaskRun, state: State) -> None:
+    """Prefect's ``on_completion`` hook: the summary line in the task run's log, also when Prefect served
+    it from its cache (the output the body returned then is marked cached)."""
+    output = state.result()
     if from_prefect_cache(state):
-        task_run_logger(run, task).info(summary_line(replace(state.result(), cached=True), run.name))
+        output = replace(output, cached=True)
+    task_run_logger(run, task).info(summary_line(output, run.name))
 
 
 def transient(error: BaseException | None) -> bool:
