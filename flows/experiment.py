@@ -42,7 +42,7 @@ from repsim.similarity.targets import ClassMatrixSource, EmbeddingSource, LabelS
 from repsim.similarity.precompute import EMBEDDINGS_FILE, SIMILARITY_FILE
 from repsim.stage import StageOutput, read_record, rebuilding, verifying
 from repsim.tasks.stage_tasks import KINDS, TASKS, current_record, from_prefect_cache, log_stage, planned, produced
-from repsim.tasks.tracking import MODEL_URI, StageRun, Tracker, model_directory, model_name
+from repsim.tasks.tracking import MODEL_URI, StageRun, Tracker, model_directory
 
 RESULTS_TABLE = "results.json"  # the result table's file among the parent run's artifacts
 
@@ -218,7 +218,7 @@ def train_step(stages: Stages, members: Members) -> None:
     futures = [(run, method.label, stages.submit(
         "train", {"config": load_config(method.config, section.overrides(method, run.experiment.data))},
         {"launch": section.launch}, label=run.tag(method.label, "train"), encoder=method.label,
-        register=model_name(run.experiment.name, method.label)))
+        register=f"{run.experiment.name}-{method.label}"))  # the registered model, e.g. animal-mnist-xclr
         for run, section in members for method in section.methods]
     for run, label, future in futures:
         run.encoders[label] = stages.result(future)

@@ -22,7 +22,7 @@ from typing import Any
 from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
-from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
+from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
 from prefect.runtime import flow_run
 
@@ -118,8 +118,7 @@ class StageRun:
         from repsim.models.backbones import load_encoder
 
         record = read_record(train_dir)
-        found = self.client.search_model_versions(f"name = '{registered}'")
-        for version in found:
+        for version in self.client.search_model_versions(f"name = '{registered}'"):
             if version.tags.get("repsim.stage_key") == record["key"]:
                 return version.version
         encoder = load_encoder(train_dir)
@@ -160,8 +159,8 @@ class Tracker:
 
     @contextlib.contextmanager
     def _run(self, name: str, tags: Mapping[str, str]) -> Iterator[StageRun]:
-        tags = {MLFLOW_RUN_NAME: name, "prefect.flow_run_id": str(flow_run.get_id() or ""), **tags}
-        run = self.client.create_run(self.experiment_id, run_name=name, tags=tags)
+        tags = {"prefect.flow_run_id": str(flow_run.get_id() or ""), **tags}
+        run = self.client.create_run(self.experiment_id, run_name=name, tags=tags)  # also tagged mlflow.runName
         try:
             yield StageRun(self.client, run.info.run_id)
         except BaseException:
@@ -200,11 +199,6 @@ def runs_view(created_ms: int) -> dict[str, str]:
     state = {"columnOrder": [RUN_NAME_COLUMN], "columnWidths": {RUN_NAME_COLUMN: RUN_NAME_WIDTH}}
     envelope = {"name": "stage names", "createdAt": created_ms, "state": json.dumps(state)}
     return {f"mlflow.sharedViewState.{RUNS_VIEW}": json.dumps(envelope)}
-
-
-def model_name(experiment: str, method: str) -> str:
-    """The registered model of one method of one experiment, e.g. ``animal-mnist-xclr``."""
-    return f"{experiment}-{method}"
 
 
 def model_directory(uri: str) -> Path:
