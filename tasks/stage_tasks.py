@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -79,12 +78,13 @@ def stage_task(kind: StageKind) -> Task:
 
 
 def summarize(task: Task, run: TaskRun, state: State) -> None:
-    """Prefect's ``on_completion`` hook: the summary line in the task run's log, also when Prefect served
-    it from its cache (the output the body returned then is marked cached)."""
+    """Prefect's ``on_completion`` hook: what the task run did, in its log, also when Prefect served it from
+    its cache (``train simclr: xclr, 186 steps, loss 4.120; built in 95.2 s -> /path``)."""
     output = state.result()
-    if from_prefect_cache(state):
-        output = replace(output, cached=True)
-    task_run_logger(run, task).info(summary_line(output, run.name))
+    record = read_record(output.path)
+    cached = output.cached or from_prefect_cache(state)
+    how = "found complete in the cache" if cached else f"built in {record.get('seconds', 0):.1f} s"
+    task_run_logger(run, task).info(f"{run.name}: {produced(record)}; {how} -> {output.path}")
 
 
 def transient(error: BaseException | None) -> bool:
@@ -100,14 +100,6 @@ def transient(error: BaseException | None) -> bool:
 def retry_if_transient(_: Task, __: Any, state: State) -> bool:
     """Prefect's ``retry_condition_fn``: retry a failed stage task only after a :func:`transient` error."""
     return transient(state.result(raise_on_failure=False))
-
-
-def summary_line(output: StageOutput, name: str | None = None) -> str:
-    """``train simclr: xclr, 186 steps, loss 4.120; built in 95.2 s -> /path``: what the stage task
-    ``name`` (default: the stage's name) did."""
-    record = read_record(output.path)
-    how = "found complete in the cache" if output.cached else f"built in {record.get('seconds', 0):.1f} s"
-    return f"{name or record['stage']}: {produced(record)}; {how} -> {output.path}"
 
 
 def current_record(stage: Stage, out: Path) -> dict[str, Any] | None:
