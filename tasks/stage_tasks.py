@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,10 @@ import requests
 from prefect import Task, task
 from prefect.client.schemas.objects import TaskRun
 from prefect.context import TaskRunContext
+from prefect.logging import get_run_logger
 from prefect.logging.loggers import task_run_logger
 from prefect.results import get_result_store
+from prefect.runtime import task_run
 from prefect.states import State
 
 from repsim.align.alignment import ALIGN
@@ -70,21 +73,19 @@ def stage_task(kind: StageKind) -> Task:
         key = cache_key(stage, out)
         if key is not None:
             get_result_store().write(output, key=key)
+        get_run_logger().info(summary_line(output, task_run.get_name()))
         return output
 
     return task(name=kind.name, cache_key_fn=stage_cache_key(kind), persist_result=True, retries=len(RETRY_DELAYS_S),
                 retry_delay_seconds=RETRY_DELAYS_S, retry_condition_fn=retry_if_transient,
-                on_completion=[summarize])(run)
+                on_completion=[summarize_if_cached])(run)
 
 
-def summarize(task: Task, run: TaskRun, state: State) -> None:
-    """Prefect's ``on_completion`` hook: what the task run did, in its log, also when Prefect served it from
-    its cache (``train simclr: xclr, 186 steps, loss 4.120; built in 95.2 s -> /path``)."""
-    output = state.result()
-    record = read_record(output.path)
-    cached = output.cached or from_prefect_cache(state)
-    how = "found complete in the cache" if cached else f"built in {record.get('seconds', 0):.1f} s"
-    task_run_logger(run, task).info(f"{run.name}: {produced(record)}; {how} -> {output.path}")
+def summarize_if_cached(task: Task, run: TaskRun, state: State) -> None:
+    """Prefect's ``on_completion`` hook: the summary line in the log of a task run served from
+    Prefect's cache, whose body (which logs it otherwise) did not run."""
+    if from_prefect_cache(state):
+        task_run_logger(run, task).info(summary_line(replace(state.result(), cached=True), run.name))
 
 
 def transient(error: BaseException | None) -> bool:
@@ -100,6 +101,14 @@ def transient(error: BaseException | None) -> bool:
 def retry_if_transient(_: Task, __: Any, state: State) -> bool:
     """Prefect's ``retry_condition_fn``: retry a failed stage task only after a :func:`transient` error."""
     return transient(state.result(raise_on_failure=False))
+
+
+def summary_line(output: StageOutput, name: str | None = None) -> str:
+    """``train simclr: xclr, 186 steps, loss 4.120; built in 95.2 s -> /path``: what the stage task
+    ``name`` (default: the stage's name) did."""
+    record = read_record(output.path)
+    how = "found complete in the cache" if output.cached else f"built in {record.get('seconds', 0):.1f} s"
+    return f"{name or record['stage']}: {produced(record)}; {how} -> {output.path}"
 
 
 def current_record(stage: Stage, out: Path) -> dict[str, Any] | None:
