@@ -40,10 +40,9 @@ from repsim.methods.xclr import target_histogram
 from repsim.results import Row, Score, aggregate, as_records, headline_metrics, markdown
 from repsim.similarity.targets import ClassMatrixSource, EmbeddingSource, LabelSource, SimilaritySource
 from repsim.similarity.precompute import EMBEDDINGS_FILE, SIMILARITY_FILE
-from repsim.stage import StageKind, StageOutput, read_record, rebuilding, verifying
-from repsim.tasks.stage_tasks import (KINDS, TASKS, current_record, from_prefect_cache, log_stage, planned, produced,
-                                      reused)
-from repsim.tasks.tracking import MODEL_URI, StageRun, Tracker, model_directory, model_name
+from repsim.stage import StageOutput, read_record, rebuilding, verifying
+from repsim.tasks.stage_tasks import KINDS, TASKS, current_record, from_prefect_cache, log_stage, planned, produced
+from repsim.tasks.tracking import MODEL_URI, StageRun, Tracker, model_directory
 
 RESULTS_TABLE = "results.json"  # the result table's file among the parent run's artifacts
 
@@ -68,41 +67,37 @@ class Stages:
     tracker: Tracker
     parent: StageRun
     summaries: list[dict] = field(default_factory=list)
-    _futures: dict[str, PrefectFuture] = field(default_factory=dict)
+    _submitted: dict[str, tuple[PrefectFuture, str, str | None, str | None]] = field(default_factory=dict)
     _uses: Counter[str] = field(default_factory=Counter)
-    _requests: dict[Any, tuple[StageKind, str, str | None, str | None]] = field(default_factory=dict)
-    _outputs: dict[Any, StageOutput] = field(default_factory=dict)
+    _outputs: dict[str, StageOutput] = field(default_factory=dict)
 
     def submit(self, kind: str, params: dict[str, Any], options: dict[str, Any] | None = None, *,
                out_dir: str | None = None, label: str | None = None, encoder: str | None = None,
-               register: str | None = None) -> PrefectFuture:
-        """The stage task of ``kind`` for ``params`` (:func:`repsim.tasks.stage_tasks.stage_task`), or the
-        future of the same request made before. ``label``: what the stage is for, in the summary and
-        its run's name; ``encoder``: the encoder it trains, reads or scores, tagged on its run."""
+               register: str | None = None) -> str:
+        """Submit the stage task of ``kind`` for ``params`` (:func:`repsim.tasks.stage_tasks.stage_task`) unless
+        the same request was made before; the request, for :meth:`result`. ``label``: what the stage is for, in
+        the summary and its run's name; ``encoder``: the encoder it trains, reads or scores, tagged on its run."""
         options = options or {}
         call = _call(kind, params, options, out_dir)
         self._uses[call] += 1
-        if call not in self._futures:
+        if call not in self._submitted:
             named = TASKS[kind].with_options(task_run_name=f"{kind} {label}" if label else kind)
-            future = self._futures[call] = named.submit(params, options, out_dir, self.parent.run_id, label,
-                                                        encoder, register)
-            self._requests[future.task_run_id] = (KINDS[kind], call, label, encoder)
-        return self._futures[call]
+            future = named.submit(params, options, out_dir, self.parent.run_id, label, encoder, register)
+            self._submitted[call] = future, kind, label, encoder
+        return call
 
-    def result(self, future: PrefectFuture) -> StageOutput:
-        """The output of a submitted task, once it has finished; tracked the first time."""
-        run_id = future.task_run_id
-        if run_id not in self._outputs:
-            future.wait()
-            kind, call, label, encoder = self._requests[run_id]
-            output = self._outputs[run_id] = future.state.result()
-            if from_prefect_cache(future.state):  # the task did not run: its MLflow run is logged here
-                log_stage(self.tracker, self.parent, kind, output.path, label, encoder)
-            record = read_record(output.path)
-            self.summaries.append({"stage": kind.name, "detail": ": ".join(filter(None, [label, produced(record)])),
-                                   "key": output.key, "path": str(output.path), "cached": reused(future.state),
-                                   "members": self._uses[call]})
-        return self._outputs[run_id]
+    def result(self, call: str) -> StageOutput:
+        """The output of a submitted request, once its task has finished; tracked the first time."""
+        if call not in self._outputs:
+            future, kind, label, encoder = self._submitted[call]
+            output = self._outputs[call] = future.result()
+            prefect_cached = from_prefect_cache(future.state)
+            if prefect_cached:  # the task did not run: its MLflow run is logged here
+                log_stage(self.tracker, self.parent, KINDS[kind], output.path, label, encoder)
+            detail = ": ".join(filter(None, [label, produced(read_record(output.path))]))
+            self.summaries.append({"stage": kind, "detail": detail, "key": output.key, "path": str(output.path),
+                                   "cached": prefect_cached or output.cached, "members": self._uses[call]})
+        return self._outputs[call]
 
     def log_figures(self, draw: Callable[[Path], list[Path]]) -> None:
         """The figures ``draw(folder)`` writes, logged on the parent run."""
@@ -166,10 +161,8 @@ class MemberRun:
         """Keep the metrics of an evaluate or align output of ``encoder`` (none from a stage only planned)."""
         if not output.record:
             return
-        if output.stage == "evaluate":
-            metrics = {name: value for suite in read_results(output)["suites"].values() for name, value in suite.items()}
-        else:
-            metrics = align_scores(output)
+        metrics = (align_scores(output) if output.stage == "align" else
+                   {name: value for suite in read_results(output)["suites"].values() for name, value in suite.items()})
         if metrics:
             self.scores.append(Score(self.member.point_label, encoder, output.key, metrics))
 
@@ -225,30 +218,28 @@ def train_step(stages: Stages, members: Members) -> None:
     futures = [(run, method.label, stages.submit(
         "train", {"config": load_config(method.config, section.overrides(method, run.experiment.data))},
         {"launch": section.launch}, label=run.tag(method.label, "train"), encoder=method.label,
-        register=model_name(run.experiment.name, method.label)))
+        register=f"{run.experiment.name}-{method.label}"))  # the registered model, e.g. animal-mnist-xclr
         for run, section in members for method in section.methods]
     for run, label, future in futures:
         run.encoders[label] = stages.result(future)
 
 
 def evaluate_step(stages: Stages, members: Members) -> None:
-    sections = dict(members)
-    encoders = [(run, label, tag, encoder) for run, section in members
+    encoders = [(run, section, label, tag, encoder) for run, section in members
                 for label, tag, encoder in _encoders(run, section)]
-    features = {(run, label): [stages.submit("features", {"shards": str(run.shards.path), "encoder": encoder,
-                                                          "split": split, "device": sections[run].device},
-                                             {"batch_size": sections[run].batch_size}, label=f"{tag} {split}",
-                                             encoder=label)
-                               for split in (sections[run].train_split, sections[run].test_split)]
-                for run, label, tag, encoder in encoders}
-    evaluations = {(run, label): stages.submit(
+    features = [[stages.submit("features", {"shards": str(run.shards.path), "encoder": encoder, "split": split,
+                                            "device": section.device},
+                               {"batch_size": section.batch_size}, label=f"{tag} {split}", encoder=label)
+                 for split in (section.train_split, section.test_split)]
+                for run, section, label, tag, encoder in encoders]
+    evaluations = [stages.submit(
         "evaluate", {"train": str(stages.result(train).path), "test": str(stages.result(test).path),
-                     "suites": list(sections[run].suites), "knn_k": list(sections[run].knn_k),
-                     "linear_options": sections[run].linear.model_dump(exclude_defaults=True)},
-        {"device": sections[run].device}, label=tag, encoder=label)
-        for run, label, tag, _ in encoders for train, test in [features[run, label]]}
-    for (run, label), future in evaluations.items():
-        run.score(label, stages.result(future))
+                     "suites": list(section.suites), "knn_k": list(section.knn_k),
+                     "linear_options": section.linear.model_dump(exclude_defaults=True)},
+        {"device": section.device}, label=tag, encoder=label)
+        for (run, section, label, tag, _), (train, test) in zip(encoders, features)]
+    for (run, _, label, _, _), call in zip(encoders, evaluations):
+        run.score(label, stages.result(call))
 
 
 def _encoders(run: MemberRun, section: EvaluateSection) -> list[tuple[str, str, str]]:

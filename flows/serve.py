@@ -17,16 +17,13 @@ from repsim.flows.experiment import experiment_flow
 def deployment_of(spec: DeploymentSpec, experiment: Experiment) -> RunnerDeployment:
     """The experiment flow deployed with ``experiment`` as the default of its ``experiment`` parameter
     (a form in the Prefect UI), the overrides already applied, and ``spec``'s schedule."""
-    return experiment_flow.to_deployment(
-        name=spec.name, parameters={"experiment": experiment.model_dump(mode="json")},
-        schedules=[_schedule(spec)] if spec.cron else None, description=spec.description, tags=spec.tags)
-
-
-def _schedule(spec: DeploymentSpec) -> Cron:
     try:
-        return Cron(spec.cron, timezone=spec.timezone)
+        schedules = [Cron(spec.cron, timezone=spec.timezone)] if spec.cron else None
     except ValueError as err:
         raise SpecError(f"deployment {spec.name}: {err}", "write five cron fields, e.g. '0 2 * * *'") from None
+    return experiment_flow.to_deployment(
+        name=spec.name, parameters={"experiment": experiment.model_dump(mode="json")}, schedules=schedules,
+        description=spec.description, tags=spec.tags)
 
 
 def serve_deployments(path: str | Path) -> None:

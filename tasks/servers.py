@@ -18,14 +18,10 @@ class ServerUnreachable(RepsimError):
 
 def health_urls() -> dict[str, str]:
     """The health endpoint of each configured server: ``{"PREFECT_API_URL": url, ...}``."""
-    urls = {}
-    prefect = os.environ.get("PREFECT_API_URL")
-    if prefect:
-        urls["PREFECT_API_URL"] = f"{prefect.rstrip('/')}/health"
     mlflow = os.environ.get("MLFLOW_TRACKING_URI", "")
-    if mlflow.startswith(("http://", "https://")):
-        urls["MLFLOW_TRACKING_URI"] = f"{mlflow.rstrip('/')}/health"
-    return urls
+    servers = {"PREFECT_API_URL": os.environ.get("PREFECT_API_URL", ""),
+               "MLFLOW_TRACKING_URI": mlflow if mlflow.startswith(("http://", "https://")) else ""}
+    return {variable: f"{url.rstrip('/')}/health" for variable, url in servers.items() if url}
 
 
 def unreachable(url: str, timeout: float = HEALTH_TIMEOUT_S) -> str | None:

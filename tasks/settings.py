@@ -12,9 +12,10 @@ from repsim.stage import repsim_home
 STORES_LOCK = ".stores.lock"  # under $REPSIM_HOME
 
 
-def embedded_defaults() -> dict[str, str]:
+def use_embedded_defaults() -> None:
+    """Set every embedded default that the environment does not already define."""
     home = repsim_home()
-    return {
+    defaults = {
         "PREFECT_HOME": str(home / "prefect"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
@@ -24,13 +25,9 @@ def embedded_defaults() -> dict[str, str]:
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
     }
-
-
-def use_embedded_defaults() -> None:
-    """Set every embedded default that the environment does not already define."""
-    for name, value in embedded_defaults().items():
+    for name, value in defaults.items():
         os.environ.setdefault(name, value)
-    (repsim_home() / "prefect").mkdir(parents=True, exist_ok=True)
+    (home / "prefect").mkdir(parents=True, exist_ok=True)
 
 
 def start_embedded_stores() -> None:

@@ -29,7 +29,7 @@ from repsim.eval.evaluation import EVALUATE, FEATURES
 from repsim.methods.training import TRAIN
 from repsim.similarity.precompute import CAPTIONS, NEIGHBORS, WORDNET
 from repsim.stage import Stage, StageKind, StageOutput, is_current, read_record
-from repsim.tasks.tracking import StageRun, Tracker, stage_tags
+from repsim.tasks.tracking import StageRun, Tracker
 
 RETRY_DELAYS_S = [5, 30]  # waits before the retries of a transient failure
 TRANSIENT = (ConnectionError, TimeoutError, httpx.TransportError, requests.ConnectionError,  # a server that did
@@ -63,17 +63,11 @@ def stage_task(kind: StageKind) -> Task:
             parent_run_id: str = "", label: str | None = None, encoder: str | None = None,
             register: str | None = None) -> StageOutput:
         stage, out = planned(kind, params, out_dir)
-        with Tracker().stage_run(parent_run_id, kind.name, stage.key, out, label,
-                                 tags=stage_tags(kind.name, stage.config, encoder or label)) as tracked:
-            streamed: set[str] = set()
-
-            def log(metrics: dict[str, float], step: int) -> None:
-                streamed.update(metrics)
-                tracked.log_metrics(metrics, step)
-
-            curves = {"log": log} if kind.streams else {}
+        with Tracker().stage_run(parent_run_id, kind.name, stage.key, stage.config, out, label,
+                                 encoder or label) as tracked:
+            curves = {"log": tracked.log_metrics} if kind.streams else {}
             output = kind.build(**params, **(options or {}), out_dir=out_dir, **curves)
-            tracked.log_stage_output(output.path, output.cached, artifact_files(kind, output.path), streamed)
+            tracked.log_stage_output(output.path, output.cached, kind.artifacts)
             if register:
                 tracked.log_encoder(output.path, register)
         key = cache_key(stage, out)
@@ -92,11 +86,6 @@ def summarize_if_cached(task: Task, run: TaskRun, state: State) -> None:
     Prefect's cache, whose body (which logs it otherwise) did not run."""
     if from_prefect_cache(state):
         task_run_logger(run, task).info(summary_line(replace(state.result(), cached=True), run.name))
-
-
-def artifact_files(kind: StageKind, path: Path) -> list[Path]:
-    """The files of ``kind``'s output at ``path`` that its run logs: those matching its artifact patterns."""
-    return sorted(file for pattern in kind.artifacts for file in path.glob(pattern))
 
 
 def transient(error: BaseException | None) -> bool:
@@ -134,40 +123,32 @@ def from_prefect_cache(state: State) -> bool:
     return state.name == "Cached"
 
 
-def reused(state: State) -> bool:
-    """Whether the finished stage task ``state`` built nothing: Prefect served it from its cache, or
-    the task found the stage's output complete."""
-    return from_prefect_cache(state) or state.result().cached
-
-
 def log_stage(tracker: Tracker, parent: StageRun, kind: StageKind, path: Path, label: str | None = None,
               encoder: str | None = None) -> None:
     """Log the stage output at ``path``, served from Prefect's cache, as a nested run under ``parent``."""
     record = read_record(path)
-    with tracker.stage_run(parent.run_id, record["stage"], record["key"], path, label, None,
-                           stage_tags(record["stage"], record["config"], encoder or label)) as run:
-        run.log_stage_output(path, True, artifact_files(kind, path))
+    with tracker.stage_run(parent.run_id, record["stage"], record["key"], record["config"], path, label,
+                           encoder or label) as run:
+        run.log_stage_output(path, True, kind.artifacts)
+
+
+PRODUCED: dict[str, Callable[[dict, dict], str]] = {  # one line on what a stage produced: (config, metrics) -> line
+    "captions": lambda _, metrics: f"{metrics['samples']} x {metrics['dim']}, {metrics['unique_captions']} distinct captions",
+    "wordnet": lambda config, metrics: f"{config['measure']}, {metrics['classes']} classes",
+    "neighbors": lambda config, metrics: f"{config['index']} k={config['k']}" + (
+        f", recall {metrics['recall_tie_aware']:.3f}" if "recall_tie_aware" in metrics else ""),
+    "features": lambda config, metrics: f"{config['split']}: {metrics['samples']} x {metrics['dim']}",
+    "evaluate": lambda config, _: ", ".join(config["suites"]),
+    "train": lambda config, metrics: f"{config['method']['name']}, {metrics['steps']} steps, loss {metrics['loss']:.3f}",
+    "align": lambda _, metrics: ", ".join(f"{name} {metrics[name]:.3f}" for name in ("zeroshot_top1", "i2t_r1")
+                                          if name in metrics),
+}
 
 
 def produced(record: dict) -> str:
     """One line on what a stage produced, for summary tables."""
-    stage, config, metrics = record["stage"], record["config"], record["metrics"]
-    if stage == "captions":
-        return f"{metrics['samples']} x {metrics['dim']}, {metrics['unique_captions']} distinct captions"
-    if stage == "wordnet":
-        return f"{config['measure']}, {metrics['classes']} classes"
-    if stage == "neighbors":
-        recall = f", recall {metrics['recall_tie_aware']:.3f}" if "recall_tie_aware" in metrics else ""
-        return f"{config['index']} k={config['k']}{recall}"
-    if stage == "features":
-        return f"{config['split']}: {metrics['samples']} x {metrics['dim']}"
-    if stage == "evaluate":
-        return ", ".join(config["suites"])
-    if stage == "train":
-        return f"{config['method']['name']}, {metrics['steps']} steps, loss {metrics['loss']:.3f}"
-    if stage == "align":
-        return ", ".join(f"{name} {metrics[name]:.3f}" for name in ("zeroshot_top1", "i2t_r1") if name in metrics)
-    return f"{metrics['samples']} samples"
+    describe = PRODUCED.get(record["stage"], lambda _, metrics: f"{metrics['samples']} samples")
+    return describe(record["config"], record["metrics"])
 
 
 KINDS = {kind.name: kind for kind in (SHARD, CAPTIONS, WORDNET, NEIGHBORS, FEATURES, EVALUATE, TRAIN, ALIGN)}

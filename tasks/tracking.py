@@ -15,14 +15,15 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
-from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
-from mlflow.utils.validation import MAX_METRICS_PER_BATCH, MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
+from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
+from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
 from prefect.runtime import flow_run
 
 from repsim.errors import RepsimError
@@ -41,41 +42,39 @@ RUN_NAME_COLUMN, RUN_NAME_WIDTH = "attributes.`Run Name`", 420  # px: ~45 charac
 _EXPORTING = threading.Lock()
 
 
-def numeric_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
-    return {name: float(value) for name, value in flatten(metrics).items()
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)}
-
-
+@dataclass
 class StageRun:
-    """A nested MLflow run for one stage; a training stage logs its curves through it."""
+    """A nested MLflow run for one stage; a training stage streams its curves through :meth:`log_metrics`."""
 
-    def __init__(self, client: MlflowClient, run_id: str):
-        self.client, self.run_id = client, run_id
+    client: MlflowClient
+    run_id: str
+    streamed: set[str] = field(default_factory=set)  # the metrics logged by step as the stage ran
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         timestamp = int(time.time() * 1000)
-        batch = [Metric(name, value, timestamp, step or 0) for name, value in numeric_metrics(metrics).items()]
-        if batch:
-            self.client.log_batch(self.run_id, metrics=batch)
+        batch = [Metric(name, float(value), timestamp, step or 0) for name, value in flatten(metrics).items()
+                 if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)]
+        if step is not None:
+            self.streamed.update(metrics)
+        self.client.log_batch(self.run_id, metrics=batch)
 
     def log_params(self, params: Mapping[str, Any]) -> None:
-        items = [Param(name, str(value)[:MAX_PARAM_VAL_LENGTH]) for name, value in flatten(params).items()]
-        for start in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
-            self.client.log_batch(self.run_id, params=items[start:start + MAX_PARAMS_TAGS_PER_BATCH])
+        self.client.log_batch(self.run_id, params=[Param(name, str(value)[:MAX_PARAM_VAL_LENGTH])
+                                                   for name, value in flatten(params).items()])
 
-    def log_stage_output(self, path: Path, cached: bool, artifacts: Iterable[Path] = (),
-                         streamed: Iterable[str] = ()) -> None:
+    def log_stage_output(self, path: Path, cached: bool, artifacts: Iterable[str] = ()) -> None:
         """A completed stage at ``path``: its config and input keys as params, its metrics and seconds (but
-        those ``streamed`` while it ran), ``stage.json`` and ``artifacts``; a ``cached`` one :meth:`refer_to_build`."""
+        those :attr:`streamed`), ``stage.json`` and the files matching the ``artifacts`` patterns; a ``cached``
+        one :meth:`refer_to_build`."""
         record = read_record(path)
         self.client.set_tag(self.run_id, "repsim.cached", str(cached).lower())
         self.log_params({"config": record["config"], "inputs": record["inputs"]})
         summary = {**record.get("metrics", {}), "seconds": record.get("seconds", 0.0)}
-        files = [path / STAGE_FILE, *artifacts]
+        files = [path / STAGE_FILE, *sorted(file for pattern in artifacts for file in path.glob(pattern))]
         if cached:
             self.refer_to_build(record["key"], summary, files)
             return
-        self.log_metrics({name: value for name, value in summary.items() if name not in set(streamed)})
+        self.log_metrics({name: value for name, value in summary.items() if name not in self.streamed})
         self.log_artifacts(files)
 
     def refer_to_build(self, key: str, summary: Mapping[str, float], files: Iterable[Path]) -> None:
@@ -85,27 +84,26 @@ class StageRun:
         built = self.client.search_runs([experiment], f"tags.`repsim.stage_key` = '{key}' and tags.`repsim.cached` = "
                                         "'false' and attributes.status = 'FINISHED'",
                                         order_by=["attributes.start_time DESC"], max_results=1)
-        for file in files:
-            if file.is_file():
-                self.client.set_tag(self.run_id, f"repsim.file.{file.name}", str(file.resolve()))
+        for file in filter(Path.is_file, files):
+            self.tag_path(file)
         if not built:
             self.log_metrics(summary)
             return
         self.client.set_tag(self.run_id, "repsim.built_by", built[0].info.run_id)
         for name in built[0].data.metrics:
-            history = self.client.get_metric_history(built[0].info.run_id, name)
-            for start in range(0, len(history), MAX_METRICS_PER_BATCH):
-                self.client.log_batch(self.run_id, metrics=history[start:start + MAX_METRICS_PER_BATCH])
+            self.client.log_batch(self.run_id, metrics=self.client.get_metric_history(built[0].info.run_id, name))
+
+    def tag_path(self, file: Path) -> None:
+        """A ``repsim.file.<name>`` tag holding the path of ``file``, in place of a copy."""
+        self.client.set_tag(self.run_id, f"repsim.file.{file.name}", str(file.resolve()))
 
     def log_artifacts(self, paths: Iterable[Path]) -> None:
         """Every file as an artifact; with an embedded store (not a server), files over SMALL_ARTIFACT_BYTES
-        only as a ``repsim.file.<name>`` tag holding their path, since they already lie on its disk."""
+        only :meth:`tag_path`, since they already lie on its disk."""
         embedded = not self.client.tracking_uri.startswith(("http://", "https://"))
-        for path in paths:
-            if not path.is_file():
-                continue
+        for path in filter(Path.is_file, paths):
             if embedded and path.stat().st_size > SMALL_ARTIFACT_BYTES:
-                self.client.set_tag(self.run_id, f"repsim.file.{path.name}", str(path.resolve()))
+                self.tag_path(path)
             else:
                 self.client.log_artifact(self.run_id, str(path))
 
@@ -120,12 +118,14 @@ class StageRun:
         from repsim.models.backbones import load_encoder
 
         record = read_record(train_dir)
-        found = self.client.search_model_versions(f"name = '{registered}'")
-        for version in found:
+        for version in self.client.search_model_versions(f"name = '{registered}'"):
             if version.tags.get("repsim.stage_key") == record["key"]:
                 return version.version
         encoder = load_encoder(train_dir)
-        example = torch.zeros(1, *_input_shape(record, encoder.recipe))
+        metrics, data = record.get("metrics", {}), record["config"].get("data", {})  # (C, H, W) of its images:
+        size = int(encoder.recipe.get("image_size") or metrics.get("image_size") or data.get("image_size") or 224)
+        channels = int(encoder.recipe.get("in_channels") or metrics.get("channels") or 3)
+        example = torch.zeros(1, channels, size, size)
         with torch.no_grad():
             signature = infer_signature(example.numpy(), encoder(example).numpy())
         with _EXPORTING:  # MLflow saves the model with torch.export, which two threads cannot run at once
@@ -144,34 +144,30 @@ class StageRun:
 class Tracker:
     """Talks to the MLflow tracking store named by ``MLFLOW_TRACKING_URI``."""
 
-    def __init__(self, experiment: str = EXPERIMENT):
+    def __init__(self):
         self.client = MlflowClient()
-        self.experiment_id = self._experiment_id(experiment)
-
-    def _experiment_id(self, name: str) -> str:
-        found = self.client.get_experiment_by_name(name)
+        found = self.client.get_experiment_by_name(EXPERIMENT)
         if found is None:
             with contextlib.suppress(MlflowException):  # created concurrently by another process
-                self.client.create_experiment(name, artifact_location=mlflow_artifact_location(), tags=EXPERIMENT_KIND)
-            found = self.client.get_experiment_by_name(name)
+                self.client.create_experiment(EXPERIMENT, artifact_location=mlflow_artifact_location(),
+                                              tags=EXPERIMENT_KIND)
+            found = self.client.get_experiment_by_name(EXPERIMENT)
         for tag, value in (EXPERIMENT_KIND | runs_view(found.creation_time)).items():  # also one made before
             if found.tags.get(tag) != value:
                 self.client.set_experiment_tag(found.experiment_id, tag, value)
-        return found.experiment_id
+        self.experiment_id = found.experiment_id
 
     @contextlib.contextmanager
-    def _run(self, name: str, tags: Mapping[str, str], span: tuple[float, float] | None = None) -> Iterator[StageRun]:
-        """A run named ``name``, spanning ``span`` (start and end, epoch seconds) if given."""
-        tags = {MLFLOW_RUN_NAME: name, "prefect.flow_run_id": str(flow_run.get_id() or ""), **tags}
-        start, end = (int(1000 * moment) for moment in span) if span else (None, None)
-        run = self.client.create_run(self.experiment_id, run_name=name, tags=tags, start_time=start)
+    def _run(self, name: str, tags: Mapping[str, str]) -> Iterator[StageRun]:
+        tags = {"prefect.flow_run_id": str(flow_run.get_id() or ""), **tags}
+        run = self.client.create_run(self.experiment_id, run_name=name, tags=tags)  # also tagged mlflow.runName
         try:
             yield StageRun(self.client, run.info.run_id)
         except BaseException:
             with contextlib.suppress(MlflowException):  # the run's own error says more than a store that fails too
-                self.client.set_terminated(run.info.run_id, "FAILED", end_time=end)
+                self.client.set_terminated(run.info.run_id, "FAILED")
             raise
-        self.client.set_terminated(run.info.run_id, "FINISHED", end_time=end)
+        self.client.set_terminated(run.info.run_id, "FINISHED")
 
     @contextlib.contextmanager
     def flow_run(self, flow_name: str, params: Mapping[str, Any], name: str | None = None) -> Iterator[StageRun]:
@@ -180,27 +176,15 @@ class Tracker:
             run.log_params(params)
             yield run
 
-    def stage_run(self, parent_run_id: str, stage: str, key: str, path: Path, label: str | None = None,
-                  span: tuple[float, float] | None = None, tags: Mapping[str, str] | None = None,
-                  ) -> contextlib.AbstractContextManager[StageRun]:
-        """A nested run for one stage under ``parent_run_id``, named ``<stage> <label>`` (``train simclr``);
-        ``span``: the stage's start and end, when it ran before; ``tags``: more tags (:func:`stage_tags`)."""
+    def stage_run(self, parent_run_id: str, stage: str, key: str, config: Mapping[str, Any], path: Path,
+                  label: str | None = None, encoder: str | None = None) -> contextlib.AbstractContextManager[StageRun]:
+        """A nested run for one stage under ``parent_run_id``, named ``<stage> <label>`` (``train simclr``), tagged
+        with ``encoder`` (the label of the encoder the stage is about) and, for a train stage, its method."""
         tags = {MLFLOW_PARENT_RUN_ID: parent_run_id, "repsim.stage": stage, "repsim.stage_key": key,
-                "repsim.output": str(path)} | ({"repsim.label": label} if label else {}) | dict(tags or {})
-        return self._run(f"{stage} {label}" if label else stage, tags, span)
-
-
-def stage_tags(stage: str, config: Mapping[str, Any], encoder: str | None) -> dict[str, str]:
-    """``repsim.encoder`` (the label of the encoder a stage is about) and, for a train stage, ``repsim.method``."""
-    return ({"repsim.encoder": encoder} if encoder else {}) | (
-        {"repsim.method": config["method"]["name"]} if stage == "train" else {})
-
-
-def _input_shape(record: Mapping[str, Any], recipe: Mapping[str, Any]) -> tuple[int, int, int]:
-    """(C, H, W) of the images a train stage's encoder takes."""
-    metrics, data = record.get("metrics", {}), record["config"].get("data", {})
-    size = int(recipe.get("image_size") or metrics.get("image_size") or data.get("image_size") or 224)
-    return int(recipe.get("in_channels") or metrics.get("channels") or 3), size, size
+                "repsim.output": str(path)} | ({"repsim.label": label} if label else {})
+        tags |= ({"repsim.encoder": encoder} if encoder else {}) | (
+            {"repsim.method": config["method"]["name"]} if stage == "train" else {})
+        return self._run(f"{stage} {label}" if label else stage, tags)
 
 
 def runs_page(tracking_uri: str, experiment_id: str) -> str:
@@ -215,11 +199,6 @@ def runs_view(created_ms: int) -> dict[str, str]:
     state = {"columnOrder": [RUN_NAME_COLUMN], "columnWidths": {RUN_NAME_COLUMN: RUN_NAME_WIDTH}}
     envelope = {"name": "stage names", "createdAt": created_ms, "state": json.dumps(state)}
     return {f"mlflow.sharedViewState.{RUNS_VIEW}": json.dumps(envelope)}
-
-
-def model_name(experiment: str, method: str) -> str:
-    """The registered model of one method of one experiment, e.g. ``animal-mnist-xclr``."""
-    return f"{experiment}-{method}"
 
 
 def model_directory(uri: str) -> Path:

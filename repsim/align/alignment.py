@@ -7,6 +7,7 @@ and resumes an interrupted run from ``$REPSIM_HOME/scratch/align/<key>/``.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -69,60 +70,47 @@ def align(config: AlignConfig, out_dir: str | Path | None = None, log: LogFn | N
     train, test = load_tables(train_tables), load_tables(test_tables)
     if config.data.holdout:
         train, test = hold_out(train, config.data.holdout)
-    run = _AlignRun(config, spec, train, test, scratch, log, resolve_device(device), progress)
-    output = run_stage(stage, run.build, out_dir)
+    build = functools.partial(_build, config, spec, train, test, scratch, log, resolve_device(device), progress)
+    output = run_stage(stage, build, out_dir)
     shutil.rmtree(scratch, ignore_errors=True)
     return output
 
 
-class _AlignRun:
-    """Everything one align stage reads; :meth:`build` writes its outputs."""
+def _build(config: AlignConfig, spec: DataSpec, train: EmbeddingTables, test: EmbeddingTables, scratch: Path,
+           log: LogFn | None, device: torch.device, progress: bool, out: Path) -> dict[str, float]:
+    """Pair, train f and g (resuming from ``scratch``), score them and ASIF on ``test``: the align stage's outputs."""
+    pairing = draw_pairing(len(train.indices), config.pairing.pairs, config.pairing.unpaired, config.pairing.seed)
+    pairing.save(out)
+    neighbors = {modality: neighbor_lists(table, pairing.paired, pool, config.neighbors.count, config.neighbors.index)
+                 for modality, table, pool in (("image", train.image, pairing.unpaired_image),
+                                               ("text", train.text, pairing.unpaired_text))}
+    for modality, ids in neighbors.items():
+        np.save(out / NEIGHBOUR_FILES[modality], ids)
+    seed_everything(config.optim.seed)
+    method = AlignmentMethod(train.image.shape[1], train.text.shape[1], config)
+    batches = PairedBatches(train.image, train.text, pairing.paired, neighbors["image"], neighbors["text"],
+                            config.geometry, config.optim.batch_size, config.optim.seed)
+    trainer = Trainer(method, config.optim, batches, checkpoint_path=scratch / CHECKPOINT_FILE,
+                      log=_tee(JsonlMetrics(scratch / METRICS_FILE), log), device=device, progress=progress)
+    trainer.fit()
+    method.eval()
+    shutil.copyfile(scratch / METRICS_FILE, out / METRICS_FILE)
+    save_alignment(method, out / ALIGNMENT_FILE)
+    loss_plot(out / METRICS_FILE, out / LOSS_PLOT_FILE)
+    anchors = ASIF(train.image[pairing.paired], train.text[pairing.paired],
+                   min(config.asif.k, len(pairing.paired)), config.asif.p, config.asif.backend)
 
-    def __init__(self, config: AlignConfig, spec: DataSpec, train: EmbeddingTables, test: EmbeddingTables,
-                 scratch: Path, log: LogFn | None, device: torch.device, progress: bool):
-        self.config, self.spec, self.train, self.test = config, spec, train, test
-        self.scratch, self.log, self.device, self.progress = scratch, log, device, progress
+    def score(image: Map, text: Map) -> dict[str, dict[str, float]]:
+        templates = config.evaluation.templates or spec.captions.templates
+        return score_space(image, text, test, templates, config.text.model, config.evaluation.retrieval_k)
 
-    def build(self, out: Path) -> dict[str, float]:
-        config, train = self.config, self.train
-        pairing = draw_pairing(len(train.indices), config.pairing.pairs, config.pairing.unpaired, config.pairing.seed)
-        pairing.save(out)
-        neighbors = {modality: neighbor_lists(table, pairing.paired, pool, config.neighbors.count,
-                                                config.neighbors.index)
-                      for modality, table, pool in (("image", train.image, pairing.unpaired_image),
-                                                    ("text", train.text, pairing.unpaired_text))}
-        for modality, ids in neighbors.items():
-            np.save(out / NEIGHBOUR_FILES[modality], ids)
-        method, steps_per_epoch = self._train(pairing.paired, neighbors)
-        shutil.copyfile(self.scratch / METRICS_FILE, out / METRICS_FILE)
-        save_alignment(method, out / ALIGNMENT_FILE)
-        loss_plot(out / METRICS_FILE, out / LOSS_PLOT_FILE)
-        anchors = ASIF(train.image[pairing.paired], train.text[pairing.paired],
-                       min(config.asif.k, len(pairing.paired)), config.asif.p, config.asif.backend)
-        results = {"suites": self._score(network_map(method.image_net), network_map(method.text_net)),
-                   "baselines": {"asif": {"suites": self._score(anchors.embed_a, anchors.embed_b)}},
-                   "samples": {"paired": len(pairing.paired), "unpaired_image": len(pairing.unpaired_image),
-                               "unpaired_text": len(pairing.unpaired_text), "test": len(self.test.indices)}}
-        (out / RESULTS_FILE).write_text(json.dumps(results, indent=2))
-        return {**summarise(out / METRICS_FILE, steps_per_epoch), **_scores(results),
-                **{f"{name}_samples": count for name, count in results["samples"].items()}}
-
-    def _train(self, paired: np.ndarray, neighbors: dict[str, np.ndarray]) -> tuple[AlignmentMethod, int]:
-        config, train = self.config, self.train
-        seed_everything(config.optim.seed)
-        method = AlignmentMethod(train.image.shape[1], train.text.shape[1], config)
-        batches = PairedBatches(train.image, train.text, paired, neighbors["image"], neighbors["text"],
-                                config.geometry, config.optim.batch_size, config.optim.seed)
-        trainer = Trainer(method, config.optim, batches, checkpoint_path=self.scratch / CHECKPOINT_FILE,
-                          log=_tee(JsonlMetrics(self.scratch / METRICS_FILE), self.log), device=self.device,
-                          progress=self.progress)
-        trainer.fit()
-        return method.eval(), trainer.steps_per_epoch
-
-    def _score(self, image: Map, text: Map) -> dict[str, dict[str, float]]:
-        evaluation = self.config.evaluation
-        return score_space(image, text, self.test, evaluation.templates or self.spec.captions.templates,
-                           self.config.text.model, evaluation.retrieval_k)
+    results = {"suites": score(network_map(method.image_net), network_map(method.text_net)),
+               "baselines": {"asif": {"suites": score(anchors.embed_a, anchors.embed_b)}},
+               "samples": {"paired": len(pairing.paired), "unpaired_image": len(pairing.unpaired_image),
+                           "unpaired_text": len(pairing.unpaired_text), "test": len(test.indices)}}
+    (out / RESULTS_FILE).write_text(json.dumps(results, indent=2))
+    return {**summarise(out / METRICS_FILE, trainer.steps_per_epoch), **_scores(results),
+            **{f"{name}_samples": count for name, count in results["samples"].items()}}
 
 
 def align_scores(output: StageOutput) -> dict[str, float]:
@@ -132,11 +120,9 @@ def align_scores(output: StageOutput) -> dict[str, float]:
 
 
 def _scores(results: dict) -> dict[str, float]:
-    return _flat(results["suites"]) | _flat(results["baselines"]["asif"]["suites"], "asif_")
-
-
-def _flat(suites: dict[str, dict[str, float]], prefix: str = "") -> dict[str, float]:
-    return {f"{prefix}{name}": value for metrics in suites.values() for name, value in metrics.items()}
+    spaces = {"": results["suites"], "asif_": results["baselines"]["asif"]["suites"]}
+    return {f"{prefix}{name}": value for prefix, suites in spaces.items() for metrics in suites.values()
+            for name, value in metrics.items()}
 
 
 def loss_plot(metrics_path: Path, path: Path) -> Path:

@@ -14,7 +14,6 @@ from repsim.layering import Strict
 from repsim.methods.config import OptimConfig, load_config
 from repsim.similarity.neighbors import INDEX_KINDS
 
-STRATEGIES = ("nearest", "uniform", "rank")
 
 
 class AlignData(Strict):
@@ -91,7 +90,7 @@ class GeometryConfig(Strict):
 
     alpha: float = Field(1000.0, ge=0)
     samples: int = Field(16, ge=1)
-    strategy: Literal[STRATEGIES] = "rank"
+    strategy: Literal["nearest", "uniform", "rank"] = "rank"
     rank_exponent: float = Field(1.0, gt=0)
     kernel: Literal[KERNELS] = "heat"
     sigma: float = Field(0.25, gt=0)

@@ -34,9 +34,8 @@ def score_space(image: Map, text: Map, test: EmbeddingTables, templates: Sequenc
     images = image(test.image)
     suites = {}
     if test.class_names and (test.labels >= 0).all():
-        def encode_prompts(prompts: list[str]) -> torch.Tensor:
-            return text(embed_captions(prompts, model=text_model))
-        classifier = zero_shot_classifier(test.class_names, list(templates), encode_prompts)
+        classifier = zero_shot_classifier(test.class_names, list(templates),
+                                          lambda prompts: text(embed_captions(prompts, model=text_model)))
         suites["zeroshot"] = zero_shot_accuracy(images, test.labels, classifier)
     suites["retrieval"] = paired_retrieval(images, text(test.text), tuple(retrieval_k))
     return suites

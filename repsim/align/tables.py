@@ -81,18 +81,13 @@ def embedding_tables_stage_of(shards: ShardResult, image: ImageSource, text: Ali
     """The tables stage, keyed by the shard key, the image source's key, the split and the text recipe."""
     config = {"split": split, "image": image.model_dump(mode="json", exclude={"path", "batch_size"}),
               "text": text.model_dump(mode="json", exclude={"model"}) | {"model": text_model_identity(text.model)}}
-    return Stage("embedding_tables", STAGE_VERSION, config,
-                 inputs={"shards": shards.key, "image": _image_key(shards, image, split, device)})
+    image_key = (file_digest(image.path, "image.path") if image.type == "table"
+                 else features_stage_of(shards, _encoder(image), split, device).key)
+    return Stage("embedding_tables", STAGE_VERSION, config, inputs={"shards": shards.key, "image": image_key})
 
 
 def _encoder(image: ImageSource) -> str:
     return "pixels" if image.type == "pixels" else str(image.path)
-
-
-def _image_key(shards: ShardResult, image: ImageSource, split: str, device: str | torch.device | None) -> str:
-    if image.type == "table":
-        return file_digest(image.path, "image.path")
-    return features_stage_of(shards, _encoder(image), split, device).key
 
 
 def load_tables(tables: StageOutput | str | Path) -> EmbeddingTables:
@@ -175,8 +170,7 @@ def class_captions(name: str, synset: str, templates: tuple[str, ...], lemmas: b
     lemmas; then each template with the name followed by the gloss and by "a kind of <first hypernym
     lemma>" (hypernyms ordered by name: NLTK's order varies between runs)."""
     entry = lookup(synset)
-    names = [name] + ([lemma.replace("_", " ") for lemma in entry.lemma_names()] if lemmas else [])
-    names = list(dict.fromkeys(names))
+    names = list(dict.fromkeys([name] + ([lemma.replace("_", " ") for lemma in entry.lemma_names()] if lemmas else [])))
     captions = [template.format(name=label) for template in templates for label in names]
     suffixes = ([entry.definition()] if gloss else []) + (
         [f"a kind of {parent.lemma_names()[0].replace('_', ' ')}"
