@@ -2,7 +2,7 @@
 cached task tracked as a nested MLflow run; the result table goes on the parent run and a Prefect
 artifact. Each step (:data:`STEPS`) submits the tasks of all members (:func:`repsim.experiment.expand`)
 before waiting on any, so independent stages run concurrently (:func:`concurrency`); a request made
-twice is submitted once and its future shared."""
+twice is submitted once and its result shared."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def concurrency() -> int:
     return int(os.environ.get("REPSIM_CONCURRENCY") or max(1, torch.cuda.device_count()))
 
 
-def _call(kind: str, params: dict[str, Any], options: dict[str, Any], out_dir: str | None) -> str:
+def _request(kind: str, params: dict[str, Any], options: dict[str, Any], out_dir: str | None) -> str:
     """A stage request as text: two requests are the same stage when their texts are equal."""
     return f"{kind}{params!r}{sorted(options.items())!r}{out_dir}"
 
@@ -78,26 +78,26 @@ class Stages:
         the same request was made before; the request, for :meth:`result`. ``label``: what the stage is for, in
         the summary and its run's name; ``encoder``: the encoder it trains, reads or scores, tagged on its run."""
         options = options or {}
-        call = _call(kind, params, options, out_dir)
-        self._uses[call] += 1
-        if call not in self._submitted:
+        request = _request(kind, params, options, out_dir)
+        self._uses[request] += 1
+        if request not in self._submitted:
             named = TASKS[kind].with_options(task_run_name=f"{kind} {label}" if label else kind)
             future = named.submit(params, options, out_dir, self.parent.run_id, label, encoder, register)
-            self._submitted[call] = future, kind, label, encoder
-        return call
+            self._submitted[request] = future, kind, label, encoder
+        return request
 
-    def result(self, call: str) -> StageOutput:
+    def result(self, request: str) -> StageOutput:
         """The output of a submitted request, once its task has finished; tracked the first time."""
-        if call not in self._outputs:
-            future, kind, label, encoder = self._submitted[call]
-            output = self._outputs[call] = future.result()
+        if request not in self._outputs:
+            future, kind, label, encoder = self._submitted[request]
+            output = self._outputs[request] = future.result()
             prefect_cached = from_prefect_cache(future.state)
             if prefect_cached:  # the task did not run: its MLflow run is logged here
                 log_stage(self.tracker, self.parent, KINDS[kind], output.path, label, encoder)
             detail = ": ".join(filter(None, [label, produced(read_record(output.path))]))
             self.summaries.append({"stage": kind, "detail": detail, "key": output.key, "path": str(output.path),
-                                   "cached": prefect_cached or output.cached, "members": self._uses[call]})
-        return self._outputs[call]
+                                   "cached": prefect_cached or output.cached, "members": self._uses[request]})
+        return self._outputs[request]
 
     def log_figures(self, draw: Callable[[Path], list[Path]]) -> None:
         """The figures ``draw(folder)`` writes, logged on the parent run."""
@@ -115,8 +115,8 @@ class Planner:
 
     def submit(self, kind: str, params: dict[str, Any], options: dict[str, Any] | None = None, *,
                out_dir: str | None = None, label: str | None = None, **_: Any) -> str:
-        call = _call(kind, params, options or {}, out_dir)
-        if call not in self._outputs:
+        request = _request(kind, params, options or {}, out_dir)
+        if request not in self._outputs:
             try:
                 stage, out = planned(KINDS[kind], params, out_dir)
             except (RepsimError, OSError):  # an input is not built yet
@@ -125,13 +125,13 @@ class Planner:
             summary = {"stage": kind, "detail": label or "", "key": stage.key if stage else "", "members": 0,
                        "status": "cached" if record else "runs" if stage else "runs after its inputs"}
             self.summaries.append(summary)
-            path = out if record else Path(f"<{kind} {hashlib.sha256(call.encode()).hexdigest()[:8]}, not built>")
-            self._outputs[call] = StageOutput(kind, summary["key"], path, record is not None, record or {}), summary
-        self._outputs[call][1]["members"] += 1
-        return call
+            path = out if record else Path(f"<{kind} {hashlib.sha256(request.encode()).hexdigest()[:8]}, not built>")
+            self._outputs[request] = StageOutput(kind, summary["key"], path, record is not None, record or {}), summary
+        self._outputs[request][1]["members"] += 1
+        return request
 
-    def result(self, call: str) -> StageOutput:
-        return self._outputs[call][0]
+    def result(self, request: str) -> StageOutput:
+        return self._outputs[request][0]
 
     def log_figures(self, draw: Callable[[Path], list[Path]]) -> None:
         """Nothing: a plan draws no figures."""
@@ -171,10 +171,10 @@ Members = list[tuple[MemberRun, Any]]  # each member with its section of the ste
 
 
 def shard_step(stages: Stages, runs: list[MemberRun]) -> None:
-    futures = [stages.submit("shard", {"spec": load_spec(run.experiment.data)}, out_dir=_shard_out(run.experiment))
+    requests = [stages.submit("shard", {"spec": load_spec(run.experiment.data)}, out_dir=_shard_out(run.experiment))
                for run in runs]
-    for run, future in zip(runs, futures):
-        run.shards = stages.result(future)
+    for run, request in zip(runs, requests):
+        run.shards = stages.result(request)
 
 
 def _shard_out(experiment: Experiment) -> str | None:
@@ -187,14 +187,14 @@ def precompute_step(stages: Stages, members: Members) -> None:
                 for run, section in members if section.captions}
     wordnet = {(run, measure): stages.submit("wordnet", {"classes": load_spec(run.experiment.data), "measure": measure})
                for run, section in members for measure in section.wordnet}
-    for run, future in captions.items():
-        run.captions = stages.result(future)
+    for run, request in captions.items():
+        run.captions = stages.result(request)
     neighbors = [stages.submit("neighbors", {"embeddings": str(run.captions.path), "k": section.neighbors,
                                              "index": section.index, "metric": section.metric})
                  for run, section in members if section.neighbors]
-    similarities = {key: stages.result(future) for key, future in wordnet.items()}
-    for future in neighbors:
-        stages.result(future)
+    similarities = {key: stages.result(request) for key, request in wordnet.items()}
+    for request in neighbors:
+        stages.result(request)
     for run, section in dict(members).items():
         measures = {measure: similarities[run, measure] for measure in section.wordnet}
         stages.log_figures(functools.partial(target_histograms, run, measures, section.target_temperature))
@@ -215,13 +215,13 @@ def target_histograms(run: MemberRun, wordnet: dict[str, StageOutput], target_te
 
 
 def train_step(stages: Stages, members: Members) -> None:
-    futures = [(run, method.label, stages.submit(
+    requests = [(run, method.label, stages.submit(
         "train", {"config": load_config(method.config, section.overrides(method, run.experiment.data))},
         {"launch": section.launch}, label=run.tag(method.label, "train"), encoder=method.label,
         register=f"{run.experiment.name}-{method.label}"))  # the registered model, e.g. animal-mnist-xclr
         for run, section in members for method in section.methods]
-    for run, label, future in futures:
-        run.encoders[label] = stages.result(future)
+    for run, label, request in requests:
+        run.encoders[label] = stages.result(request)
 
 
 def evaluate_step(stages: Stages, members: Members) -> None:
@@ -238,8 +238,8 @@ def evaluate_step(stages: Stages, members: Members) -> None:
                      "linear_options": section.linear.model_dump(exclude_defaults=True)},
         {"device": section.device}, label=tag, encoder=label)
         for (run, section, label, tag, _), (train, test) in zip(encoders, features)]
-    for (run, _, label, _, _), call in zip(encoders, evaluations):
-        run.score(label, stages.result(call))
+    for (run, _, label, _, _), request in zip(encoders, evaluations):
+        run.score(label, stages.result(request))
 
 
 def _encoders(run: MemberRun, section: EvaluateSection) -> list[tuple[str, str, str]]:
@@ -252,12 +252,12 @@ def _encoders(run: MemberRun, section: EvaluateSection) -> list[tuple[str, str, 
 
 
 def align_step(stages: Stages, members: Members) -> None:
-    futures = [(run, label, stages.submit(
+    requests = [(run, label, stages.submit(
         "align", {"config": load_align_config(section.config, section.overrides(image, run.experiment.data))},
         label=run.tag(label, "align"), encoder=label))
         for run, section in members for label, image in _image_sides(run, section)]
-    for run, label, future in futures:
-        run.score(label, stages.result(future))
+    for run, label, request in requests:
+        run.score(label, stages.result(request))
 
 
 def _image_sides(run: MemberRun, section: AlignSection) -> list[tuple[str, str]]:
