@@ -56,7 +56,8 @@ class StageRun:
                  if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)]
         if step is not None:
             self.streamed.update(metrics)
-        self.client.log_batch(self.run_id, metrics=batch)
+        if batch:  # every metric streamed already: no request to the store
+            self.client.log_batch(self.run_id, metrics=batch)
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         self.client.log_batch(self.run_id, params=[Param(name, str(value)[:MAX_PARAM_VAL_LENGTH])
