@@ -65,8 +65,19 @@ class FinishedRun:
     data: Path
     rows: list[dict]  # one per grid point and encoder: "point", "encoder", each metric, "<metric>.std", "<metric>.n"
     command: str
-    minutes: float
+    minutes: float  # this invocation's wall time
     source: str  # the experiment file's name (experiments/<source>.yaml), which `--set name=...` may differ from
+    stages: int = 0
+    reused: int = 0  # stages found cached, built by earlier invocations
+    stage_minutes: float = 0.0  # the build time of every stage, the reused ones' included
+
+    @property
+    def wall_time(self) -> str:
+        """This invocation's minutes, and the stage time in all when it reused stages built before."""
+        if not self.reused:
+            return f"{self.minutes:.1f} min"
+        return (f"{self.minutes:.1f} min, reusing {self.reused} of its {self.stages} stages built earlier; "
+                f"{self.stage_minutes:.1f} min of stage time in all")
 
 
 def finished_run(name: str) -> FinishedRun:
@@ -90,10 +101,14 @@ def finished_run(name: str) -> FinishedRun:
         table = json.loads(Path(client.download_artifacts(run.info.run_id, RESULTS_TABLE, folder)).read_text())
     overrides = ast.literal_eval(run.data.params.get("overrides", "[]"))
     source = run.data.params.get("source", name)
+    stages = client.search_runs([experiment.experiment_id], f"tags.`mlflow.parentRunId` = '{run.info.run_id}'",
+                                max_results=50000)
     return FinishedRun(name, run.info.run_id, Path(run.data.params["experiment.data"]),
                        [dict(zip(map(_column_name, table["columns"]), row)) for row in table["data"]],
                        shlex.join(["repsim", "run", source, *(arg for o in overrides for arg in ("--set", o))]),
-                       (run.info.end_time - run.info.start_time) / 60000, source)
+                       (run.info.end_time - run.info.start_time) / 60000, source, len(stages),
+                       sum(stage.data.tags.get("repsim.cached") == "true" for stage in stages),
+                       sum(stage.data.metrics.get("seconds", 0.0) for stage in stages) / 60)
 
 
 def _column_name(logged: str) -> str:

@@ -130,7 +130,7 @@ def report(run: FinishedRun, image: Path) -> str:
     plot(run, table, swept, curves, image)
     return "\n".join([
         "# Contrastive methods compared", "",
-        f"Command: `{run.command}` ({run.minutes:.1f} min), then `python benchmarks/reproduce_contrastive.py "
+        f"Command: `{run.command}` ({run.wall_time}), then `python benchmarks/reproduce_contrastive.py "
         f"--experiment {run.name}`.", "",
         (f"What every method shares (one backbone, budget, augmentation and contrastive temperature) is in "
          f"`experiments/{run.source}.yaml`. Scores: top-1 accuracy (%) on the test split of a weighted cosine "

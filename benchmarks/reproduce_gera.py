@@ -131,7 +131,7 @@ def tuning_section(tuning: FinishedRun) -> list[str]:
                   key=lambda row: -row[ZERO_SHOT])
     points = [grid_point(row) for row in rows]
     return ["## α and σ on validation", "",
-            f"Command: `{tuning.command}` ({tuning.minutes:.1f} min): GeRA scored on a validation split held "
+            f"Command: `{tuning.command}` ({tuning.wall_time}): GeRA scored on a validation split held "
             "out of the train split, never on the test split; best first.", "",
             markdown(["kernel", "α", "σ", "zero-shot top-1 (validation)"],
                      [[point.get("kernel", "-"), point.get("alpha", "-"), point.get("sigma", "-"),
@@ -145,7 +145,7 @@ def report(run: FinishedRun, tuning: FinishedRun | None, image: Path) -> str:
     plot(run, table, image)
     return "\n".join([
         "# GeRA: few-pairs alignment of frozen image and text embeddings", "",
-        f"Command: `{run.command}` ({run.minutes:.1f} min), then `python benchmarks/reproduce_gera.py "
+        f"Command: `{run.command}` ({run.wall_time}), then `python benchmarks/reproduce_gera.py "
         f"--experiment {run.name}{'' if tuning else ' --tuning none'}`.", "",
         *encoder_lines(run),
         ("Evaluation: zero-shot top-1 (%) on the test split from class-prompt captions, in which the M pairs "

@@ -136,7 +136,7 @@ def report(run: FinishedRun, image: Path) -> str:
     plot(run, epochs, image)
     return "\n".join([
         "# SOP compared", "",
-        f"Command: `{run.command}` ({run.minutes:.1f} min), then `python benchmarks/reproduce_sop.py "
+        f"Command: `{run.command}` ({run.wall_time}), then `python benchmarks/reproduce_sop.py "
         f"--experiment {run.name}`.", "",
         (f"What every variant shares (one backbone, budget and data; the self-distillation variants' "
          "multi-crop views and teacher schedule) is in "
