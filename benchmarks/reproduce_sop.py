@@ -138,9 +138,9 @@ def report(run: FinishedRun, image: Path) -> str:
         "# SOP compared", "",
         f"Command: `{run.command}` ({run.wall_time}), then `python benchmarks/reproduce_sop.py "
         f"--experiment {run.name}`.", "",
-        (f"What every variant shares (one backbone, budget and data; the self-distillation variants' "
-         "multi-crop views and teacher schedule) is in "
-         f"`experiments/{run.source}.yaml`. Scores: top-1 accuracy (%) on the test split of a weighted cosine "
+        ("What every variant shares (one backbone, budget and data) and each row's own settings (its views "
+         f"and teacher schedule) are in `experiments/{run.source}.yaml`. "
+         "Scores: top-1 accuracy (%) on the test split of a weighted cosine "
          "kNN and of a linear probe on frozen features of the train split (the student's [CLS] feature, a ResNet's pooled one); "
          + (f"mean ± sample standard deviation over {seeds} seeds" if seeds > 1 else "one seed")
          + ". Diagnostics of the last epoch, mean over the seeds: effective rank and per-dimension std of "
