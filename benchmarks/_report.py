@@ -67,9 +67,9 @@ class FinishedRun:
     command: str
     minutes: float  # this invocation's wall time
     source: str  # the experiment file's name (experiments/<source>.yaml), which `--set name=...` may differ from
-    stages: int = 0
-    reused: int = 0  # stages found cached, built by earlier invocations
-    stage_minutes: float = 0.0  # the build time of every stage, the reused ones' included
+    stages: int
+    reused: int  # stages found cached, built by earlier invocations
+    stage_minutes: float  # the build time of every stage, the reused ones' included
 
     @property
     def wall_time(self) -> str:
