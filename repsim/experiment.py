@@ -91,10 +91,15 @@ class MethodRun(Strict):
     config: Path
     name: str | None = Field(None, description="label in tables and MLflow; default: the config file's stem")
     settings: Settings = {}
+    seeds: list[int] | None = Field(None, description="train it at only these of the experiment's seeds, e.g. [0] "
+                                                      "for a costly row; default: at every seed")
 
     @property
     def label(self) -> str:
         return self.name or self.config.stem
+
+    def runs_at(self, seed: int | None) -> bool:
+        return self.seeds is None or seed in self.seeds
 
 
 class TrainSection(_Section):
@@ -201,6 +206,21 @@ class Experiment(Strict):
         return self
 
     @model_validator(mode="after")
+    def _method_seeds_among_seeds(self) -> Experiment:
+        train = self.section("train")
+        methods = train.methods if train else []
+        for run in methods:
+            if run.seeds is not None:
+                _once(run.seeds, f"method {run.label}'s seeds", "list each seed once", self)
+                if not set(run.seeds) <= set(self.seeds):
+                    raise ValueError(f"method {run.label} runs at seeds {run.seeds}, not all among the experiment's "
+                                     f"seeds {self.seeds}; list some of those, or set train.methods.{run.label}.seeds=null")
+        idle = [seed for seed in self.seeds if methods and not any(run.runs_at(seed) for run in methods)]
+        if idle:
+            raise ValueError(f"no method runs at seed {idle[0]}; add it to a method's seeds or drop it from seeds")
+        return self
+
+    @model_validator(mode="after")
     def _order(self) -> Experiment:
         kinds = [section.kind for section in self.stages]
         for position, section in enumerate(self.stages):
@@ -258,7 +278,19 @@ def expand(experiment: Experiment) -> list[Member]:
     experiment itself. SpecError in one line for a sweep key or value that the experiment refuses."""
     single = experiment.model_copy(update={"seeds": [], "sweep": {}})
     points = [tuple(zip(experiment.sweep, values)) for values in itertools.product(*experiment.sweep.values())]
-    return [Member(point, seed, _member(single, point, seed)) for point in points for seed in experiment.seeds or [None]]
+    return [Member(point, seed, _member(_methods_at(single, seed), point, seed))
+            for point in points for seed in experiment.seeds or [None]]
+
+
+def _methods_at(single: Experiment, seed: int | None) -> Experiment:
+    """``single`` with only the train methods that run at ``seed`` (their ``seeds`` then unset)."""
+    train = single.section("train")
+    if train is None:
+        return single
+    methods = [run.model_copy(update={"seeds": None}) for run in train.methods if run.runs_at(seed)]
+    stages = [section.model_copy(update={"methods": methods}) if section is train else section
+              for section in single.stages]
+    return single.model_copy(update={"stages": stages})
 
 
 def _member(single: Experiment, point: tuple[tuple[str, Any], ...], seed: int | None) -> Experiment:

@@ -56,6 +56,9 @@ def test_an_experiment_without_seeds_or_sweep_is_its_only_member():
     (["sweep={train.settings.optim.lr: [0.1, 0.1]}"], "repeat; list each value once"),
     (["seeds=[1, 1]"], "seeds [1, 1] repeat"),
     (["sweep={seeds: [[0], [1]]}"], "sweeps the sweep"),
+    (["seeds=[0, 1]", "train.methods.xclr.seeds=[2]"], "method xclr runs at seeds [2], not all among the experiment's"),
+    (["train.methods.xclr.seeds=[0]"], "not all among the experiment's seeds []"),
+    (["seeds=[0, 1]", "train.methods.xclr.seeds=[0]", "train.methods.simclr.seeds=[0]"], "no method runs at seed 1"),
 ])
 def test_a_bad_sweep_is_refused_in_one_line(overrides, expected):
     with pytest.raises(SpecError) as refused:
@@ -199,6 +202,21 @@ def test_a_sweep_over_one_methods_settings_leaves_the_others_shared():
         load_experiment("default", ["train.methods.xclrr.settings.optim.lr=0.1"])
 
 
+def test_a_method_with_its_own_seeds_trains_at_only_those_and_leaves_the_other_stages_alone():
+    from repsim.flows.experiment import plan_experiment
+
+    def keys(overrides: list[str]) -> dict[str, str]:
+        return {f"{stage['stage']} {stage['detail']}": stage["key"]
+                for stage in plan_experiment(load_experiment("default", overrides))["stages"]}
+
+    every, some = keys(["seeds=[0, 1]"]), keys(["seeds=[0, 1]", "train.methods.xclr.seeds=[1]"])
+    assert "train xclr [seed=1]" in some and "train xclr [seed=0]" not in some
+    assert some == {stage: key for stage, key in every.items() if "xclr [seed=0]" not in stage}
+    [at_0, at_1] = expand(load_experiment("default", ["seeds=[0, 1]", "train.methods.xclr.seeds=[1]"]))
+    assert [run.label for run in at_0.experiment.section("train").methods] == ["simclr"]
+    assert [run.label for run in at_1.experiment.section("train").methods] == ["simclr", "xclr"]
+
+
 @pytest.mark.parametrize("name, members, seeds", [("reproduce-xclr", 6, 3), ("reproduce-xclr-full", 12, 3),
                                                   ("reproduce-gera", 40, 5), ("reproduce-gera-full", 50, 5), ("tune-gera", 64, 2),
                                                   ("reproduce-sop", 3, 3), ("reproduce-sop-full", 3, 3),
@@ -279,10 +297,11 @@ def test_every_reproduction_plans_each_method_once_per_member(name):
     experiment = load_experiment(name)
     stages = plan_experiment(experiment)["stages"]
     trains = [stage for stage in stages if stage["stage"] == "train"]
-    methods, members = len(experiment.section("train").methods), len(check_experiment(experiment))
+    per_point = sum(len(run.seeds or experiment.seeds or [None]) for run in experiment.section("train").methods)
+    points = len(check_experiment(experiment)) // max(len(experiment.seeds), 1)
     assert [stage["stage"] for stage in stages].count("shard") == 1  # shared by every member
-    assert len(experiment.seeds) * methods <= len(trains) <= members * methods
-    assert sum(stage["members"] for stage in trains) == members * methods
+    assert per_point <= len(trains) <= points * per_point
+    assert sum(stage["members"] for stage in trains) == points * per_point
 
 
 def test_the_sop_reproduction_fills_its_memories_early_and_its_teacher_moves():
