@@ -297,7 +297,8 @@ def test_every_reproduction_plans_each_method_once_per_member(name):
     experiment = load_experiment(name)
     stages = plan_experiment(experiment)["stages"]
     trains = [stage for stage in stages if stage["stage"] == "train"]
-    per_point = sum(len(run.seeds or experiment.seeds or [None]) for run in experiment.section("train").methods)
+    runs = experiment.section("train").methods
+    per_point = sum(len(experiment.seeds or [None] if run.seeds is None else run.seeds) for run in runs)
     points = len(check_experiment(experiment)) // max(len(experiment.seeds), 1)
     assert [stage["stage"] for stage in stages].count("shard") == 1  # shared by every member
     assert per_point <= len(trains) <= points * per_point
