@@ -142,7 +142,8 @@ def report(run: FinishedRun, image: Path) -> str:
          f"and teacher schedule) are in `experiments/{run.source}.yaml`. "
          "Scores: top-1 accuracy (%) on the test split of a weighted cosine "
          "kNN and of a linear probe on frozen features of the train split (the student's [CLS] feature, a ResNet's pooled one); "
-         + (f"mean ± sample standard deviation over {seeds} seeds" if seeds > 1 else "one seed")
+         + (f"mean ± sample standard deviation over {seeds} seeds (a figure without ± is one output: the raw "
+            "pixels, the same at every seed, or a row its experiment trains at one seed)" if seeds > 1 else "one seed")
          + ". Diagnostics of the last epoch, mean over the seeds: effective rank and per-dimension std of "
          "the teacher's unit embeddings in memory (collapse: rank → 1, std → 0), their mean cosine (a narrow "
          "cone: → 1), the entropy of the "

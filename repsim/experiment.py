@@ -92,7 +92,7 @@ class MethodRun(Strict):
     name: str | None = Field(None, description="label in tables and MLflow; default: the config file's stem")
     settings: Settings = {}
     seeds: list[int] | None = Field(None, description="train it at only these of the experiment's seeds, e.g. [0] "
-                                                      "for a costly row; default: at every seed")
+                                                      "for a costly row ([]: at none); default: at every seed")
 
     @property
     def label(self) -> str:

@@ -215,6 +215,8 @@ def test_a_method_with_its_own_seeds_trains_at_only_those_and_leaves_the_other_s
     [at_0, at_1] = expand(load_experiment("default", ["seeds=[0, 1]", "train.methods.xclr.seeds=[1]"]))
     assert [run.label for run in at_0.experiment.section("train").methods] == ["simclr"]
     assert [run.label for run in at_1.experiment.section("train").methods] == ["simclr", "xclr"]
+    assert all(run.label == "simclr" for member in expand(load_experiment(
+        "default", ["seeds=[0, 1]", "train.methods.xclr.seeds=[]"])) for run in member.experiment.section("train").methods)
 
 
 @pytest.mark.parametrize("name, members, seeds", [("reproduce-xclr", 6, 3), ("reproduce-xclr-full", 12, 3),
