@@ -215,7 +215,9 @@ class Experiment(Strict):
                 if not set(run.seeds) <= set(self.seeds):
                     raise ValueError(f"method {run.label} runs at seeds {run.seeds}, not all among the experiment's "
                                      f"seeds {self.seeds}; list some of those, or set train.methods.{run.label}.seeds=null")
-        idle = [seed for seed in self.seeds if methods and not any(run.runs_at(seed) for run in methods)]
+        idle = [seed for seed in self.seeds or [None] if methods and not any(run.runs_at(seed) for run in methods)]
+        if idle == [None]:
+            raise ValueError("every method has seeds: [], so none runs; unset one's seeds")
         if idle:
             raise ValueError(f"no method runs at seed {idle[0]}; add it to a method's seeds or drop it from seeds")
         return self

@@ -59,6 +59,7 @@ def test_an_experiment_without_seeds_or_sweep_is_its_only_member():
     (["seeds=[0, 1]", "train.methods.xclr.seeds=[2]"], "method xclr runs at seeds [2], not all among the experiment's"),
     (["train.methods.xclr.seeds=[0]"], "not all among the experiment's seeds []"),
     (["seeds=[0, 1]", "train.methods.xclr.seeds=[0]", "train.methods.simclr.seeds=[0]"], "no method runs at seed 1"),
+    (["train.methods.xclr.seeds=[]", "train.methods.simclr.seeds=[]"], "so none runs; unset one's seeds"),
 ])
 def test_a_bad_sweep_is_refused_in_one_line(overrides, expected):
     with pytest.raises(SpecError) as refused:
