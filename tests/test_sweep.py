@@ -4,6 +4,7 @@ experiment run end to end with shared stages built once and two stages at a time
 import json
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 import yaml
@@ -224,7 +225,7 @@ def test_a_method_with_its_own_seeds_trains_at_only_those_and_leaves_the_other_s
                                                   ("reproduce-gera", 40, 5), ("reproduce-gera-full", 50, 5), ("tune-gera", 64, 2),
                                                   ("reproduce-sop", 3, 3), ("reproduce-sop-full", 3, 3),
                                                   ("reproduce-sop-long", 1, 1), ("reproduce-sop-resnet", 3, 3),
-                                                  ("reproduce-sop-options", 2, 2)])
+                                                  ("reproduce-sop-options", 2, 2), ("reproduce-sop-8000", 1, 1)])
 def test_shipped_reproductions_are_valid_sweeps(name, members, seeds):
     experiment = load_experiment(name)
     assert len(check_experiment(experiment)) == members and experiment.seeds == list(range(seeds))
@@ -331,16 +332,18 @@ def test_the_sop_reproduction_fills_its_memories_early_and_its_teacher_moves():
             for run in full.section("train").methods if run.label in ("dino", "ibot")} == {"dino": 8192, "ibot": 8192}
 
 
-def test_the_long_sop_run_is_the_sop_reproduction_at_five_times_its_epochs_plus_koleo_and_simclr_rows():
+def _method_configs(name: str) -> dict[str, dict]:
+    """label -> the resolved config (as a dict) of every train method of a shipped experiment."""
     from repsim.methods.config import load_config
 
-    def configs(name: str) -> dict[str, dict]:
-        experiment = load_experiment(name)
-        train = experiment.section("train")
-        return {run.label: load_config(run.config, train.overrides(run, experiment.data)).model_dump()
-                for run in train.methods}
+    experiment = load_experiment(name)
+    train = experiment.section("train")
+    return {run.label: load_config(run.config, train.overrides(run, experiment.data)).model_dump()
+            for run in train.methods}
 
-    long, short = configs("reproduce-sop-long"), configs("reproduce-sop")
+
+def test_the_long_sop_run_is_the_sop_reproduction_at_five_times_its_epochs_plus_koleo_and_simclr_rows():
+    long, short = _method_configs("reproduce-sop-long"), _method_configs("reproduce-sop")
     assert set(long) == {"sop", "sop-koleo", "supcon", "simclr"}
     short_epochs = {config["optim"].pop("epochs") for config in short.values()}
     assert {config["optim"].pop("epochs") for config in long.values()} == {5 * epochs for epochs in short_epochs}
@@ -351,3 +354,14 @@ def test_the_long_sop_run_is_the_sop_reproduction_at_five_times_its_epochs_plus_
     same_temperature = long["supcon"]["method"] | {"name": "simclr"}
     assert long["simclr"]["method"] == {"name": "simclr", "temperature": 0.1} == same_temperature
     assert long["simclr"] | {"method": None} == long["supcon"] | {"method": None}
+
+
+def test_the_sop_run_at_8000_images_is_the_sop_reproduction_on_four_times_the_images_plus_koleo():
+    larger, smaller = _method_configs("reproduce-sop-8000"), _method_configs("reproduce-sop")
+    assert set(larger) == {"sop", "sop-koleo", "dino", "simclr"}
+    assert {Path(config["data"].pop("spec")).name for config in larger.values()} == {"animal-mnist.yaml"}
+    assert {Path(config["data"].pop("spec")).name for config in smaller.values()} == {"animal-mnist-2000.yaml"}
+    for label in ("sop", "dino", "simclr"):
+        assert larger[label] == smaller[label], label
+    assert larger["sop-koleo"]["method"].pop("koleo_weight") == 0.1 and smaller["sop"]["method"].pop("koleo_weight") == 0
+    assert larger["sop-koleo"] == smaller["sop"]
