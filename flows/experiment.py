@@ -41,6 +41,7 @@ from repsim.results import Row, Score, aggregate, as_records, headline_metrics, 
 from repsim.similarity.targets import ClassMatrixSource, EmbeddingSource, LabelSource, SimilaritySource
 from repsim.similarity.precompute import EMBEDDINGS_FILE, SIMILARITY_FILE
 from repsim.stage import StageOutput, read_record, rebuilding, verifying
+from repsim.tasks.cluster import cluster_running, requested_cluster
 from repsim.tasks.stage_tasks import KINDS, TASKS, current_record, from_prefect_cache, log_stage, planned, produced
 from repsim.tasks.tracking import MODEL_URI, StageRun, Tracker, model_directory
 
@@ -66,6 +67,7 @@ class Stages:
 
     tracker: Tracker
     parent: StageRun
+    cluster: str | None = None  # the Dask scheduler split stages run their pieces on
     summaries: list[dict] = field(default_factory=list)
     _submitted: dict[str, tuple[PrefectFuture, str, str | None, str | None]] = field(default_factory=dict)
     _uses: Counter[str] = field(default_factory=Counter)
@@ -77,7 +79,7 @@ class Stages:
         """Submit the stage task of ``kind`` for ``params`` (:func:`repsim.tasks.stage_tasks.stage_task`) unless
         the same request was made before; the request, for :meth:`result`. ``label``: what the stage is for, in
         the summary and its run's name; ``encoder``: the encoder it trains, reads or scores, tagged on its run."""
-        options = options or {}
+        options = (options or {}) | ({"cluster": self.cluster} if self.cluster and KINDS[kind].split else {})
         request = _request(kind, params, options, out_dir)
         self._uses[request] += 1
         if request not in self._submitted:
@@ -363,10 +365,11 @@ def experiment_flow(experiment: Experiment, overrides: list[str] | None = None,
         params = {"experiment": experiment.model_dump(mode="json"), "source": source, "overrides": list(overrides or []),
                   "force": list(force or []), "members": len(members), "spread": spread or ""}
         parent_run = tracker.flow_run("experiment", params, prefect_flow_run.get_name())
-        with rebuilding(force or []), verifying(experiment.verify), parent_run as parent:
+        with rebuilding(force or []), verifying(experiment.verify), parent_run as parent, \
+                cluster_running(requested_cluster(experiment.cluster)) as cluster:
             if spread:
                 run_members_on(spread, members, force or [])
-            stages = Stages(tracker, parent)
+            stages = Stages(tracker, parent, cluster)
             runs = run_steps(stages, experiment, members)
             rows = aggregate(score for run in runs for score in run.scores)
             evaluate = experiment.section("evaluate")

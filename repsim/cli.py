@@ -37,7 +37,8 @@ def cmd_shard(args: argparse.Namespace) -> None:
     bucket = args.out if args.out and is_url(args.out) else None  # built in $REPSIM_HOME, then uploaded there
     rows = []
     for path, spec in zip(args.specs, specs):
-        [shards] = _run_section(spec.name, path, {"kind": "shard", "out": None if bucket else args.out})["stages"]
+        section = {"kind": "shard", "out": None if bucket else args.out}
+        [shards] = _run_section(spec.name, path, section, args.cluster)["stages"]
         found = ShardResult.from_dir(shards["path"])
         uploaded = f"{len(upload(found.path, bucket, last=MANIFEST))} files uploaded" if bucket else ""
         rows.append([path, found.num_samples, " ".join(f"{k}={v}" for k, v in found.splits.items()), found.errors,
@@ -45,11 +46,12 @@ def cmd_shard(args: argparse.Namespace) -> None:
     print(_table(["spec", "samples", "splits", "errors", "cached", "output"], rows))
 
 
-def _run_section(name: str, data: str | os.PathLike, section: dict) -> dict:
-    """The outcome of the one-section experiment ``name`` on the data spec ``data``, run by the experiment flow."""
+def _run_section(name: str, data: str | os.PathLike, section: dict, cluster: str | None) -> dict:
+    """The outcome of the one-section experiment ``name`` on the data spec ``data``, run by the experiment flow
+    (its split stages on ``cluster``)."""
     from repsim.experiment import single_section
 
-    experiment = single_section(name, data, section)
+    experiment = single_section(name, data, section, cluster)
     from repsim.flows.experiment import experiment_flow
 
     _start_orchestration(stop_on_signals=True)
@@ -75,7 +77,7 @@ def cmd_precompute(args: argparse.Namespace) -> None:
     section = {"kind": "precompute", "captions": captions, "wordnet": measures, "neighbors": args.k * neighbors,
                "index": args.index, "metric": args.metric, "model": args.model,
                "target_temperature": args.target_temperature}
-    _print_stages(_run_section(spec.name, args.spec, section)["stages"])
+    _print_stages(_run_section(spec.name, args.spec, section, args.cluster)["stages"])
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -94,7 +96,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     section = {"kind": "evaluate", "suites": list(suites), "knn_k": list(knn_k), "pixels": pixels,
                "encoders": {} if pixels else {"encoder": args.encoder}, "batch_size": args.batch_size,
                "device": args.device}
-    stages = _run_section(spec.name, args.spec, section)["stages"]
+    stages = _run_section(spec.name, args.spec, section, args.cluster)["stages"]
     _print_stages(stages)
     [evaluated] = [stage["path"] for stage in stages if stage["stage"] == "evaluate"]
     rows = result_rows(read_results(evaluated))
@@ -129,16 +131,16 @@ def cmd_train(args: argparse.Namespace) -> None:
         train(config, progress=args.direct and rank == 0)
         return
     method = {"config": args.config, "settings": as_settings(args.overrides, "optim.lr=0.01")}
-    _run_configured(config.data.spec, {"kind": "train", "methods": [method]}, "trained")
+    _run_configured(config.data.spec, {"kind": "train", "methods": [method]}, "trained", args.cluster)
 
 
-def _run_configured(data: str | os.PathLike, section: dict, done: str) -> None:
-    """Run the one ``section`` of a configured stage on the data spec ``data``, then print its metrics as a
-    table, whether it was ``done`` or found cached, and where."""
+def _run_configured(data: str | os.PathLike, section: dict, done: str, cluster: str | None) -> None:
+    """Run the one ``section`` of a configured stage on the data spec ``data`` (its split stages on ``cluster``),
+    then print its metrics as a table, whether it was ``done`` or found cached, and where."""
     from repsim.data import load_spec
     from repsim.stage import read_record
 
-    stages = _run_section(load_spec(data).name, data, section)["stages"]  # the spec validated before orchestration
+    stages = _run_section(load_spec(data).name, data, section, cluster)["stages"]  # the spec validated before orchestration
     [summary] = [summary for summary in stages if summary["stage"] == section["kind"]]
     metrics = read_record(Path(summary["path"]))["metrics"]
     print(_table(["metric", "value"], [[name, f"{value:.4g}"] for name, value in sorted(metrics.items())]))
@@ -152,13 +154,15 @@ def cmd_align(args: argparse.Namespace) -> None:
     config = load_align_config(args.config, args.overrides)
     section = {"kind": "align", "config": args.config, "settings": as_settings(args.overrides, "geometry.alpha=0"),
                "as_configured": True}
-    _run_configured(config.data.spec, section, "aligned")
+    _run_configured(config.data.spec, section, "aligned", args.cluster)
 
 
 def cmd_run(args: argparse.Namespace) -> None:
     from repsim.experiment import check_experiment, load_experiment
     from repsim.results import table
 
+    if args.cluster:
+        args.overrides.append(f"cluster={args.cluster}")
     experiment = load_experiment(args.experiment, args.overrides)
     check_experiment(experiment)  # validate before orchestration
     if args.spread and not os.environ.get("PREFECT_API_URL"):
@@ -430,6 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("deployments", nargs="?", default="deployments", metavar="DEPLOYMENTS",
                        help="deployments YAML or shipped name (default: deployments, the shipped "
                        "experiments/deployments.yaml)")
+    for splitting in (shard, evaluate, train, align, run):
+        add_cluster(splitting)
     synsets = command("synsets", cmd_synsets, help="list WordNet noun synsets for class names (to write specs)")
     synsets.add_argument("names", nargs="+", metavar="NAME", help='a class name, e.g. "Ankle boot"')
     command("doctor", cmd_doctor, help="what this installation has: torch and its GPUs, which FAISS build, "
@@ -437,11 +443,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_cluster(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cluster", metavar="tcp://HOST:PORT|local:N",
+                        help="run the split stages' pieces on a Dask cluster: a running scheduler, or N worker "
+                             "processes started here (default: $DASK_SCHEDULER_ADDRESS, else none)")
+
+
 def _add_precompute_options(parser: argparse.ArgumentParser, stages: str) -> None:
     from repsim.similarity.neighbors import METRICS, STAGE_INDEXES
 
     (captions, wordnet, neighbors), _ = PRECOMPUTE_STAGES[stages]
     parser.add_argument("spec", metavar="SPEC", help="data spec YAML file or shipped name, e.g. animal-mnist")
+    add_cluster(parser)
     parser.set_defaults(run=cmd_precompute, measures=None, k=10, index="auto", metric="cosine", model=None)
     if captions:
         parser.add_argument("--model", metavar="NAME|PATH",

@@ -181,6 +181,9 @@ SEED_KEYS = {"train": ("settings.optim.seed",),  # what one of an experiment's `
              "align": ("settings.optim.seed", "settings.pairing.seed", "settings.text.seed")}
 
 
+CLUSTER_PATTERN = r"^(local:[1-9][0-9]*|[a-z]+://\S+)$"  # a Dask scheduler address, or local:N
+
+
 class Experiment(Strict):
     """A data spec and the stage sections to run on it, in order (the data is always sharded first);
     with ``seeds`` and a ``sweep`` grid, once per seed and grid point."""
@@ -194,6 +197,10 @@ class Experiment(Strict):
                         "every combination runs")
     verify: bool = Field(False, description="a cache hit also checks the sha256 of every output file against "
                                             "its record (always: their sizes); a damaged output is rebuilt")
+    cluster: str | None = Field(None, pattern=CLUSTER_PATTERN,
+                                description="the Dask cluster split stages run their pieces on: tcp://HOST:PORT (a running "
+                                            "scheduler) or local:N (N worker processes here); default "
+                                            "$DASK_SCHEDULER_ADDRESS, else none")
 
     @model_validator(mode="after")
     def _distinct_seeds_and_values(self) -> Experiment:
@@ -312,11 +319,11 @@ def load_experiment(path: str | Path, overrides: Sequence[str] = ()) -> Experime
     return with_overrides(experiment, overrides, origin=str(locate(path, EXPERIMENT_FILE.kind)))
 
 
-def single_section(name: str, data: str | Path, section: dict[str, Any]) -> Experiment:
-    """The experiment of one ``section`` on the data spec ``data``, as ``repsim shard``, ``precompute``,
-    ``train``, ``eval`` and ``align`` run it; ``name`` (a data spec's) made a valid experiment name."""
+def single_section(name: str, data: str | Path, section: dict[str, Any], cluster: str | None = None) -> Experiment:
+    """The experiment of one ``section`` on the data spec ``data`` (on ``cluster``), as ``repsim shard``,
+    ``precompute``, ``train``, ``eval`` and ``align`` run it; ``name`` (a data spec's) made a valid experiment name."""
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-._") or "experiment"
-    return _validate({"name": name, "data": str(data), "stages": [section]}, "the command line")
+    return _validate({"name": name, "data": str(data), "stages": [section], "cluster": cluster}, "the command line")
 
 
 def with_overrides(experiment: Experiment, overrides: Sequence[str], origin: str = "experiment") -> Experiment:

@@ -85,13 +85,15 @@ class StageKind:
     """One kind of stage as the pipeline runs it. ``plan(**params) -> Stage`` keys it without building;
     ``build(**params, **options, out_dir=...) -> StageOutput`` builds it or finds it complete (``options``,
     e.g. a device, do not change the output). ``artifacts``: glob patterns of the files logged with it;
-    ``streams``: ``build`` also takes ``log(metrics, step)`` to stream its curves."""
+    ``streams``: ``build`` also takes ``log(metrics, step)`` to stream its curves; ``split``: ``build`` also
+    takes ``executor``, a :class:`concurrent.futures.Executor` to run its pieces on (:mod:`repsim.pieces`)."""
 
     name: str
     plan: Callable[..., Stage]
     build: Callable[..., StageOutput]
     artifacts: tuple[str, ...] = ()
     streams: bool = False
+    split: bool = False
 
 
 def fingerprint_files(paths: Iterable[Path], root: Path | None = None, content: bool = False) -> str:

@@ -29,6 +29,7 @@ from repsim.eval.evaluation import EVALUATE, FEATURES
 from repsim.methods.training import TRAIN
 from repsim.similarity.precompute import CAPTIONS, NEIGHBORS, WORDNET
 from repsim.stage import Stage, StageKind, StageOutput, is_current, read_record
+from repsim.tasks.cluster import executor
 from repsim.tasks.tracking import StageRun, Tracker
 
 RETRY_DELAYS_S = [5, 30]  # waits before the retries of a transient failure
@@ -58,15 +59,18 @@ def cache_key(stage: Stage, out: Path) -> str | None:
 def stage_task(kind: StageKind) -> Task:
     """The Prefect task of ``kind``: it builds the stage of ``params`` (``options`` do not change it) into
     ``out_dir`` (default: its own) in a nested run under ``parent_run_id`` named ``<stage> <label>``, tagged
-    with ``encoder`` (default ``label``); with ``register``, registers the encoder as that MLflow model."""
+    with ``encoder`` (default ``label``); with ``register``, registers the encoder as that MLflow model. A split
+    stage runs its pieces on the Dask scheduler at the option ``cluster`` (:mod:`repsim.tasks.cluster`)."""
     def run(params: dict[str, Any], options: dict[str, Any] | None = None, out_dir: str | None = None,
             parent_run_id: str = "", label: str | None = None, encoder: str | None = None,
             register: str | None = None) -> StageOutput:
         stage, out = planned(kind, params, out_dir)
+        options = dict(options or {})
         with Tracker().stage_run(parent_run_id, kind.name, stage.key, stage.config, out, label,
-                                 encoder or label) as tracked:
-            curves = {"log": tracked.log_metrics} if kind.streams else {}
-            output = kind.build(**params, **(options or {}), out_dir=out_dir, **curves)
+                                 encoder or label) as tracked, executor(options.pop("cluster", None)) as pieces_on:
+            extra = {"log": tracked.log_metrics} if kind.streams else {}
+            extra |= {"executor": pieces_on} if kind.split else {}
+            output = kind.build(**params, **options, out_dir=out_dir, **extra)
             tracked.log_stage_output(output.path, output.cached, kind.artifacts)
             if register:
                 tracked.log_encoder(output.path, register)

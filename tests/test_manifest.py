@@ -8,7 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from repsim.data.manifest import MANIFEST, MANIFEST_SCHEMA, ManifestWriter, manifest_labels, read_manifest, shard_sizes
+from repsim.data.manifest import (MANIFEST, MANIFEST_SCHEMA, ManifestWriter, manifest_labels, manifest_schema, read_manifest,
+                                  shard_sizes)
 from repsim.errors import DataError
 
 
@@ -21,9 +22,11 @@ def row(index: int, split: str, label: int | None) -> dict:
 @pytest.fixture
 def manifest(tmp_path):
     path = tmp_path / MANIFEST
+    rows = [row(index, split, label) for index, (split, label) in enumerate([("train", 0), ("train", None), ("test", 1)])]
     with ManifestWriter(path) as writer:
-        for index, (split, label) in enumerate([("train", 0), ("train", None), ("test", 1)]):
-            writer.add(row(index, split, label))
+        writer.add(pa.Table.from_pylist(rows[:2], schema=manifest_schema()))
+        writer.add(pa.Table.from_pylist(rows[2:], schema=manifest_schema()))
+    assert (writer.rows, dict(writer.splits)) == (3, {"train": 2, "test": 1})
     return path
 
 

@@ -275,7 +275,6 @@ def test_a_caption_only_manifest_shards_unlabelled_samples(make_image_folder, wr
 
 
 def test_sharding_memory_grows_by_columns_not_by_a_python_row_per_sample(write_spec, tmp_path, monkeypatch):
-    monkeypatch.setattr("repsim.data.manifest.MANIFEST_ROW_GROUP", 100)
     monkeypatch.setattr("repsim.data.sources.LISTING_BATCH", 100)
     peaks = {}
     for tars in (1, 2, 8):  # 250 samples to import what sharding imports, then 500 and 2,000

@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
 MANIFEST = "manifest.parquet"
-MANIFEST_ROW_GROUP = 8192  # manifest rows held as Python objects at a time
 MANIFEST_SCHEMA = {
     "index": "int64", "key": "string", "shard": "string", "split": "string", "label": "int64",
     "class_name": "string", "caption": "string", "sha256": "string", "width": "int32", "height": "int32",
@@ -30,38 +29,42 @@ FIX = "re-run the shard stage for its data spec, or point source.manifest at the
 
 
 class ManifestWriter:
-    """Writes manifest rows to ``manifest.parquet`` a row group of :data:`MANIFEST_ROW_GROUP` rows at a
-    time, so that memory holds one group however many samples there are; counts rows and splits."""
+    """Writes ``manifest.parquet`` a table of rows at a time (a row group each, e.g. one tar's rows), so that
+    memory holds one table however many samples there are; counts rows and splits."""
 
     def __init__(self, path: Path):
-        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        self.schema = pa.schema([(name, pa.type_for_alias(kind)) for name, kind in MANIFEST_SCHEMA.items()])
+        self.schema = manifest_schema()
         self.writer = pq.ParquetWriter(path, self.schema)
-        self.pending: list[dict[str, Any]] = []
         self.rows, self.splits = 0, Counter()
 
     def __enter__(self) -> ManifestWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._flush()
         self.writer.close()
 
-    def add(self, row: dict[str, Any]) -> None:
-        self.pending.append(row)
-        self.rows += 1
-        self.splits[row["split"]] += 1
-        if len(self.pending) == MANIFEST_ROW_GROUP:
-            self._flush()
+    def add(self, rows: pa.Table) -> None:
+        """Write ``rows`` (of :data:`MANIFEST_SCHEMA`) after the rows added before."""
+        self.writer.write_table(rows.cast(self.schema))
+        self.rows += len(rows)
+        self.splits.update(rows["split"].to_pylist())
 
-    def _flush(self) -> None:
-        import pyarrow as pa
 
-        if self.pending:
-            self.writer.write_table(pa.Table.from_pylist(self.pending, schema=self.schema))
-            self.pending = []
+def write_rows(rows: list[dict[str, Any]], path: Path) -> None:
+    """Manifest ``rows`` as a parquet file of :data:`MANIFEST_SCHEMA` (missing columns null), e.g. a piece's."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows, schema=manifest_schema()), path)
+
+
+def manifest_schema() -> pa.Schema:
+    """:data:`MANIFEST_SCHEMA` as a pyarrow schema."""
+    import pyarrow as pa
+
+    return pa.schema([(name, pa.type_for_alias(kind)) for name, kind in MANIFEST_SCHEMA.items()])
 
 
 def read_manifest(path: str | Path, columns: Sequence[str], filters: list[tuple[str, str, Any]] | None = None) -> pa.Table:

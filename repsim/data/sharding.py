@@ -12,7 +12,10 @@ read in place: the output holds their manifest and ``errors.json`` and a ``shard
 Samples are grouped by split, in source order permuted by ``shuffle_seed`` when set; keys are the
 zero-padded global index. Pillow decodes and re-encodes every image (validating it, dropping metadata,
 applying EXIF orientation): 1-channel images stay 8-bit "L", others become RGB; JPEG at ``jpeg_quality``.
-Tar members have fixed mtime, owner and mode, so the same spec gives byte-identical tars.
+Tar members have fixed mtime, owner and mode, so the same spec gives byte-identical tars. Each tar is
+written by a piece of its own (:mod:`repsim.pieces`), on any worker, and the pieces are merged in write order:
+the bytes do not depend on the number of workers. Under ``on_error: skip``, a tar after a skipped image is
+renumbered in the merge, so indexes stay dense; a tar whose images were all skipped is left out.
 """
 
 from __future__ import annotations
@@ -20,24 +23,32 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import shutil
+import tarfile
 import time
+from concurrent.futures import Executor
 from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import webdataset as wds
 from PIL import Image, ImageOps, UnidentifiedImageError
-from tqdm.auto import tqdm
 
 from repsim.data import remote
-from repsim.data.manifest import MANIFEST, ManifestWriter, shard_sizes
+from repsim.data.manifest import MANIFEST, ManifestWriter, shard_sizes, write_rows
 from repsim.data.remote import beside, is_url
-from repsim.data.sources import Entry, Reader, assign_splits, open_source, split_order
+from repsim.data.sources import Entry, Listing, Reader, assign_splits, open_source, split_order
 from repsim.data.spec import DataSpec, load_spec
 from repsim.errors import DataError, StageError
-from repsim.stage import Stage, StageKind, completed_output, run_stage
+from repsim.pieces import Piece, link_or_copy, run_pieces
+from repsim.stage import Stage, StageKind, completed_output, repsim_home, run_stage
 
-SHARD_VERSION = "2"
+SHARD_VERSION = "3"
 INDEX = "shards.json"
 ERRORS = "errors.json"
 PIL_FORMATS = {"png": "PNG", "jpg": "JPEG"}
@@ -87,15 +98,23 @@ def sharded_already(spec: DataSpec, shards: ShardResult | str | Path | None = No
     return ShardResult.of(shards if shards is not None else shard_stage(spec).default_dir())
 
 
-def shard(spec: DataSpec | str | Path, out_dir: str | Path | None = None, progress: bool = True) -> ShardResult:
+def shard(spec: DataSpec | str | Path, out_dir: str | Path | None = None, progress: bool = True,
+          executor: Executor | None = None) -> ShardResult:
     """Write ``spec``'s samples as WebDataset shards (keyed by the spec and a fingerprint of the source
-    files), or return the cached output at once. DataError for an unreadable source, and under ``on_error:
-    fail`` for the first unreadable image, repeated manifest row or damaged source tar (``skip``: counted)."""
+    files), or return the cached output at once. Each tar is a piece run on ``executor`` (default: here), kept
+    in ``$REPSIM_HOME/scratch/shard/<key>/`` until the output is complete, so a stopped stage resumes with the
+    tars left. DataError for an unreadable source, and under ``on_error: fail`` for the first unreadable image,
+    repeated manifest row or damaged source tar (``skip``: counted)."""
     spec = spec if isinstance(spec, DataSpec) else load_spec(spec)
     reader = open_source(spec)
-    build = _in_place if getattr(spec.source, "manifest", None) else _build
-    output = run_stage(shard_stage(spec, reader), lambda tmp: build(spec, reader, tmp, progress), out_dir,
-                       file_details=_tar_samples)
+    stage = shard_stage(spec, reader)
+    scratch = repsim_home() / "scratch" / "shard" / stage.key
+    if getattr(spec.source, "manifest", None):
+        output = run_stage(stage, lambda tmp: _in_place(spec, reader, tmp), out_dir, file_details=_tar_samples)
+    else:
+        output = run_stage(stage, lambda tmp: _build(spec, reader, tmp, progress, executor, scratch), out_dir,
+                           file_details=_tar_samples)
+        shutil.rmtree(scratch, ignore_errors=True)
     return ShardResult.from_dir(output.path, cached=output.cached)
 
 
@@ -106,41 +125,92 @@ def shard_stage(spec: DataSpec, reader: Reader | None = None) -> Stage:
 
 
 # ---------------------------------------------------------------------------------------------
-# Building
+# Building: one piece per output tar (:mod:`repsim.pieces`), merged in write order
 
-def _build(spec: DataSpec, reader: Reader, out: Path, progress: bool) -> dict[str, float]:
+ROWS = "rows.parquet"  # a piece's manifest rows
+PIECE_TAR = "samples.tar"
+TAR_OPTIONS = {"encoder": False, "mtime": 0, "user": "repsim", "group": "repsim"}  # identical samples, identical bytes
+
+
+@dataclass(frozen=True)
+class TarPiece:
+    """The samples of one output tar: ``listing``'s entries at ``rows``, of ``split``, in write order, the first
+    numbered ``first_index`` (its position in the write order: the final index unless images before it were
+    skipped). Pickled for a worker, it carries only its own entries."""
+
+    spec: DataSpec
+    split: str
+    listing: Listing
+    rows: np.ndarray
+    first_index: int
+    key_width: int
+
+    def entries(self) -> Iterator[Entry]:
+        return (self.listing[int(row)] for row in self.rows)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "listing": self.listing.take(self.rows), "rows": np.arange(len(self.rows))}
+
+
+def _build(spec: DataSpec, reader: Reader, out: Path, progress: bool, executor: Executor | None,
+           scratch: Path) -> dict[str, float]:
     started = time.time()
     entries = reader.entries()
     if not entries:
         raise DataError(f"the source of {spec.name!r} holds no samples", "check the source path and contents")
-    key_width = max(6, len(str(len(entries) - 1)))
-    tar_paths: dict[str, list[str]] = {}
-    with ManifestWriter(out / MANIFEST) as manifest, \
-            tqdm(total=len(entries), desc=f"shard {spec.name}", unit="img", disable=not progress) as bar:
-        for split, members in _write_order(assign_splits(entries, spec), spec):
-            # tar members carry mtime 0, owner repsim and mode 0444, so identical samples give identical bytes
-            with wds.ShardWriter(str(out / f"{split}-%05d.tar"), maxcount=spec.shard_size, verbose=0, encoder=False,
-                                 post=tar_paths.setdefault(split, []).append, mtime=0, user="repsim",
-                                 group="repsim") as tars:
-                for position in members:
-                    bar.update()
-                    entry = entries[position]
-                    encoded = _encode_or_report(reader, entry, spec)
-                    if encoded is not None:
-                        _write_sample(tars, manifest, entry, split, encoded, spec, key_width)
-    errors = reader.skipped
+    pieces = _tar_pieces(spec, entries)
+    results = run_pieces(write_tar_piece, pieces, scratch, executor, desc=f"shard {spec.name}", progress=progress)
+    errors = reader.skipped + [error for result in results for error in result.summary["errors"]]
+    tar_names: dict[str, list[str]] = {split: [] for split, _ in dict.fromkeys((p.argument.split, 0) for p in pieces)}
+    with ManifestWriter(out / MANIFEST) as manifest:
+        for piece, result in zip(pieces, results):
+            if result.summary["samples"]:
+                tars = tar_names[piece.argument.split]
+                tars.append(f"{piece.argument.split}-{len(tars):05d}.tar")
+                manifest.add(_place_tar(piece.argument, result.path, out / tars[-1], manifest.rows))
     if not manifest.rows:
         raise DataError(f"none of the {len(entries)} images of {spec.name!r} is readable",
                         f"see the first failure: {errors[0]['source_id']}: {errors[0]['reason']}")
     index = {"name": spec.name, "image_format": spec.image_format, "num_samples": manifest.rows, "errors": len(errors),
-             "splits": {split: {"samples": manifest.splits.get(split, 0), "shards": [Path(path).name for path in paths]}
-                        for split, paths in tar_paths.items()}}
+             "splits": {split: {"samples": manifest.splits.get(split, 0), "shards": names}
+                        for split, names in tar_names.items() if names}}
     (out / INDEX).write_text(json.dumps(index, indent=2))
     (out / ERRORS).write_text(json.dumps(errors, indent=2))
-    return _metrics(manifest.splits, len(errors), started, bytes=sum(path.stat().st_size for path in out.glob("*.tar")))
+    return _metrics(manifest.splits, len(errors), started, bytes=sum(path.stat().st_size for path in out.glob("*.tar")),
+                    pieces=len(pieces), pieces_kept=sum(result.kept for result in results))
 
 
-def _in_place(spec: DataSpec, reader: Reader, out: Path, progress: bool) -> dict[str, float]:
+def _tar_pieces(spec: DataSpec, entries: Listing) -> list[Piece]:
+    """One piece per output tar: each split's write order cut every ``shard_size`` entries."""
+    key_width = max(6, len(str(len(entries) - 1)))
+    pieces, position = [], 0
+    for split, members in _write_order(assign_splits(entries, spec), spec):
+        for number, start in enumerate(range(0, len(members), spec.shard_size)):
+            rows = members[start:start + spec.shard_size]
+            pieces.append(Piece(f"{split}-{number:05d}", TarPiece(spec, split, entries, rows, position, key_width)))
+            position += len(rows)
+    return pieces
+
+
+def write_tar_piece(piece: TarPiece, folder: Path) -> dict[str, Any]:
+    """Write ``piece``'s readable samples into ``folder`` (``samples.tar`` and their manifest rows, ``rows.parquet``);
+    ``{"samples": count, "errors": [what on_error: skip left out]}``. Runs on a worker."""
+    reader = open_source(piece.spec)
+    rows = []
+    with wds.TarWriter(str(folder / PIECE_TAR), **TAR_OPTIONS) as tar:
+        for entry in piece.entries():
+            encoded = _encode_or_report(reader, entry, piece.spec)
+            if encoded is not None:
+                members, row = _sample(entry, piece, piece.first_index + len(rows), encoded)
+                tar.write(members)
+                rows.append(row)
+    if not rows:
+        (folder / PIECE_TAR).unlink()
+    write_rows(rows, folder / ROWS)
+    return {"samples": len(rows), "errors": reader.skipped}
+
+
+def _in_place(spec: DataSpec, reader: Reader, out: Path) -> dict[str, float]:
     """The output of shards read in place: their manifest and errors.json fetched, and a shards.json
     that lists the tars of ``source.urls`` by URL under the split their name starts with."""
     started, manifest = time.time(), spec.source.manifest
@@ -205,21 +275,58 @@ def decode_pixels(image: bytes | np.ndarray) -> np.ndarray:
         return np.asarray(upright.convert("L" if upright.mode in GRAYSCALE_MODES else "RGB"))
 
 
-def _write_sample(tars: wds.ShardWriter, manifest: ManifestWriter, entry: Entry, split: str,
-                  encoded: tuple[bytes, int, int], spec: DataSpec, key_width: int) -> None:
+def _sample(entry: Entry, piece: TarPiece, index: int, encoded: tuple[bytes, int, int]) -> tuple[dict, dict]:
+    """(tar members, manifest row without its ``shard``) of ``entry`` as sample ``index``."""
     image, width, height = encoded
-    index = manifest.rows
-    key = f"{index:0{key_width}d}"
+    spec = piece.spec
+    key = f"{index:0{piece.key_width}d}"
     class_name = spec.class_names[entry.label] if entry.label is not None else None
     caption = entry.caption or (spec.caption_for(entry.label, index) if entry.label is not None else "")
-    metadata = {"index": index, "key": key, "split": split, "label": entry.label,
+    metadata = {"index": index, "key": key, "split": piece.split, "label": entry.label,
                 "class_name": class_name, "source_id": entry.source_id}
-    members = {spec.image_format: image, "txt": caption.encode(), "json": json.dumps(metadata).encode()}
+    members = {"__key__": key, spec.image_format: image, "txt": caption.encode(), "json": json.dumps(metadata).encode()}
     if entry.label is not None:
         members["cls"] = str(entry.label).encode()
-    tars.write({"__key__": key, **members})
-    manifest.add({**metadata, "shard": Path(tars.fname).name, "caption": caption,
-                  "sha256": hashlib.sha256(image).hexdigest(), "width": width, "height": height})
+    return members, {**metadata, "caption": caption, "sha256": hashlib.sha256(image).hexdigest(),
+                     "width": width, "height": height}
+
+
+def _place_tar(piece: TarPiece, folder: Path, tar: Path, first_index: int) -> pa.Table:
+    """Put the piece's tar at ``tar`` (linked; renumbered from ``first_index`` when images before it were
+    skipped); its manifest rows, numbered and naming the tar."""
+    rows = pq.read_table(folder / ROWS)
+    shift = first_index - piece.first_index
+    if shift:
+        _renumber(folder / PIECE_TAR, tar, shift, piece.key_width)
+        indices = pc.add(rows["index"], shift)
+        rows = rows.set_column(rows.schema.get_field_index("index"), "index", indices)
+        keys = pa.array([f"{index:0{piece.key_width}d}" for index in indices.to_pylist()], pa.string())
+        rows = rows.set_column(rows.schema.get_field_index("key"), "key", keys)
+    else:
+        link_or_copy(folder / PIECE_TAR, tar)
+    return rows.set_column(rows.schema.get_field_index("shard"), "shard", pa.array([tar.name] * len(rows), pa.string()))
+
+
+def _renumber(source: Path, tar: Path, shift: int, key_width: int) -> None:
+    """Copy the tar ``source`` to ``tar`` with every sample's index (key and ``.json``) moved by ``shift``."""
+    with tarfile.open(source) as archive, wds.TarWriter(str(tar), **TAR_OPTIONS) as writer:
+        sample: dict[str, Any] = {}
+        for member in archive:
+            key, ext = member.name.split(".", 1)
+            if sample and sample["__key__"] != key:
+                writer.write(_renumbered(sample, shift, key_width))
+                sample = {}
+            sample["__key__"] = key
+            sample[ext] = archive.extractfile(member).read()
+        if sample:
+            writer.write(_renumbered(sample, shift, key_width))
+
+
+def _renumbered(sample: dict[str, Any], shift: int, key_width: int) -> dict[str, Any]:
+    metadata = json.loads(sample["json"])
+    metadata["index"] += shift
+    metadata["key"] = f"{metadata['index']:0{key_width}d}"
+    return {**sample, "__key__": metadata["key"], "json": json.dumps(metadata).encode()}
 
 
 def _tar_samples(out: Path) -> dict[str, dict[str, int]]:
@@ -234,4 +341,4 @@ def _metrics(splits: dict[str, int], errors: int, started: float, **extra: int) 
             "seconds": round(time.time() - started, 3)}
 
 
-SHARD = StageKind("shard", shard_stage, shard, (MANIFEST,))
+SHARD = StageKind("shard", shard_stage, shard, (MANIFEST,), split=True)

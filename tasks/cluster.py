@@ -1,0 +1,81 @@
+"""The Dask cluster a run's split stages spread their pieces over (:mod:`repsim.pieces`).
+
+A run names it with ``--cluster``, the experiment's ``cluster:`` or ``DASK_SCHEDULER_ADDRESS``:
+``tcp://host:8786`` connects to a running scheduler (``dask scheduler``, dask-jobqueue, dask-kubernetes),
+``local:N`` starts a LocalCluster of N worker processes on this machine for the run. Without one, every piece
+runs in its stage's process. Workers must see ``$REPSIM_HOME`` at the same path (one machine, or a shared file
+system), since pieces write there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Executor
+
+from repsim.errors import SpecError, StageError, first_line
+from repsim.experiment import CLUSTER_PATTERN
+
+ADDRESS_ENV = "DASK_SCHEDULER_ADDRESS"
+LOCAL = re.compile(r"^local:([1-9][0-9]*)$")
+CONNECT_TIMEOUT_S = 30  # a scheduler that does not answer within it is reported unreachable
+FIX = "give --cluster tcp://HOST:PORT (a running dask scheduler) or local:N (N worker processes here)"
+
+
+def requested_cluster(cluster: str | None) -> str | None:
+    """The cluster a run asked for: ``cluster`` (the option or the experiment's key, validated), else
+    ``$DASK_SCHEDULER_ADDRESS`` (SpecError when it is neither a scheduler address nor ``local:N``), else None."""
+    if cluster is not None:
+        return cluster
+    cluster = os.environ.get(ADDRESS_ENV) or None
+    if cluster is not None and not re.match(CLUSTER_PATTERN, cluster):
+        raise SpecError(f"{ADDRESS_ENV}={cluster} is neither a Dask scheduler address nor local:N", FIX)
+    return cluster
+
+
+@contextlib.contextmanager
+def _quiet(level: int) -> Iterator[None]:
+    """Dask's own log records below ``level`` dropped for the block: repsim says in one line what went wrong."""
+    dask_log = logging.getLogger("distributed")
+    previous = dask_log.level
+    dask_log.setLevel(level)
+    try:
+        yield
+    finally:
+        dask_log.setLevel(previous)
+
+
+@contextlib.contextmanager
+def cluster_running(cluster: str | None) -> Iterator[str | None]:
+    """The scheduler address of ``cluster`` (:func:`requested_cluster`) for the block; for ``local:N``, a
+    LocalCluster of N single-threaded worker processes started for it and stopped after."""
+    local = LOCAL.match(cluster or "")
+    if local is None:
+        yield cluster
+        return
+    from distributed import LocalCluster
+
+    with _quiet(logging.WARNING), LocalCluster(n_workers=int(local.group(1)), threads_per_worker=1, processes=True,
+                                               dashboard_address=None, silence_logs=logging.WARNING) as started:
+        yield started.scheduler_address
+
+
+@contextlib.contextmanager
+def executor(address: str | None, resources: Mapping[str, float] | None = None) -> Iterator[Executor | None]:
+    """An executor over the workers of the scheduler at ``address`` that have ``resources`` (e.g. ``{"GPU": 1}``),
+    for the block; None without an address. StageError, in one line, when the scheduler cannot be reached."""
+    if address is None:
+        yield None
+        return
+    from distributed import Client
+
+    try:
+        client = Client(address, timeout=CONNECT_TIMEOUT_S, set_as_default=False)
+    except (OSError, TimeoutError) as err:
+        raise StageError(f"cannot reach the Dask scheduler at {address} ({first_line(err)})",
+                         f"start it (dask scheduler), or {FIX}, or leave the cluster out to run here") from None
+    with _quiet(logging.CRITICAL), client:  # a lost scheduler: Dask's reconnection tracebacks, then a StageError
+        yield client.get_executor(resources=dict(resources) if resources else None)

@@ -1,0 +1,197 @@
+"""Split stages on a real Dask cluster started here: a ``dask scheduler`` and ``dask worker`` processes on
+127.0.0.1. The shard stage's bytes and key equal one process's for one worker and for three, survive a worker
+killed mid-piece, and a lost scheduler ends the command in one line (exit 2) keeping the pieces done, which a
+rerun reuses."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from PIL import Image
+
+from e2e import REPSIM, isolated_env
+from repsim.data import load_spec
+from repsim.data.sharding import shard_stage
+from repsim.errors import SpecError
+from repsim.pieces import PIECE_FILE
+from repsim.tasks.cluster import requested_cluster
+from test_pieces import output_bytes
+
+DASK = str(Path(sys.executable).parent / "dask")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Cluster:
+    """A scheduler and its workers, each a process group this test starts and stops."""
+
+    def __init__(self, tmp_path: Path):
+        self.address = f"tcp://127.0.0.1:{free_port()}"
+        self.logs = tmp_path / "dask-logs"
+        self.logs.mkdir(exist_ok=True)
+        self.processes: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, *args: str) -> None:
+        with open(self.logs / f"{name}.log", "ab") as log:
+            self.processes[name] = subprocess.Popen([DASK, *args], stdout=log, stderr=subprocess.STDOUT,
+                                                    start_new_session=True)
+
+    def scheduler(self) -> None:
+        self.start("scheduler", "scheduler", "--host", "127.0.0.1", "--port", self.address.rsplit(":", 1)[1],
+                   "--no-dashboard")
+
+    def worker(self, name: str, processes: int = 1) -> None:
+        self.start(name, "worker", self.address, "--nworkers", str(processes), "--nthreads", "1", "--no-dashboard",
+                   "--host", "127.0.0.1")
+
+    def wait_for_workers(self, count: int) -> None:
+        from distributed import Client
+
+        with Client(self.address, timeout=60) as client:
+            client.wait_for_workers(count, timeout=120)
+
+    def kill(self, name: str) -> None:
+        process = self.processes.pop(name)
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+    def stop(self) -> None:
+        for name in list(self.processes):
+            self.kill(name)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    started = Cluster(tmp_path)
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+@pytest.fixture(scope="module")
+def noisy_spec(tmp_path_factory) -> Path:
+    """160 noise images of 96 × 96 in 16 tars of 10 (pieces of a fraction of a second each)."""
+    tmp_path = tmp_path_factory.mktemp("noise")
+    root = tmp_path / "noise"
+    for name in ("cat", "dog"):
+        (root / name).mkdir(parents=True)
+        for i in range(80):
+            pixels = np.random.default_rng([i, name == "dog"]).integers(0, 256, (96, 96, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(root / name / f"{name}-{i:03d}.png")
+    spec = tmp_path / "noise.yaml"
+    spec.write_text(yaml.safe_dump({"name": "noise", "source": {"type": "image_folder", "root": str(root)},
+                                    "classes": {"cat": "cat.n.01", "dog": "dog.n.01"}, "shard_size": 10,
+                                    "split": {"type": "random", "fractions": {"train": 0.75, "test": 0.25}}}))
+    return spec
+
+
+@pytest.fixture(scope="module")
+def alone(noisy_spec, tmp_path_factory) -> Path:
+    """The shard output of ``noisy_spec`` from one process, no cluster."""
+    return shard_with(tmp_path_factory.mktemp("alone"), noisy_spec)
+
+
+def shard_output(home: Path, spec: Path) -> Path:
+    return home / "artifacts" / "shard" / shard_stage(load_spec(spec)).key
+
+
+def shard_with(home: Path, spec: Path, *cluster: str) -> Path:
+    done = subprocess.run([REPSIM, "shard", str(spec), *cluster], capture_output=True, text=True,
+                          env=isolated_env(home), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return shard_output(home, spec)
+
+
+def started_shard(home: Path, spec: Path, cluster: str) -> subprocess.Popen:
+    return subprocess.Popen([REPSIM, "shard", str(spec), "--cluster", cluster], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=isolated_env(home), start_new_session=True)
+
+
+def pieces_done(home: Path, spec: Path) -> int:
+    return len(list((home / "scratch" / "shard" / shard_stage(load_spec(spec)).key).glob(f"*/{PIECE_FILE}")))
+
+
+def wait_for_pieces(home: Path, spec: Path, count: int, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 300
+    while pieces_done(home, spec) < count:
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no pieces were done in 5 minutes"
+        time.sleep(0.05)
+
+
+def test_a_cluster_is_an_address_or_local_workers_and_anything_else_is_refused(monkeypatch):
+    monkeypatch.setenv("DASK_SCHEDULER_ADDRESS", "tcp://10.0.0.1:8786")
+    assert requested_cluster(None) == "tcp://10.0.0.1:8786" and requested_cluster("local:2") == "local:2"
+    monkeypatch.setenv("DASK_SCHEDULER_ADDRESS", "10.0.0.1")
+    with pytest.raises(SpecError, match="DASK_SCHEDULER_ADDRESS=10.0.0.1 is neither a Dask scheduler address nor local:N"):
+        requested_cluster(None)
+
+
+@pytest.mark.slow
+def test_one_worker_and_three_write_the_bytes_of_one_process_under_one_key(cluster, noisy_spec, alone, tmp_path):
+    one = shard_with(tmp_path / "one", noisy_spec, "--cluster", "local:1")
+    cluster.scheduler()
+    cluster.worker("pair", processes=2)
+    cluster.worker("third")
+    cluster.wait_for_workers(3)
+    three = shard_with(tmp_path / "three", noisy_spec, "--cluster", cluster.address)
+    assert alone.name == one.name == three.name
+    assert output_bytes(one) == output_bytes(alone) == output_bytes(three)
+    assert len([name for name in output_bytes(alone) if name.endswith(".tar")]) == 16
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_piece_has_its_piece_rerun_elsewhere_with_the_same_bytes(cluster, noisy_spec, alone, tmp_path):
+    cluster.scheduler()
+    cluster.worker("doomed")
+    cluster.worker("survivor")
+    cluster.wait_for_workers(2)
+    home = tmp_path / "spread"
+    run = started_shard(home, noisy_spec, cluster.address)
+    try:
+        wait_for_pieces(home, noisy_spec, 2, run)  # each worker holds one of the 14 pieces left
+        cluster.kill("doomed")
+        _, stderr = run.communicate(timeout=600)
+    finally:
+        run.kill()
+    assert run.returncode == 0, stderr[-3000:]
+    assert output_bytes(shard_output(home, noisy_spec)) == output_bytes(alone)
+
+
+@pytest.mark.slow
+def test_a_lost_scheduler_is_one_line_and_exit_2_and_a_rerun_finishes_with_the_pieces_kept(cluster, noisy_spec,
+                                                                                             alone, tmp_path):
+    cluster.scheduler()
+    cluster.worker("worker")
+    cluster.wait_for_workers(1)
+    home = tmp_path / "spread"
+    run = started_shard(home, noisy_spec, cluster.address)
+    try:
+        wait_for_pieces(home, noisy_spec, 2, run)
+        cluster.kill("scheduler")
+        _, stderr = run.communicate(timeout=300)
+    finally:
+        run.kill()
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert run.returncode == 2 and len(errors) == 1, stderr[-3000:]
+    assert "the executor lost its pieces" in errors[0] and "Traceback" not in stderr
+    kept = pieces_done(home, noisy_spec)
+    assert 2 <= kept < 16
+    rerun = shard_with(home, noisy_spec)
+    assert output_bytes(rerun) == output_bytes(alone)
+    assert json.loads((rerun / "stage.json").read_text())["metrics"]["pieces_kept"] == kept
