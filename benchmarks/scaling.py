@@ -33,6 +33,13 @@ its outputs take.
     python benchmarks/scaling.py --max-n 100000        # 10k and 100k: minutes, a quick check
     python benchmarks/scaling.py --stages shard,evaluate --sizes 10000,50000
 
+With ``--workers 1,2`` it times instead the stages that split into pieces (``shard``) at each N on 1 and 2
+Dask workers (a LocalCluster of single-threaded processes started before the clock starts) beside the same
+stage in one process, and the scheduling overhead per piece (a piece that does nothing, 200 times), into
+``benchmarks/results/scaling_workers.md``:
+
+    python benchmarks/scaling.py --workers 1,2 --sizes 100000
+
 Flags: ``--sizes`` (comma-separated N), ``--max-n`` (drop larger sizes), ``--stages`` (a subset, in
 pipeline order; a stage's inputs are built first if missing), ``--caption-cap``, ``--train-steps``,
 ``--data-dir`` (generated data and a ``REPSIM_HOME`` per size; default ``.repsim/scaling``: about 7 GB
@@ -45,6 +52,7 @@ grows with the pixels.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -64,6 +72,8 @@ from neighbors import clustered_points
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("shard", "captions", "neighbors", "train", "features", "evaluate", "align")
+SPLIT_STAGES = ("shard",)  # the stages whose build takes an executor for its pieces
+OVERHEAD_PIECES = 200
 SIZES = (10_000, 100_000, 1_000_000)
 CLASSES = 100
 IMAGE_SIDE = 16
@@ -173,12 +183,46 @@ def folder_bytes(paths: list[Path]) -> int:
     return sum(file.stat().st_size for path in paths for file in path.rglob("*") if file.is_file())
 
 
-def run_child(stage: str, folder: Path, train_steps: int, result: Path) -> None:
-    """Run ``stage`` on the data in ``folder`` (its inputs first, cached) and write its figures to ``result``."""
+def run_child(stage: str, folder: Path, train_steps: int, result: Path, workers: int = 0) -> None:
+    """Run ``stage`` on the data in ``folder`` (its inputs first, cached) and write its figures to ``result``;
+    with ``workers``, its pieces on a LocalCluster of that many worker processes."""
+    with contextlib.ExitStack() as cluster:
+        executor = cluster.enter_context(local_executor(workers)) if workers else None
+        _measure_child(stage, folder, train_steps, result, executor)
+
+
+@contextlib.contextmanager
+def local_executor(workers: int):
+    """A Dask LocalCluster's executor over ``workers`` single-threaded processes, its workers up."""
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=workers, threads_per_worker=1, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        client.wait_for_workers(workers)
+        yield client.get_executor()
+
+
+def nothing(argument: int, folder: Path) -> int:
+    return argument
+
+
+def piece_overhead(executor) -> float:
+    """Seconds a piece that does nothing takes through ``executor``, on average over OVERHEAD_PIECES pieces."""
+    import tempfile
+
+    from repsim.pieces import Piece, run_pieces
+
+    with tempfile.TemporaryDirectory() as folder:
+        began = time.perf_counter()
+        run_pieces(nothing, [Piece(str(i), i) for i in range(OVERHEAD_PIECES)], Path(folder), executor, progress=False)
+        return (time.perf_counter() - began) / OVERHEAD_PIECES
+
+
+def _measure_child(stage: str, folder: Path, train_steps: int, result: Path, executor) -> None:
     started = time.perf_counter()
     from repsim.stage import artifacts_root, read_record, rebuilding
 
-    inputs, measured = stage_calls(stage, folder, train_steps)
+    inputs, measured = stage_calls(stage, folder, train_steps, executor)
     upstream = inputs()
     stop, peak = peak_anonymous_memory()
     with rebuilding([stage, *(["embedding_tables"] if stage == "align" else [])]):
@@ -190,9 +234,11 @@ def run_child(stage: str, folder: Path, train_steps: int, result: Path) -> None:
     records = [read_record(folder) for folder in folders]
     if stage == "align":  # the embedding tables it built are its outputs too
         folders += [artifacts_root() / "embedding_tables" / key for key in outputs[0].record["inputs"].values()]
+    overhead = piece_overhead(executor) if stage in SPLIT_STAGES else None
     result.write_text(json.dumps({"seconds": seconds, "startup": began - started, "anonymous": peak[0],
                                   "rss": status_bytes("VmHWM"), "bytes": folder_bytes(folders),
-                                  "detail": detail(stage, records), "metrics": records[0]["metrics"]}))
+                                  "detail": detail(stage, records), "metrics": records[0]["metrics"],
+                                  "piece_overhead": overhead}))
 
 
 def detail(stage: str, records: list[dict]) -> str:
@@ -213,8 +259,8 @@ def detail(stage: str, records: list[dict]) -> str:
     return ""
 
 
-def stage_calls(stage: str, folder: Path, train_steps: int):
-    """(build the stage's inputs, run the stage on them -> its outputs) for ``stage``."""
+def stage_calls(stage: str, folder: Path, train_steps: int, executor=None):
+    """(build the stage's inputs, run the stage on them -> its outputs) for ``stage`` (its pieces on ``executor``)."""
     from repsim.align.config import load_align_config
     from repsim.align.alignment import align
     from repsim.data import load_spec, shard
@@ -229,8 +275,8 @@ def stage_calls(stage: str, folder: Path, train_steps: int):
                                     f"optim.max_steps={train_steps}", "monitor.knn=false",
                                     "model.projection_hidden_dim=512"])
 
-    def shards():
-        return shard(load_spec(spec), progress=False)
+    def shards(pieces_on=None):
+        return shard(load_spec(spec), progress=False, executor=pieces_on)
 
     def encoder():
         return train(config, shards=shards(), progress=False).path
@@ -243,7 +289,7 @@ def stage_calls(stage: str, folder: Path, train_steps: int):
                                           "text.source=manifest", "optim.epochs=5", "neighbors.count=50"])
 
     calls = {
-        "shard": (lambda: None, lambda _: [shards()]),
+        "shard": (lambda: None, lambda _: [shards(executor)]),
         "captions": (shards, lambda built: [embed_captions_stage(built, progress=False)]),
         "neighbors": (lambda: folder / "points.npy",
                       lambda points: [neighbors_stage(points, NEIGHBORS_K, index="auto", progress=False)]),
@@ -258,9 +304,9 @@ def stage_calls(stage: str, folder: Path, train_steps: int):
 # ---------------------------------------------------------------------------------------------
 # The parent: every stage at every size, then the report
 
-def measure(stage: str, folder: Path, count: int, args: argparse.Namespace) -> dict:
+def measure(stage: str, folder: Path, count: int, args: argparse.Namespace, workers: int = 0) -> dict:
     result = folder / f"{stage}.json"
-    command = [sys.executable, __file__, "--child", stage, "--folder", str(folder),
+    command = [sys.executable, __file__, "--child", stage, "--folder", str(folder), "--workers", str(workers),
                "--train-steps", str(args.train_steps), "--result", str(result)]
     env = {**os.environ, "REPSIM_HOME": str(folder / "home"), "PYTHONPATH": str(Path(__file__).parent)}
     started = time.perf_counter()
@@ -268,8 +314,8 @@ def measure(stage: str, folder: Path, count: int, args: argparse.Namespace) -> d
     wall = time.perf_counter() - started
     if status != 0:
         raise SystemExit(f"stage {stage} at N = {count:,} failed (status {status}); rerun: {shlex.join(command)}")
-    row = {"stage": stage, "n": count, "wall": wall, **json.loads(result.read_text())}
-    print(f"{stage:>9} N={count:>9,}: {row['seconds']:8.1f} s (+{row['startup']:.1f} s start-up), "
+    row = {"stage": stage, "n": count, "workers": workers, "wall": wall, **json.loads(result.read_text())}
+    print(f"{stage:>9} N={count:>9,} workers={workers}: {row['seconds']:8.1f} s (+{row['startup']:.1f} s start-up), "
           f"RSS {row['rss'] / 2**20:,.0f} MiB, anonymous {row['anonymous'] / 2**20:,.0f} MiB, "
           f"{row['bytes'] / 2**20:,.1f} MiB written", flush=True)
     return row
@@ -384,6 +430,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--report", type=Path, default=ROOT / "benchmarks" / "results" / "scaling.md")
     parser.add_argument("--render", action="store_true",
                         help="render the report again from the figures of the last run (its .json), measuring nothing")
+    parser.add_argument("--workers", help="comma-separated Dask worker counts: time the split stages on each, "
+                        "beside one process")
     parser.add_argument("--child", choices=STAGES, help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -391,13 +439,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.argv = argv
     args.sizes = [n for n in map(int, args.sizes.split(",")) if args.max_n is None or n <= args.max_n]
     args.stages = [stage for stage in STAGES if stage in args.stages.split(",")]
+    if args.workers and not args.child:
+        args.workers = [int(count) for count in args.workers.split(",")]
+        args.stages = [stage for stage in args.stages if stage in SPLIT_STAGES]
+        args.report = args.report.with_name(f"{args.report.stem}_workers.md")
+    elif args.child:
+        args.workers = int(args.workers or 0)
     return args
 
 
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
     if args.child:
-        run_child(args.child, args.folder, args.train_steps, args.result)
+        run_child(args.child, args.folder, args.train_steps, args.result, args.workers)
+        return
+    if args.workers:
+        workers_main(args)
         return
     figures = args.report.with_suffix(".json")
     if args.render:
@@ -417,6 +474,32 @@ def main(argv: list[str]) -> None:
     plot(rows, args.stages, args.report.with_suffix(".png"))
     write_report(args.report, text)
     print(text)
+
+
+def workers_main(args: argparse.Namespace) -> None:
+    """Each split stage at each N in one process and on each worker count, side by side in one run."""
+    started, rows = time.perf_counter(), []
+    for count in args.sizes:
+        folder = dataset(args.data_dir, count, args.caption_cap)
+        rows += [measure(stage, folder, count, args, workers) for stage in args.stages for workers in [0, *args.workers]]
+    minutes = (time.perf_counter() - started) / 60
+    args.report.with_suffix(".json").write_text(json.dumps({"argv": args.argv, "minutes": minutes, "rows": rows},
+                                                            indent=1))
+    table = []
+    for row in rows:
+        alone = next(other for other in rows if (other["stage"], other["n"], other["workers"]) == (row["stage"], row["n"], 0))
+        one = next((other for other in rows if (other["stage"], other["n"], other["workers"]) == (row["stage"], row["n"], 1)),
+                   alone)
+        table.append([row["stage"], f"{row['n']:,}", str(row["workers"] or "none (one process)"), f"{row['seconds']:.1f}",
+                      f"{alone['seconds'] / row['seconds']:.2f}", f"{one['seconds'] / row['seconds']:.2f}",
+                      f"{1e3 * row['piece_overhead']:.2f}", str(row["metrics"]["pieces"])])
+    text = [f"# Split stages on Dask workers\n\nCommand: `{shlex.join(['python', 'benchmarks/scaling.py', *args.argv])}`",
+            f"\n{os.cpu_count()} CPU cores, {platform.machine()}, Python {platform.python_version()}; workers are "
+            f"single-threaded processes of a LocalCluster started before the clock. Total wall time {minutes:.1f} min.\n",
+            markdown(["stage", "N", "workers", "stage s", "speed-up over one process", "speed-up over 1 worker",
+                      "ms a piece that does nothing", "pieces"], table)]
+    write_report(args.report, "\n".join(text) + "\n")
+    print("\n".join(text))
 
 
 if __name__ == "__main__":

@@ -116,6 +116,9 @@ class TorchrunLaunch(Strict):
     nnodes: int = Field(1, ge=1)
     rdzv_endpoint: str | None = Field(None, description="host:port of the c10d rendezvous (nnodes > 1)")
     rdzv_id: str = "repsim"
+    max_restarts: int = Field(0, ge=0, description="times each node's torchrun agent restarts its workers after a "
+                              "failure (theirs, or another node's: all meet again at the rendezvous and resume from "
+                              "the checkpoint)")
 
     @model_validator(mode="after")
     def _rendezvous_for_several_nodes(self) -> TorchrunLaunch:
@@ -127,6 +130,13 @@ class TorchrunLaunch(Strict):
     def distributed(self) -> bool:
         return self.nproc_per_node > 1 or self.nnodes > 1
 
+    @property
+    def environment(self) -> dict[str, str]:
+        """The variables :meth:`command` needs on every node. With several nodes, each round of the rendezvous
+        names the ranks' store anew: torch (2.5 on) otherwise names it in the first round only, and a node that
+        joins later (started again after it was lost) waits for it until it times out."""
+        return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if self.nnodes > 1 else {}
+
     def command(self, config: str | Path, overrides: Sequence[str]) -> list[str]:
         """The torchrun command that trains ``config`` with ``overrides`` directly on every rank."""
         if self.nnodes == 1:
@@ -136,5 +146,5 @@ class TorchrunLaunch(Strict):
                           f"--rdzv_endpoint={self.rdzv_endpoint}", f"--rdzv_id={self.rdzv_id}"]
         sets = [arg for override in overrides for arg in ("--set", override)]
         return [sys.executable, "-m", "torch.distributed.run", *rendezvous,
-                f"--nproc_per_node={self.nproc_per_node}",
+                f"--nproc_per_node={self.nproc_per_node}", f"--max_restarts={self.max_restarts}",
                 "-m", "repsim.cli", "train", str(config), *sets, "--direct"]

@@ -86,7 +86,8 @@ class StageKind:
     ``build(**params, **options, out_dir=...) -> StageOutput`` builds it or finds it complete (``options``,
     e.g. a device, do not change the output). ``artifacts``: glob patterns of the files logged with it;
     ``streams``: ``build`` also takes ``log(metrics, step)`` to stream its curves; ``split``: ``build`` also
-    takes ``executor``, a :class:`concurrent.futures.Executor` to run its pieces on (:mod:`repsim.pieces`)."""
+    takes ``executor``, a :class:`concurrent.futures.Executor` to run its pieces on (:mod:`repsim.pieces`);
+    ``gpu``: those pieces want a GPU (unless its ``device`` parameter or option says ``cpu``)."""
 
     name: str
     plan: Callable[..., Stage]
@@ -94,6 +95,7 @@ class StageKind:
     artifacts: tuple[str, ...] = ()
     streams: bool = False
     split: bool = False
+    gpu: bool = False
 
 
 def fingerprint_files(paths: Iterable[Path], root: Path | None = None, content: bool = False) -> str:

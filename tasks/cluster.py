@@ -13,13 +13,14 @@ import contextlib
 import logging
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from concurrent.futures import Executor
 
 from repsim.errors import SpecError, StageError, first_line
 from repsim.experiment import CLUSTER_PATTERN
 
 ADDRESS_ENV = "DASK_SCHEDULER_ADDRESS"
+GPU = "GPU"  # the worker resource a piece that wants a GPU asks for
 LOCAL = re.compile(r"^local:([1-9][0-9]*)$")
 CONNECT_TIMEOUT_S = 30  # a scheduler that does not answer within it is reported unreachable
 FIX = "give --cluster tcp://HOST:PORT (a running dask scheduler) or local:N (N worker processes here)"
@@ -64,9 +65,11 @@ def cluster_running(cluster: str | None) -> Iterator[str | None]:
 
 
 @contextlib.contextmanager
-def executor(address: str | None, resources: Mapping[str, float] | None = None) -> Iterator[Executor | None]:
-    """An executor over the workers of the scheduler at ``address`` that have ``resources`` (e.g. ``{"GPU": 1}``),
-    for the block; None without an address. StageError, in one line, when the scheduler cannot be reached."""
+def executor(address: str | None, gpu: bool | None = False) -> Iterator[Executor | None]:
+    """An executor over the workers of the scheduler at ``address`` for the block (None without an address).
+    ``gpu``: True sends every piece to workers that offer the resource ``GPU`` (``dask worker --resources
+    GPU=1``; StageError if none does), None there when some worker offers it and anywhere otherwise, False
+    anywhere. StageError, in one line, when the scheduler cannot be reached."""
     if address is None:
         yield None
         return
@@ -78,4 +81,10 @@ def executor(address: str | None, resources: Mapping[str, float] | None = None) 
         raise StageError(f"cannot reach the Dask scheduler at {address} ({first_line(err)})",
                          f"start it (dask scheduler), or {FIX}, or leave the cluster out to run here") from None
     with _quiet(logging.CRITICAL), client:  # a lost scheduler: Dask's reconnection tracebacks, then a StageError
-        yield client.get_executor(resources=dict(resources) if resources else None)
+        offered = gpu is not False and any(GPU in worker.get("resources", {})
+                                           for worker in client.scheduler_info(n_workers=-1)["workers"].values())
+        if gpu and not offered:
+            raise StageError(f"no worker of the Dask cluster at {address} offers the resource {GPU}, and the stage "
+                             "asks for a GPU", f"start GPU workers with 'dask worker --resources {GPU}=1' (one per GPU), "
+                             "or run the stage with device cpu")
+        yield client.get_executor(resources={GPU: 1} if offered else None)

@@ -66,8 +66,9 @@ def stage_task(kind: StageKind) -> Task:
             register: str | None = None) -> StageOutput:
         stage, out = planned(kind, params, out_dir)
         options = dict(options or {})
+        cluster, gpu = options.pop("cluster", None), wants_gpu(kind, {**params, **options}.get("device"))
         with Tracker().stage_run(parent_run_id, kind.name, stage.key, stage.config, out, label,
-                                 encoder or label) as tracked, executor(options.pop("cluster", None)) as pieces_on:
+                                 encoder or label) as tracked, executor(cluster, gpu) as pieces_on:
             extra = {"log": tracked.log_metrics} if kind.streams else {}
             extra |= {"executor": pieces_on} if kind.split else {}
             output = kind.build(**params, **options, out_dir=out_dir, **extra)
@@ -83,6 +84,14 @@ def stage_task(kind: StageKind) -> Task:
     return task(name=kind.name, cache_key_fn=stage_cache_key(kind), persist_result=True, retries=len(RETRY_DELAYS_S),
                 retry_delay_seconds=RETRY_DELAYS_S, retry_condition_fn=retry_if_transient,
                 on_completion=[summarize_if_cached])(run)
+
+
+def wants_gpu(kind: StageKind, device: Any) -> bool | None:
+    """Whether the pieces of a ``kind`` stage on ``device`` must run on GPU workers (True), should where the
+    cluster has some (None: the device is left to choose), or need not (False)."""
+    if not kind.gpu or (device is not None and str(device) == "cpu"):
+        return False
+    return None if device is None or str(device) == "auto" else True
 
 
 def summarize_if_cached(task: Task, run: TaskRun, state: State) -> None:

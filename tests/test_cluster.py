@@ -195,3 +195,26 @@ def test_a_lost_scheduler_is_one_line_and_exit_2_and_a_rerun_finishes_with_the_p
     rerun = shard_with(home, noisy_spec)
     assert output_bytes(rerun) == output_bytes(alone)
     assert json.loads((rerun / "stage.json").read_text())["metrics"]["pieces_kept"] == kept
+
+
+@pytest.mark.slow
+def test_pieces_that_want_a_gpu_run_only_on_workers_that_offer_one(cluster, noisy_spec, alone, tmp_path):
+    from distributed import Client
+
+    cluster.scheduler()
+    cluster.worker("cpu")
+    cluster.start("gpu", "worker", cluster.address, "--nthreads", "1", "--no-dashboard", "--host", "127.0.0.1",
+                  "--resources", "GPU=1")
+    cluster.wait_for_workers(2)
+    home = tmp_path / "home"
+    shard_with(home, noisy_spec)  # its pieces ran here; what runs on the cluster below is features and the kNN
+    with Client(cluster.address, timeout=60) as client:
+        client.get_task_stream()  # records every task from now on
+        gpu = {address for address, worker in client.scheduler_info(n_workers=-1)["workers"].items()
+               if worker["resources"].get("GPU")}
+        done = subprocess.run([REPSIM, "eval", str(noisy_spec), "--suite", "knn", "--k", "10", "--cluster", cluster.address],
+                              capture_output=True, text=True, env=isolated_env(home), timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        pieces = [task for task in client.get_task_stream() if str(task["key"]).startswith("build_piece")]
+    assert len(pieces) == 16 + 1  # a features piece per tar, and the kNN's one piece of 40 queries
+    assert {task["worker"] for task in pieces} == gpu

@@ -1,19 +1,27 @@
-"""Split stages: pieces on any executor give the same bytes as one process, a stopped stage resumes with the
-pieces left (kept ones verified), and a damaged kept piece is built again."""
+"""Split stages: pieces on any executor give the same bytes as one process (shard, features, the kNN of
+evaluate), a stopped stage resumes with the pieces left (kept ones verified), and a damaged kept piece is
+built again."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import multiprocessing
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from repsim.data import load_spec, shard
 from repsim.data import sharding as shard_module
 from repsim.data.sharding import shard_stage
 from repsim.errors import StageError
+from repsim.eval import evaluation as evaluation_module
+from repsim.eval.evaluation import evaluate_features, extract_features, read_results
+from repsim.eval.knn import knn_metrics, knn_rankings
+from repsim.models import resnet, save_encoder
 from repsim.pieces import PIECE_FILE, Piece, run_pieces
 from test_shard import CLASSES, read_tar
 
@@ -111,5 +119,46 @@ def test_a_stage_stopped_after_k_pieces_resumes_with_the_rest_under_the_same_key
     assert not scratch.exists()  # the pieces are in the output now
 
 
+def without_timings(path: Path) -> dict:
+    """The output files' bytes, with results.json's suites instead of its bytes (its ``seconds`` are timings)."""
+    files = output_bytes(path)
+    if "results.json" in files:
+        files["results.json"] = json.loads(files["results.json"])["suites"]
+    return files
+
+
 def resumed_metrics(path: Path) -> dict:
     return json.loads((path / "stage.json").read_text())["metrics"]
+
+
+@pytest.fixture
+def small_tars_shards(make_image_folder, write_spec):
+    """40 images in tars of 4 (5 train tars, 5 test tars), sharded."""
+    root = make_image_folder({"cat": 20, "dog": 20})
+    return shard(write_spec({"name": "pets", "source": {"type": "image_folder", "root": str(root)}, "classes": CLASSES,
+                             "shard_size": 4, "split": {"type": "random", "fractions": {"train": 0.5, "test": 0.5}}}),
+                 progress=False)
+
+
+def test_features_and_knn_pieces_on_three_workers_write_the_bytes_of_one_process(small_tars_shards, tmp_path, monkeypatch):
+    encoder = tmp_path / "encoder.pt"
+    torch.manual_seed(0)
+    save_encoder(resnet("resnet18", in_channels=1, small_images=True), encoder)
+    monkeypatch.setattr(evaluation_module, "KNN_PIECE_QUERIES", 7)  # 20 test rows: pieces of 7, 7 and 6
+    outputs = {}
+    spawned = concurrent.futures.ProcessPoolExecutor(3, mp_context=multiprocessing.get_context("spawn"))  # torch: no fork
+    for name, pool in (("alone", None), ("spread", spawned)):
+        features = [extract_features(small_tars_shards, encoder, split, batch_size=3, progress=False, executor=pool,
+                                     out_dir=tmp_path / name / split) for split in ("train", "test")]
+        evaluated = evaluate_features(*features, ("knn",), (1, 3), executor=pool, out_dir=tmp_path / name / "evaluate")
+        outputs[name] = [*features, evaluated]
+        if pool is not None:
+            pool.shutdown()
+    for alone, spread in zip(outputs["alone"], outputs["spread"]):
+        assert alone.key == spread.key
+        assert without_timings(alone.path) == without_timings(spread.path)
+    assert resumed_metrics(outputs["alone"][0].path)["pieces"] == 5
+    whole = knn_rankings(*(np.load(outputs["alone"][0].path / name) for name in ("features.npy", "labels.npy")),
+                         np.load(outputs["alone"][1].path / "features.npy"), (1, 3))
+    assert read_results(outputs["alone"][2])["suites"]["knn"] == knn_metrics(whole, np.load(outputs["alone"][1].path /
+                                                                                             "labels.npy"))

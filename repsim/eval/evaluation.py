@@ -9,10 +9,13 @@ split (train as kNN memory and probe training set) into ``results.json`` (``{"su
 
 from __future__ import annotations
 
+import functools
 import json
+import shutil
 import time
 import zipfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +23,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import torch
-from tqdm.auto import tqdm
 
 from repsim.data.loader import make_loader
 from repsim.data.manifest import read_manifest
@@ -33,11 +35,17 @@ from repsim.eval.linear import linear_probe
 from repsim.eval.retrieval import map_at_r, paired_retrieval
 from repsim.eval.zeroshot import zero_shot_accuracy, zero_shot_classifier
 from repsim.models.backbones import ENCODER_FILE, UNREADABLE_FIX, encoder_file, load_encoder
+from repsim.pieces import Piece, run_pieces
+from repsim.similarity.neighbors import QUERY_CHUNK
 from repsim.similarity.precompute import CLASSES_FILE, EMBEDDINGS_FILE
 from repsim.stage import (Stage, StageKind, StageLike, StageOutput, completed_output, fingerprint_files, output_dir, read_record,
-                          run_stage)
+                          repsim_home, run_stage)
 
 STAGE_VERSION = "1"
+FEATURES_VERSION = "2"  # 2: encoded a piece of FEATURES_PIECE_TARS tars at a time
+FEATURES_PIECE_TARS = 1
+KNN_PIECE_QUERIES = 8 * QUERY_CHUNK  # a multiple of the search's own query chunk: the same sums as one call
+RANKINGS_FILE = "rankings.npy"
 PIXELS = "pixels"
 FEATURES_FILE = "features.npy"
 LABELS_FILE = "labels.npy"
@@ -88,26 +96,36 @@ def encoder_source(encoder: str | Path) -> EncoderSource:
     return EncoderSource(file, record["key"], data.get("image_size"), options)
 
 
-def _load_model(source: EncoderSource, device: torch.device) -> torch.nn.Module:
+@functools.lru_cache(maxsize=1)
+def _load_model(file: Path, key: str, device: str) -> torch.nn.Module:
+    """The encoder at ``file`` (whose weights ``key`` names) on ``device``, loaded once a process: a worker
+    encodes piece after piece with it."""
     try:
-        return load_encoder(source.file, device)
+        return load_encoder(file, torch.device(device))
     except StageError as err:  # unreadable: the reader's own one-line account
         raise EvalError(err.what, err.fix) from None
     except (RuntimeError, KeyError, TypeError, ValueError) as err:  # weights that do not fit their recipe
-        raise EvalError(f"cannot load encoder {source.file} ({first_line(err)})", UNREADABLE_FIX) from None
+        raise EvalError(f"cannot load encoder {file} ({first_line(err)})", UNREADABLE_FIX) from None
 
 
 def extract_features(shards: ShardsLike, encoder: str | Path = PIXELS, split: str = "test", batch_size: int = 512,
                      device: str | torch.device | None = None, *, image_size: int | None = None,
                      preset_options: Mapping[str, Any] | None = None, num_workers: int = 0,
-                     out_dir: str | Path | None = None, progress: bool = True) -> StageOutput:
+                     out_dir: str | Path | None = None, progress: bool = True,
+                     executor: Executor | None = None) -> StageOutput:
     """Features (N, F) of every ``split`` sample of ``shards`` under ``encoder``, or the cached output: the
     ``eval`` preset's view (``image_size`` and ``preset_options`` override the encoder's training), encoded
-    without gradients on ``device`` (default: the GPU when there is one)."""
+    without gradients on ``device`` (default: the GPU when there is one). Every :data:`FEATURES_PIECE_TARS`
+    tars are a piece, run on ``executor`` (default: here) and kept until the output is complete."""
     shards, source, device = ShardResult.of(shards), encoder_source(encoder), resolve_device(device)
     stage = _features_stage(shards, source, split, device, image_size, preset_options)
-    return run_stage(stage, lambda tmp: _write_features(shards, source, stage.config, batch_size, device,
-                                                        num_workers, progress, tmp), out_dir)
+    scratch = repsim_home() / "scratch" / "features" / stage.key
+    pieces = [Piece(f"{split}-{start:05d}", FeaturesPiece(tuple(map(str, tars)), str(shards.manifest), source,
+                                                          stage.config, batch_size, str(device), num_workers))
+              for start, tars in _tar_chunks(shards.shards[split])]
+    output = run_stage(stage, lambda tmp: _write_features(shards, pieces, executor, progress, scratch, tmp), out_dir)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return output
 
 
 def features_stage_of(shards: ShardsLike, encoder: str | Path = PIXELS, split: str = "test",
@@ -133,27 +151,66 @@ def _features_stage(shards: ShardResult, source: EncoderSource, split: str, devi
     config = {"split": split, "image_size": image_size or source.image_size,
               "preset_options": {**source.view_options, **(preset_options or {})},
               "precision": "bfloat16" if source.file is not None and device.type == "cuda" else "float32"}
-    return Stage("features", STAGE_VERSION, config, inputs={"shards": shards.key, "encoder": source.key})
+    return Stage("features", FEATURES_VERSION, config, inputs={"shards": shards.key, "encoder": source.key})
 
 
-def _write_features(shards: ShardResult, source: EncoderSource, config: dict[str, Any], batch_size: int,
-                    device: torch.device, num_workers: int, progress: bool, out: Path) -> dict[str, float]:
-    started = time.time()
-    rows = split_rows(shards.manifest, config["split"])
-    indices, labels = rows["index"].to_numpy().astype(np.int64), rows["label"].to_numpy()
-    model = None if source.file is None else _load_model(source, device)
+@dataclass(frozen=True)
+class FeaturesPiece:
+    """The features of the samples in ``tars`` (paths or URLs, of one split), as the features stage's ``config``
+    asks, encoded by ``source`` on ``device`` in batches of ``batch_size``."""
+
+    tars: tuple[str, ...]
+    manifest: str
+    source: EncoderSource
+    config: dict[str, Any]
+    batch_size: int
+    device: str
+    num_workers: int
+
+
+def _tar_chunks(tars: Sequence[str | Path]) -> list[tuple[int, list[str | Path]]]:
+    """(position of the first, tars) of every :data:`FEATURES_PIECE_TARS` consecutive tars."""
+    return [(start, list(tars[start:start + FEATURES_PIECE_TARS])) for start in range(0, len(tars), FEATURES_PIECE_TARS)]
+
+
+def encode_features_piece(piece: FeaturesPiece, folder: Path) -> dict[str, int]:
+    """Write ``features.npy`` (n, F) float32 and ``indices.npy`` (n,) of the piece's samples, in manifest order,
+    into ``folder``. Runs on a worker; the encoder is loaded once a process."""
+    device = torch.device(piece.device)
+    names = [tar.rsplit("/", 1)[-1] for tar in piece.tars]
+    rows = read_manifest(piece.manifest, ["index"], filters=[("shard", "in", names)]).sort_by("index")
+    indices = rows["index"].to_numpy().astype(np.int64)
+    model = None if piece.source.file is None else _load_model(piece.source.file, piece.source.key, piece.device)
     channels = getattr(model, "recipe", {}).get("in_channels")  # decode images to the channels it was built for
-    loader = make_loader(shards.path, "eval", batch_size, split=config["split"], image_size=config["image_size"],
-                         channels=channels, shuffle=False, drop_last=False, rank=0, world_size=1,
-                         num_workers=num_workers, pin_memory=device.type == "cuda",
-                         preset_options=config["preset_options"])
-    encode = _encode_function(model, device)
-    with tqdm(total=len(indices), desc=f"features {config['split']}", unit="img", disable=not progress) as bar:
-        features = _encode_in_manifest_order(loader, encode, indices, out / FEATURES_FILE, bar.update)
+    loader = make_loader(list(piece.tars), "eval", piece.batch_size, split=piece.config["split"],
+                         image_size=piece.config["image_size"], channels=channels, shuffle=False, drop_last=False,
+                         rank=0, world_size=1, num_workers=piece.num_workers, pin_memory=device.type == "cuda",
+                         manifest=piece.manifest, preset_options=piece.config["preset_options"])
+    features = _encode_in_manifest_order(loader, _encode_function(model, device), indices, folder / FEATURES_FILE,
+                                         lambda _: None)
+    np.save(folder / INDICES_FILE, indices)
+    return {"samples": len(indices), "dim": int(features.shape[1])}
+
+
+
+def _write_features(shards: ShardResult, pieces: list[Piece], executor: Executor | None, progress: bool,
+                    scratch: Path, out: Path) -> dict[str, float]:
+    started = time.time()
+    split = pieces[0].argument.config["split"]
+    rows = split_rows(shards.manifest, split)
+    indices, labels = rows["index"].to_numpy().astype(np.int64), rows["label"].to_numpy()
+    results = run_pieces(encode_features_piece, pieces, scratch, executor, desc=f"features {split}", progress=progress)
+    features = np.lib.format.open_memmap(out / FEATURES_FILE, mode="w+", dtype=np.float32,
+                                         shape=(len(indices), results[0].summary["dim"]))
+    for result in results:
+        features[np.searchsorted(indices, np.load(result.path / INDICES_FILE))] = np.load(result.path / FEATURES_FILE,
+                                                                                          mmap_mode="r")
+    features.flush()
     np.save(out / LABELS_FILE, labels)
     np.save(out / INDICES_FILE, indices)
     (out / CLASSES_FILE).write_text(json.dumps(_shard_classes(shards), indent=2))
-    return {"samples": len(indices), "dim": features.shape[1], "seconds": round(time.time() - started, 3)}
+    return {"samples": len(indices), "dim": features.shape[1], "seconds": round(time.time() - started, 3),
+            "pieces": len(pieces), "pieces_kept": sum(result.kept for result in results)}
 
 
 def _encode_in_manifest_order(loader: Iterable[dict[str, Any]], encode: Callable[[torch.Tensor], np.ndarray],
@@ -205,7 +262,7 @@ def _shard_classes(shards: ShardResult) -> list[dict[str, str]]:
 
 @dataclass(frozen=True)
 class Features:
-    """A features stage output: ``features`` (N, F) float32 (memory-mapped), ``labels`` and
+    """A features stage output at ``path``: ``features`` (N, F) float32 (memory-mapped), ``labels`` and
     ``indices`` (N,) int64, ``class_names`` in label order, and the stage key."""
 
     features: np.ndarray
@@ -213,6 +270,7 @@ class Features:
     indices: np.ndarray
     class_names: list[str]
     key: str
+    path: Path
 
     @property
     def labelled(self) -> bool:
@@ -224,7 +282,7 @@ def load_features(features: StageLike) -> Features:
     path, record = completed_output(features, "features", EvalError, "features", "run extract_features first")
     classes = json.loads((path / CLASSES_FILE).read_text())
     return Features(np.load(path / FEATURES_FILE, mmap_mode="r"), np.load(path / LABELS_FILE),
-                    np.load(path / INDICES_FILE), [entry["name"] for entry in classes], record["key"])
+                    np.load(path / INDICES_FILE), [entry["name"] for entry in classes], record["key"], path)
 
 
 @dataclass(frozen=True)
@@ -279,15 +337,20 @@ def evaluate(shards: ShardsLike, encoder: str | Path = PIXELS, suites: Iterable[
 def evaluate_features(train: StageLike, test: StageLike, suites: Iterable[str] = DEFAULT_SUITES,
                       knn_k: int | Iterable[int] = KNN_K, *, linear_options: Mapping[str, Any] | None = None,
                       text_encoder: TextEncoder | None = None, captions: StageLike | None = None,
-                      device: str | torch.device | None = None, out_dir: str | Path | None = None) -> StageOutput:
+                      device: str | torch.device | None = None, out_dir: str | Path | None = None,
+                      executor: Executor | None = None) -> StageOutput:
     """Run ``suites`` on two features outputs (train: the kNN memory and the probe's training set;
-    test: what is scored), or return the cached output. ``linear_options`` go to :func:`linear_probe`."""
+    test: what is scored), or return the cached output. ``linear_options`` go to :func:`linear_probe`. The kNN's
+    queries are pieces of :data:`KNN_PIECE_QUERIES` test rows, run on ``executor`` (default: here)."""
     train, test = load_features(train), load_features(test)
     suites, knn_k = check_evaluation(suites, knn_k, train.labelled and test.labelled, text_encoder, captions)
     stage = _evaluate_stage(train, test, suites, knn_k, linear_options, text_encoder, captions)
+    scratch = repsim_home() / "scratch" / "evaluate" / stage.key
     run = _SuiteRun(train, test, stage.config, resolve_device(device), text_encoder,
-                    _caption_embeddings(captions)[0] if captions is not None else None)
-    return run_stage(stage, run.write, out_dir)
+                    _caption_embeddings(captions)[0] if captions is not None else None, executor, scratch)
+    output = run_stage(stage, run.write, out_dir)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return output
 
 
 def evaluate_stage_of(train: StageLike, test: StageLike, suites: Iterable[str] = DEFAULT_SUITES,
@@ -328,6 +391,8 @@ class _SuiteRun:
     device: torch.device
     text_encoder: TextEncoder | None
     captions: Path | None
+    executor: Executor | None
+    scratch: Path  # where the kNN's pieces are kept until the output is complete
 
     @property
     def num_classes(self) -> int | None:
@@ -349,8 +414,14 @@ class _SuiteRun:
         from repsim.plots import confusion_matrix_plot
 
         ks = tuple(self.config["knn_k"])
-        rankings = knn_rankings(self.train.features, self.train.labels, self.test.features, ks,
-                                num_classes=self.num_classes, device=self.device)
+        queries = len(self.test.labels)
+        pieces = [Piece(f"queries-{start:09d}", KnnPiece(self.train.path, self.test.path, start,
+                                                         min(start + KNN_PIECE_QUERIES, queries), ks,
+                                                         self.num_classes, str(self.device)))
+                  for start in range(0, queries, KNN_PIECE_QUERIES)]
+        results = run_pieces(knn_piece, pieces, self.scratch, self.executor, desc="kNN", progress=False)
+        ranked = np.concatenate([np.load(result.path / RANKINGS_FILE) for result in results], axis=1)
+        rankings = dict(zip(ks, ranked))
         k = CONFUSION_K if CONFUSION_K in ks else ks[0]
         confusion_matrix_plot(self.test.labels, rankings[k][:, 0], out / CONFUSION_FILE,
                               class_names=self.test.class_names or None, num_classes=self.num_classes,
@@ -386,6 +457,28 @@ class _SuiteRun:
         return paired_retrieval(self.test.features, texts, device=self.device)
 
 
+@dataclass(frozen=True)
+class KnnPiece:
+    """The kNN class rankings of test rows ``start:stop`` of the features at ``test`` against those at ``train``."""
+
+    train: Path
+    test: Path
+    start: int
+    stop: int
+    ks: tuple[int, ...]
+    num_classes: int | None
+    device: str
+
+
+def knn_piece(piece: KnnPiece, folder: Path) -> dict[str, int]:
+    """Write ``rankings.npy`` (len(ks), rows, top): each k's ranked classes of the piece's test rows. Runs on a worker."""
+    train, test = load_features(piece.train), load_features(piece.test)
+    rankings = knn_rankings(train.features, train.labels, test.features[piece.start:piece.stop], piece.ks,
+                            num_classes=piece.num_classes, device=piece.device)
+    np.save(folder / RANKINGS_FILE, np.stack([rankings[k] for k in piece.ks]))
+    return {"queries": piece.stop - piece.start}
+
+
 def _pairwise_cosines(features: np.ndarray, samples: int = HISTOGRAM_SAMPLES, seed: int = 0) -> np.ndarray:
     """Cosine similarities of every pair among a seeded sample of at most ``samples`` rows of (N, F)."""
     rows = np.arange(len(features))
@@ -406,5 +499,5 @@ def result_rows(results: Mapping[str, Any]) -> list[tuple[str, str, float]]:
     return [(suite, name, value) for suite, metrics in results["suites"].items() for name, value in metrics.items()]
 
 
-FEATURES = StageKind("features", features_stage_of, extract_features)
-EVALUATE = StageKind("evaluate", evaluate_stage_of, evaluate_features, ("*.png", RESULTS_FILE))
+FEATURES = StageKind("features", features_stage_of, extract_features, split=True, gpu=True)
+EVALUATE = StageKind("evaluate", evaluate_stage_of, evaluate_features, ("*.png", RESULTS_FILE), split=True, gpu=True)

@@ -11,6 +11,7 @@ torchrun every rank calls :func:`train`; rank 0 writes.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -134,7 +135,8 @@ def launch_training(config: Config, out_dir: str | Path | None = None, log: LogF
     resolved.parent.mkdir(parents=True, exist_ok=True)
     resolved.write_text(config.model_dump_json())  # JSON is YAML: the ranks read the config as resolved here
     try:
-        exit_code = subprocess.run(launch.command(resolved, []), check=False).returncode
+        exit_code = subprocess.run(launch.command(resolved, []), env=os.environ | launch.environment,
+                                   check=False).returncode
     finally:
         resolved.unlink()
     if exit_code:
