@@ -6,6 +6,7 @@ twice is submitted once and its result shared."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -13,7 +14,7 @@ import tempfile
 import time
 from collections import Counter
 from datetime import datetime
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from repsim.similarity.targets import ClassMatrixSource, EmbeddingSource, LabelS
 from repsim.similarity.precompute import EMBEDDINGS_FILE, SIMILARITY_FILE
 from repsim.stage import StageOutput, read_record, rebuilding, verifying
 from repsim.tasks.cluster import cluster_running, requested_cluster
+from repsim.tasks.settings import api_for_workers
 from repsim.tasks.stage_tasks import KINDS, TASKS, current_record, from_prefect_cache, log_stage, planned, produced
 from repsim.tasks.tracking import MODEL_URI, StageRun, Tracker, model_directory
 
@@ -334,6 +336,24 @@ def publish(parent: StageRun, rows: list[Row], columns: dict[str, str], name: st
     return table
 
 
+@contextlib.contextmanager
+def experiment_flow_on(cluster: str | None, concurrency: int | None = None) -> Iterator[Callable[..., dict[str, Any]]]:
+    """:func:`experiment_flow` as the command line calls it, for the block. With a cluster (``cluster``, else the
+    experiment's or ``$DASK_SCHEDULER_ADDRESS``; a ``local:N`` one started for the block), its stage tasks run on
+    the cluster's workers through prefect-dask's DaskTaskRunner, reporting to this process's Prefect API, and
+    its split stages' pieces too; else its tasks run on threads, ``concurrency`` at once (default: its own)."""
+    with cluster_running(requested_cluster(cluster)) as address:
+        if address is None:
+            yield experiment_flow if concurrency is None else experiment_flow.with_options(
+                task_runner=ThreadPoolTaskRunner(max_workers=concurrency))
+            return
+        from prefect_dask import DaskTaskRunner
+
+        with api_for_workers():
+            yield functools.partial(experiment_flow.with_options(task_runner=DaskTaskRunner(address=address)),
+                                    cluster=address)
+
+
 def run_name() -> str:
     """``animal-mnist 2026-12-04 23:10:05``: the experiment's name (overrides applied) and the start time,
     or the member it runs (``animal-mnist seed=1``); names the flow run and its parent MLflow run."""
@@ -346,11 +366,12 @@ def run_name() -> str:
 
 
 @flow(name="experiment", flow_run_name=run_name, task_runner=ThreadPoolTaskRunner(max_workers=concurrency()))
-def experiment_flow(experiment: Experiment, overrides: list[str] | None = None,
-                    force: list[str] | None = None, spread: str | None = None, member: str = "") -> dict[str, Any]:
+def experiment_flow(experiment: Experiment, overrides: list[str] | None = None, force: list[str] | None = None,
+                    spread: str | None = None, member: str = "", cluster: str | None = None) -> dict[str, Any]:
     """Run ``experiment`` with ``overrides`` (``"train.settings.optim.lr=0.01"``), rebuilding the stages
     named in ``force`` (``["train"]``) even when cached. With ``spread`` (a deployment of this flow), the
     members first run as its flow runs (:func:`run_members_on`; ``member`` names such a run's member).
+    Split stages run their pieces on ``cluster`` (default: the experiment's, :mod:`repsim.tasks.cluster`).
 
     Returns ``{"name", "stages": [one summary per distinct stage: stage, detail, key, path, cached],
     "rows": [one result row per grid point and encoder], "columns": {title: headline metric},
@@ -363,13 +384,13 @@ def experiment_flow(experiment: Experiment, overrides: list[str] | None = None,
         members = check_experiment(experiment)
         tracker = Tracker()
         params = {"experiment": experiment.model_dump(mode="json"), "source": source, "overrides": list(overrides or []),
-                  "force": list(force or []), "members": len(members), "spread": spread or ""}
+                  "force": list(force or []), "members": len(members), "spread": spread or "", "cluster": cluster or ""}
         parent_run = tracker.flow_run("experiment", params, prefect_flow_run.get_name())
         with rebuilding(force or []), verifying(experiment.verify), parent_run as parent, \
-                cluster_running(requested_cluster(experiment.cluster)) as cluster:
+                cluster_running(requested_cluster(cluster or experiment.cluster)) as address:
             if spread:
                 run_members_on(spread, members, force or [])
-            stages = Stages(tracker, parent, cluster)
+            stages = Stages(tracker, parent, address)
             runs = run_steps(stages, experiment, members)
             rows = aggregate(score for run in runs for score in run.scores)
             evaluate = experiment.section("evaluate")

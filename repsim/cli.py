@@ -52,10 +52,11 @@ def _run_section(name: str, data: str | os.PathLike, section: dict, cluster: str
     from repsim.experiment import single_section
 
     experiment = single_section(name, data, section, cluster)
-    from repsim.flows.experiment import experiment_flow
+    from repsim.flows.experiment import experiment_flow_on
 
     _start_orchestration(stop_on_signals=True)
-    return experiment_flow(experiment=experiment)
+    with experiment_flow_on(experiment.cluster) as flow:
+        return flow(experiment=experiment)
 
 
 PRECOMPUTE_STAGES = {  # subcommand: (captions, wordnet, neighbors), what it computes
@@ -161,10 +162,11 @@ def cmd_run(args: argparse.Namespace) -> None:
     from repsim.experiment import check_experiment, load_experiment
     from repsim.results import table
 
-    if args.cluster:
-        args.overrides.append(f"cluster={args.cluster}")
     experiment = load_experiment(args.experiment, args.overrides)
     check_experiment(experiment)  # validate before orchestration
+    from repsim.tasks.cluster import requested_cluster
+
+    requested_cluster(args.cluster or experiment.cluster)
     if args.spread and not os.environ.get("PREFECT_API_URL"):
         raise SpecError("--spread runs members on the workers of a Prefect server, and none is configured",
                         "set PREFECT_API_URL (make servers; source .repsim/servers/env.sh) or leave out --spread")
@@ -173,16 +175,13 @@ def cmd_run(args: argparse.Namespace) -> None:
 
         _print_plan(plan_experiment(experiment, args.force))
         return
-    from repsim.flows.experiment import experiment_flow  # first: it sets Prefect's embedded defaults
-
-    from prefect.task_runners import ThreadPoolTaskRunner
+    from repsim.flows.experiment import experiment_flow_on  # first: it sets Prefect's embedded defaults
 
     _start_orchestration(stop_on_signals=True)
-    flow = experiment_flow if args.concurrency is None else experiment_flow.with_options(
-        task_runner=ThreadPoolTaskRunner(max_workers=args.concurrency))
-    # the file as written and the overrides apart, so that the run records the command that made it
-    outcome = flow(experiment=load_experiment(args.experiment), overrides=args.overrides, force=args.force,
-                   spread=args.spread)
+    with experiment_flow_on(args.cluster or experiment.cluster, args.concurrency) as flow:
+        # the file as written and the overrides apart, so that the run records the command that made it
+        outcome = flow(experiment=load_experiment(args.experiment), overrides=args.overrides, force=args.force,
+                       spread=args.spread)
     _print_stages(outcome["stages"])
     print("\n" + _table(*table(outcome["rows"], outcome["columns"], encoder="method")))
     print(f"\n{_where_to_look()}")

@@ -27,13 +27,12 @@ FIX = "give --cluster tcp://HOST:PORT (a running dask scheduler) or local:N (N w
 
 
 def requested_cluster(cluster: str | None) -> str | None:
-    """The cluster a run asked for: ``cluster`` (the option or the experiment's key, validated), else
-    ``$DASK_SCHEDULER_ADDRESS`` (SpecError when it is neither a scheduler address nor ``local:N``), else None."""
-    if cluster is not None:
-        return cluster
-    cluster = os.environ.get(ADDRESS_ENV) or None
+    """The cluster a run asked for: ``cluster`` (the option or the experiment's key), else ``$DASK_SCHEDULER_ADDRESS``,
+    else None; SpecError when it is neither a scheduler address nor ``local:N``."""
+    named = f"cluster {cluster}" if cluster else f"{ADDRESS_ENV}={os.environ.get(ADDRESS_ENV)}"
+    cluster = cluster or os.environ.get(ADDRESS_ENV) or None
     if cluster is not None and not re.match(CLUSTER_PATTERN, cluster):
-        raise SpecError(f"{ADDRESS_ENV}={cluster} is neither a Dask scheduler address nor local:N", FIX)
+        raise SpecError(f"{named} is neither a Dask scheduler address nor local:N", FIX)
     return cluster
 
 
@@ -73,14 +72,7 @@ def executor(address: str | None, gpu: bool | None = False) -> Iterator[Executor
     if address is None:
         yield None
         return
-    from distributed import Client
-
-    try:
-        client = Client(address, timeout=CONNECT_TIMEOUT_S, set_as_default=False)
-    except (OSError, TimeoutError) as err:
-        raise StageError(f"cannot reach the Dask scheduler at {address} ({first_line(err)})",
-                         f"start it (dask scheduler), or {FIX}, or leave the cluster out to run here") from None
-    with _quiet(logging.CRITICAL), client:  # a lost scheduler: Dask's reconnection tracebacks, then a StageError
+    with _quiet(logging.CRITICAL), _client(address) as client:  # a lost scheduler: Dask's tracebacks, then a StageError
         offered = gpu is not False and any(GPU in worker.get("resources", {})
                                            for worker in client.scheduler_info(n_workers=-1)["workers"].values())
         if gpu and not offered:
@@ -88,3 +80,21 @@ def executor(address: str | None, gpu: bool | None = False) -> Iterator[Executor
                              "asks for a GPU", f"start GPU workers with 'dask worker --resources {GPU}=1' (one per GPU), "
                              "or run the stage with device cpu")
         yield client.get_executor(resources={GPU: 1} if offered else None)
+
+
+def _client(address: str) -> contextlib.AbstractContextManager:
+    """A client of the scheduler at ``address``; in a stage task that runs on one of its workers (the flow's task
+    runner is Dask's), that worker's client, which frees the task's thread for the pieces while it waits."""
+    from distributed import Client, get_worker, worker_client
+
+    try:
+        get_worker()
+    except ValueError:  # not on a worker
+        pass
+    else:
+        return worker_client(separate_thread=True)
+    try:
+        return Client(address, timeout=CONNECT_TIMEOUT_S, set_as_default=False)
+    except (OSError, TimeoutError) as err:
+        raise StageError(f"cannot reach the Dask scheduler at {address} ({first_line(err)})",
+                         f"start it (dask scheduler), or {FIX}, or leave the cluster out to run here") from None

@@ -3,6 +3,7 @@
 ``$REPSIM_HOME/mlartifacts``. Server mode: set ``PREFECT_API_URL`` and ``MLFLOW_TRACKING_URI``.
 """
 
+import contextlib
 import os
 
 from filelock import FileLock
@@ -43,6 +44,17 @@ def start_embedded_stores() -> None:
             SubprocessASGIServer().start(timeout=int(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
         if os.environ["MLFLOW_TRACKING_URI"].startswith("sqlite:"):
             MlflowClient()  # opening the store creates or upgrades its tables
+
+
+def api_for_workers() -> contextlib.AbstractContextManager:
+    """For the block, the Prefect API that tasks on other processes (a Dask cluster's workers) report to: the
+    configured server, or this process's temporary one, named in the settings they receive with each task."""
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    if PREFECT_API_URL.value():
+        return contextlib.nullcontext()
+    return temporary_settings(updates={PREFECT_API_URL: SubprocessASGIServer().api_url})
 
 
 def mlflow_artifact_location() -> str | None:

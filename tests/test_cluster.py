@@ -19,7 +19,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from e2e import REPSIM, isolated_env
+from e2e import REPO, REPSIM, isolated_env, prefect_query, repsim, tiny_experiment
 from repsim.data import load_spec
 from repsim.data.sharding import shard_stage
 from repsim.errors import SpecError
@@ -218,3 +218,43 @@ def test_pieces_that_want_a_gpu_run_only_on_workers_that_offer_one(cluster, nois
         pieces = [task for task in client.get_task_stream() if str(task["key"]).startswith("build_piece")]
     assert len(pieces) == 16 + 1  # a features piece per tar, and the kNN's one piece of 40 queries
     assert {task["worker"] for task in pieces} == gpu
+
+
+@pytest.fixture
+def two_method_experiment(tmp_path, make_image_folder, write_spec) -> Path:
+    """The tiny experiment with two methods to train, SupCon and SimCLR."""
+    experiment = tiny_experiment(tmp_path, make_image_folder, write_spec)
+    values = yaml.safe_load(experiment.read_text())
+    values["stages"][1]["methods"].append({"config": str(REPO / "configs" / "simclr.yaml")})
+    experiment.write_text(yaml.safe_dump(values, sort_keys=False))
+    return experiment
+
+
+def stage_table(stdout: str) -> list[list[str]]:
+    """(stage, key, cached) of each row of the stage table ``repsim run`` prints, and the result table's rows."""
+    stages, results = stdout.split("\n\n")[:2]
+    return [[row.split()[0], row.split()[-1].rsplit("/", 1)[-1], row.split()[-2]] for row in stages.splitlines()[2:]], \
+        results.splitlines()
+
+
+@pytest.mark.slow
+@pytest.mark.orchestration
+def test_an_experiment_on_two_local_workers_trains_at_once_with_the_keys_and_table_of_one_process(
+        two_method_experiment, tmp_path):
+    alone = repsim(tmp_path / "alone", "run", str(two_method_experiment))
+    home = tmp_path / "spread"
+    spread = repsim(home, "run", str(two_method_experiment), "--cluster", "local:2")
+    assert alone.returncode == 0 and spread.returncode == 0, spread.stderr[-3000:]
+    (alone_stages, alone_table), (stages, table) = stage_table(alone.stdout), stage_table(spread.stdout)
+    assert stages == alone_stages and table == alone_table
+    trainings = [json.loads(path.read_text()) for path in (home / "artifacts" / "train").glob("*/stage.json")]
+    (first, second) = sorted((record["started"], record["started"] + record["seconds"]) for record in trainings)
+    assert second[0] < first[1]  # the second training started before the first ended
+    tasks = prefect_query(home, """
+found = await client.read_task_runs()
+print(json.dumps(sorted([run.name, run.state.name] for run in found if run.name.startswith('train'))))""")
+    assert tasks == [["train simclr", "Completed"], ["train supcon", "Completed"]]
+
+    again = repsim(home, "run", str(two_method_experiment), "--cluster", "local:2")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert [cached for _, _, cached in stage_table(again.stdout)[0]] == ["yes"] * len(stages)

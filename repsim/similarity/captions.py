@@ -8,7 +8,7 @@ too. Models are loaded with ``local_files_only``, so nothing is ever downloaded.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +34,12 @@ def default_text_model() -> Path:
 
 def load_text_model(model: str | Path | None = None, device: str | None = None):
     """A sentence-transformers model from a local folder or cached name (default: all-MiniLM-L6-v2)
-    on ``device`` (default: the GPU when present); loaded once per (model, device) in a process."""
+    on ``device`` (default: the GPU when present); a process keeps the last two it loaded, so a worker
+    reuses its model for every piece of a stage."""
     return _load_text_model(str(model or default_text_model()), str(resolve_device(device)))
 
 
-@functools.cache
+@functools.lru_cache(maxsize=2)
 def _load_text_model(model: str, device: str):
     from sentence_transformers import SentenceTransformer
 
@@ -54,24 +55,34 @@ def embed_captions(texts: Sequence[str] | pa.Array | pa.ChunkedArray, model: Any
                    out: np.ndarray | None = None) -> np.ndarray:
     """Embed captions: (N,) texts (str sequence or pyarrow string column) -> (N, D) float32 unit rows, in order.
 
-    Identical texts are embedded once (found by pyarrow's dictionary encoding), the distinct ones longest
-    first in batches of ``batch_size``. ``model``: a path or name for :func:`load_text_model`, or a loaded
-    model with ``encode`` and ``get_embedding_dimension``. ``out`` (N, D), e.g. a float16 memory map,
-    receives the rows instead of a new array.
+    Identical texts are embedded once (:func:`distinct_texts`), longest first in batches of ``batch_size``.
+    ``model``: a path or name for :func:`load_text_model`, or a loaded model with ``encode`` and
+    ``get_embedding_dimension``. ``out`` (N, D), e.g. a float16 memory map, receives the rows instead of a new array.
     """
-    _check_texts(texts)
+    distinct, places = distinct_texts(texts)
     encoder = model if hasattr(model, "encode") else load_text_model(model, device)
-    unique, inverse = _deduplicate(texts)
     if out is None:
-        out = np.empty((len(texts), encoder.get_embedding_dimension()), dtype=np.float32)
-    with tqdm(total=len(unique), unit="caption", desc="embed captions", disable=not progress) as bar:
-        for chosen, rows, slots in _longest_first_batches(unique, inverse, batch_size):
-            embeddings = np.asarray(encoder.encode([unique[u] for u in chosen], batch_size=len(chosen),
-                                                   convert_to_numpy=True, show_progress_bar=False), dtype=np.float32)
+        out = np.empty((len(places), encoder.get_embedding_dimension()), dtype=np.float32)
+    with tqdm(total=len(distinct), unit="caption", desc="embed captions", disable=not progress) as bar:
+        for start, rows in rows_by_place(places, batch_size, len(distinct)):
+            batch = distinct[start:start + batch_size]
+            embeddings = np.asarray(encoder.encode(batch, batch_size=len(batch), convert_to_numpy=True,
+                                                   show_progress_bar=False), dtype=np.float32)
             embeddings = embeddings / np.maximum(np.linalg.norm(embeddings, axis=1, keepdims=True), 1e-12)
-            out[rows] = embeddings[slots]
-            bar.update(len(chosen))
+            out[rows] = embeddings[places[rows] - start]
+            bar.update(len(batch))
     return out
+
+
+def distinct_texts(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> tuple[list[str], np.ndarray]:
+    """The distinct texts of (N,) ``texts``, longest first (equal lengths in first-seen order, found by pyarrow's
+    dictionary encoding), and (N,) int64 each text's place among them. SimilarityError for none or a non-string."""
+    _check_texts(texts)
+    unique, inverse = _deduplicate(texts)
+    longest_first = np.argsort([-len(text) for text in unique], kind="stable")
+    place = np.empty(len(unique), dtype=np.int64)
+    place[longest_first] = np.arange(len(unique))
+    return [unique[u] for u in longest_first], place[inverse]
 
 
 def _check_texts(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> None:
@@ -87,19 +98,14 @@ def _check_texts(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> None:
                               "give every sample a text caption")
 
 
-def _longest_first_batches(unique: list[str], inverse: np.ndarray, batch_size: int):
-    """Per batch of unique texts, longest first: ``chosen`` (b,) ids into ``unique``, the ``rows`` of every text
-    that is one of them, and ``slots``, each such row's place within ``chosen``."""
-    longest_first = np.argsort([-len(text) for text in unique], kind="stable")
-    rank = np.empty(len(unique), dtype=np.int64)
-    rank[longest_first] = np.arange(len(unique))
-    row_rank = rank[inverse]
-    rows_by_rank = np.argsort(row_rank, kind="stable")
-    starts = np.arange(0, len(unique), batch_size)
-    bounds = np.searchsorted(row_rank[rows_by_rank], np.append(starts, len(unique)))
-    for batch, start in enumerate(starts):
-        rows = rows_by_rank[bounds[batch]:bounds[batch + 1]]
-        yield longest_first[start:start + batch_size], rows, row_rank[rows] - start
+def rows_by_place(places: np.ndarray, step: int, count: int) -> Iterator[tuple[int, np.ndarray]]:
+    """Per ``step`` consecutive places of ``count`` (0, step, 2 step, ...): that first place, and the rows (int64,
+    ascending) of ``places`` (N,) that fall among them."""
+    order = np.argsort(places, kind="stable")
+    starts = np.arange(0, count, step)
+    bounds = np.searchsorted(places[order], np.append(starts, count))
+    for number, start in enumerate(starts):
+        yield int(start), order[bounds[number]:bounds[number + 1]]
 
 
 def _deduplicate(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> tuple[list[str], np.ndarray]:

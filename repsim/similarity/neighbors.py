@@ -16,6 +16,10 @@ need fit in memory. Sizing, with 4-byte floats and 8-byte ids:
 - 6M × 768, k = 800, one GPU: a flat index is 18.4 GB (9.2 GB with ``gpu_float16=True``; FAISS GPU
   search allows k ≤ 2048); the 57.6 GB of lists go to disk with ``out=``, ``chunk_size`` queries at a time.
 
+Searching a set for each row's nearest other rows in pieces (the neighbor stage): :func:`self_search_index`
+saves one index, and each piece searches its rows with :func:`self_searcher`, which reads it once a process. A
+query's neighbors do not depend on the other queries searched with it, so pieces give the lists of one search.
+
 FAISS is imported on first use, so the rest of the library works where it is absent.
 """
 
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +48,7 @@ QUERY_CHUNK = 1024  # queries of an exact search at a time
 KEY_CHUNK = 32768  # keys scored at a time: with QUERY_CHUNK, 128 MB of float32 scores
 IDS_FILE = "neighbor_ids.npy"
 SCORES_FILE = "neighbor_scores.npy"
+INDEX_FILE = "index.faiss"  # an index saved for the pieces of a search (self_search_index)
 LIST_FILES = {IDS_FILE: np.int64, SCORES_FILE: np.float32}  # the neighbor lists' files and dtypes, ids first
 MIN_POINTS_PER_LIST = 39  # fewer training points per IVF list and FAISS warns of poor centroids
 TRAIN_POINTS_PER_LIST = 256  # FAISS k-means subsamples to this many points per centroid anyway
@@ -152,15 +157,21 @@ def build_index(points: np.ndarray, kind: str = "flat", metric: str = "cosine", 
         index = faiss.IndexHNSWFlat(dim, m, faiss_metric)
         index.hnsw.efConstruction, index.hnsw.efSearch = ef_construction, ef_search
     if _resolve_gpu(use_gpu, kind):
-        options = faiss.GpuMultipleClonerOptions()
-        options.useFloat16 = gpu_float16
-        index = faiss.index_cpu_to_all_gpus(index, options)
+        index = _on_gpus(index, gpu_float16)
     if not index.is_trained:
         index.train(_training_sample(points, rows, metric, kind, lists, seed))
     for _, chunk in tqdm(_chunks(points, rows, metric, "points", chunk_size), desc=f"{kind} index",
                          total=-(-count // chunk_size), disable=not progress):
         index.add(chunk)
     return index
+
+
+def _on_gpus(index, gpu_float16: bool = False):
+    """``index`` cloned onto every GPU FAISS sees (float16 vectors with ``gpu_float16``)."""
+    faiss = require_faiss()
+    options = faiss.GpuMultipleClonerOptions()
+    options.useFloat16 = gpu_float16
+    return faiss.index_cpu_to_all_gpus(index, options)
 
 
 def auto_index(count: int, dim: int, m: int = 32, memory: int | None = None) -> str:
@@ -344,31 +355,116 @@ def knn(base: np.ndarray, k: int, queries: np.ndarray | None = None, index: str 
     skip_self = queries is None and exclude_self
     query_points = base if queries is None else _checked_matrix(queries, "queries")
     _check_width(query_points.shape[1], base.shape[1])
-    query_rows = rows if queries is None else None
     _check_k(k, pool - skip_self, skip_self, index_options.get("use_gpu"))
-    if index == "flat" and not _resolve_gpu(index_options.get("use_gpu"), index):
-        search = functools.partial(_flat_scan, base, rows, metric, chunk_size)
-    else:
-        search = build_index(base, index, metric, rows=rows, chunk_size=chunk_size, progress=progress,
-                             **index_options).search
-    count = pool if queries is None else len(query_points)
-    wanted = k + skip_self
-    factor = rerank or (IVFPQ_RERANK if index == "ivfpq" else 1)
-    ids, scores = _outputs(count, k, out)
-    for start, chunk in tqdm(_chunks(query_points, query_rows, metric, "queries", chunk_size),
-                             desc=f"{index} search", total=-(-count // chunk_size), disable=not progress):
-        found_scores, found_ids = search(chunk, min(pool, wanted * factor))
-        if rows is not None:
-            found_ids = np.where(found_ids >= 0, rows[np.maximum(found_ids, 0)], -1)
-        if factor > 1:
-            found_ids, found_scores = rerank_exactly(base, chunk, found_ids, metric, wanted)
-        if skip_self:
-            own = np.arange(start, start + len(chunk)) if rows is None else rows[start:start + len(chunk)]
-            found_ids, found_scores = drop_self(found_ids, found_scores, own)
-        ids[start:start + len(chunk)], scores[start:start + len(chunk)] = found_ids, found_scores
+    search = searcher(base, index, metric, rows, rerank, chunk_size, progress, **index_options)
+    ids, scores = open_lists(pool if queries is None else len(query_points), k, out)
+    own = (np.arange(len(base)) if rows is None else rows) if skip_self else None
+    search_queries(search, query_points, k, ids, scores, rows if queries is None else None, own, chunk_size,
+                   progress, f"{index} search")
     if out is not None:
         ids.flush(), scores.flush()
     return ids, scores
+
+
+@dataclass(frozen=True)
+class Search:
+    """Finds neighbors among ``base``'s ``rows`` (all when None) for chunks of float32 queries (unit rows for
+    cosine). ``scan(queries, n)`` answers as FAISS's ``search``: (B, n) scores and positions among the rows,
+    -1 where it found fewer; with ``rerank`` > 1 it is asked for that many times the wanted count, re-scored
+    exactly."""
+
+    base: np.ndarray
+    rows: np.ndarray | None
+    scan: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]
+    metric: str
+    rerank: int = 1
+
+    def __call__(self, chunk: np.ndarray, k: int, own: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(B, k) int64 ids into ``base`` and float32 scores of the queries ``chunk`` (B, D), nearest first;
+        ``own`` (B,): each query's own id, dropped from its k + 1 found (else the last)."""
+        wanted = k + (own is not None)
+        pool = len(self.base) if self.rows is None else len(self.rows)
+        scores, ids = self.scan(chunk, min(pool, wanted * self.rerank))
+        if self.rows is not None:
+            ids = np.where(ids >= 0, self.rows[np.maximum(ids, 0)], -1)
+        if self.rerank > 1:
+            ids, scores = rerank_exactly(self.base, chunk, ids, self.metric, wanted)
+        return (ids, scores) if own is None else drop_self(ids, scores, own)
+
+
+def searcher(base: np.ndarray, index: str = "flat", metric: str = "cosine", rows: np.ndarray | None = None,
+             rerank: int | None = None, chunk_size: int = CHUNK_ROWS, progress: bool = False,
+             **index_options) -> Search:
+    """The :class:`Search` of ``base``'s ``rows`` with a FAISS ``index`` (:func:`build_index`), or, for ``flat``
+    on the CPU, an exact scan of ``chunk_size`` candidates at a time. ``rerank``: as :func:`knn`'s."""
+    if index == "flat" and not _resolve_gpu(index_options.get("use_gpu"), index):
+        scan = functools.partial(_flat_scan, base, rows, metric, chunk_size)
+    else:
+        scan = build_index(base, index, metric, rows=rows, chunk_size=chunk_size, progress=progress,
+                           **index_options).search
+    return Search(base, rows, scan, metric, rerank or _default_rerank(index))
+
+
+def search_queries(search: Search, queries: np.ndarray, k: int, ids: np.ndarray, scores: np.ndarray,
+                   rows: np.ndarray | None = None, own: np.ndarray | None = None, chunk_size: int = CHUNK_ROWS,
+                   progress: bool = False, desc: str = "search") -> None:
+    """Fill ``ids`` and ``scores`` (Q, k) with the k nearest of each query, ``queries[rows]`` (all rows when None,
+    Q of them), ``chunk_size`` at a time; ``own`` (Q,): each query's id, never its own neighbor."""
+    count = len(queries) if rows is None else len(rows)
+    for start, chunk in tqdm(_chunks(queries, rows, search.metric, "queries", chunk_size), desc=desc,
+                             total=-(-count // chunk_size), disable=not progress):
+        stop = start + len(chunk)
+        ids[start:stop], scores[start:stop] = search(chunk, k, None if own is None else own[start:stop])
+
+
+def _default_rerank(index: str) -> int:
+    return IVFPQ_RERANK if index == "ivfpq" else 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Searching one (N, D) set for each row's nearest other rows, in pieces that share a saved index
+
+def self_search_index(points: np.ndarray, k: int, index: str, metric: str, folder: Path,
+                      progress: bool = False) -> Path | None:
+    """Check that each row of (N, D) ``points`` has ``k`` other rows to find, and save the ``index`` over them
+    (built on the GPU when FAISS has one) as ``folder/index.faiss``, unless an earlier run saved it there: the
+    index its pieces searched. None for ``flat``, which each searcher scans (or indexes on its GPU) itself."""
+    points = _checked_matrix(points, "points")
+    _check_k(k, len(points) - 1, True, None)
+    if index == "flat":
+        return None
+    path = folder / INDEX_FILE
+    if not path.is_file():
+        gpu = _resolve_gpu(None, index)
+        built = build_index(points, index, metric, use_gpu=gpu, progress=progress)
+        _write_index(require_faiss().index_gpu_to_cpu(built) if gpu else built, path)
+    return path
+
+
+def _write_index(index, path: Path) -> None:
+    """Write the CPU ``index`` to ``path`` whole: under a temporary name, then renamed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    require_faiss().write_index(index, str(partial))
+    os.replace(partial, path)
+
+
+def self_searcher(points: Path, index_file: Path | None, index: str, metric: str) -> Search:
+    """The :class:`Search` of the rows of the ``.npy`` ``points`` (memory-mapped) with the index saved at
+    ``index_file`` by :func:`self_search_index` (on the GPU when FAISS has one), or for ``flat`` (None) as
+    :func:`searcher` gives; a process keeps the last two (so a worker reads an index once for all its pieces)."""
+    stamp = (index_file or points).stat()
+    return _self_searcher(points, index_file, index, metric, (stamp.st_size, stamp.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=2)
+def _self_searcher(points: Path, index_file: Path | None, index: str, metric: str, stamp: tuple[int, int]) -> Search:
+    base = np.load(points, mmap_mode="r")
+    if index_file is None:
+        return searcher(base, index, metric)
+    loaded = require_faiss().read_index(str(index_file))
+    return Search(base, None, (_on_gpus(loaded) if _resolve_gpu(None, index) else loaded).search, metric,
+                  _default_rerank(index))
 
 
 def _flat_scan(points: np.ndarray, rows: np.ndarray | None, metric: str, chunk_size: int, queries: np.ndarray,
@@ -444,7 +540,8 @@ def _check_k(k: int, pool: int, skip_self: bool, use_gpu: bool | None) -> None:
                               "lower k, or search on the CPU (use_gpu=False)")
 
 
-def _outputs(count: int, k: int, out: str | Path | None) -> tuple[np.ndarray, ...]:
+def open_lists(count: int, k: int, out: str | Path | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Empty (count, k) int64 ids and float32 scores: in memory, or the memory-mapped list files in folder ``out``."""
     if out is None:
         return tuple(np.empty((count, k), dtype) for dtype in LIST_FILES.values())
     Path(out).mkdir(parents=True, exist_ok=True)

@@ -9,30 +9,39 @@ key without doing the work. Outputs, besides ``stage.json``:
   k nearest other rows, best first. Approximate indexes report, on a seeded sample of queries, ``recall``
   (:func:`~repsim.similarity.neighbors.recall_at_k`) and ``recall_tie_aware`` (the share of found
   neighbors as near as the exact k-th), which holds up when many rows are identical (template captions).
+
+``captions`` and ``neighbors`` run in pieces (:mod:`repsim.pieces`) on any executor, cut by the data alone and
+merged in order, so their bytes do not depend on the number of workers. A process pool for them starts its
+workers clean (``mp_context`` spawn or forkserver): torch and FAISS run OpenMP, which hangs in a forked child.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 import warnings
 from collections.abc import Mapping
+from concurrent.futures import Executor
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
 import numpy as np
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from repsim.data.manifest import read_manifest
 from repsim.data.sharding import ShardResult
 from repsim.data.spec import DataSpec, load_spec
 from repsim.errors import SimilarityError
-from repsim.similarity.captions import default_text_model, embed_captions, load_text_model
-from repsim.similarity.neighbors import (EXACT_LIMIT, STAGE_INDEXES, auto_index, descending, drop_self, knn,
-                                        recall_at_k)
+from repsim.pieces import Piece, run_pieces
+from repsim.similarity.captions import default_text_model, distinct_texts, embed_captions, load_text_model, rows_by_place
+from repsim.similarity.neighbors import (CHUNK_ROWS, EXACT_LIMIT, STAGE_INDEXES, auto_index, descending, drop_self, knn,
+                                        load_neighbors, open_lists, recall_at_k, search_queries, self_search_index,
+                                        self_searcher)
 from repsim.similarity.wordnet import class_similarity
-from repsim.stage import Stage, StageKind, StageOutput, fingerprint_files, output_dir, read_record, run_stage
+from repsim.stage import (Stage, StageKind, StageOutput, fingerprint_files, output_dir, read_record, repsim_home,
+                          run_stage)
 
 STAGE_VERSION = "1"
 NEIGHBORS_VERSION = "2"  # 2: knn(), scores named for what they are, cosine by default
@@ -43,6 +52,9 @@ SIMILARITY_FILE = "similarity.npy"
 CLASSES_FILE = "classes.json"
 HEAT_MAP_FILE = "similarity.png"
 RECALL_QUERIES = 1000
+CAPTION_PIECE_TEXTS = 65536  # distinct captions a piece embeds: a multiple of every power-of-two batch size to it
+MERGE_ROWS = 65536  # rows scattered from a piece's embeddings at a time
+QUERY_PIECE_ROWS = CHUNK_ROWS  # rows a neighbor piece searches: knn's query chunk, so the lists equal one knn call's
 
 
 # ---------------------------------------------------------------------------------------------
@@ -50,14 +62,20 @@ RECALL_QUERIES = 1000
 
 def embed_captions_stage(shards: ShardResult | str | Path, model: str | Path | None = None,
                          batch_size: int = 256, device: str | None = None,
-                         out_dir: str | Path | None = None, progress: bool = True) -> StageOutput:
+                         out_dir: str | Path | None = None, progress: bool = True,
+                         executor: Executor | None = None) -> StageOutput:
     """Embed the caption of every manifest row of ``shards`` (a ShardResult or shard directory) into
     ``embeddings.npy`` (N, D) float16 unit rows, or return the cached output at once. ``model``: a local
-    sentence-transformers folder or cached model name (default all-MiniLM-L6-v2)."""
+    sentence-transformers folder or cached model name (default all-MiniLM-L6-v2). Each piece embeds
+    :data:`CAPTION_PIECE_TEXTS` distinct captions on ``executor`` (default: here), kept in
+    ``$REPSIM_HOME/scratch/captions/<key>/`` until the output is complete."""
     shards = ShardResult.of(shards)
-    return run_stage(embed_captions_stage_of(shards, model),
-                     lambda tmp: _write_embeddings(shards.manifest, model, batch_size, device, progress, tmp),
-                     out_dir)
+    stage = embed_captions_stage_of(shards, model)
+    scratch = repsim_home() / "scratch" / stage.name / stage.key
+    output = run_stage(stage, lambda tmp: _write_embeddings(shards.manifest, model, batch_size, device, progress,
+                                                            executor, scratch, tmp), out_dir)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return output
 
 
 def embed_captions_stage_of(shards: ShardResult | str | Path, model: str | Path | None = None) -> Stage:
@@ -78,21 +96,52 @@ def text_model_identity(model: str | Path | None) -> dict[str, str]:
     return {"name": str(model)}
 
 
+@dataclass(frozen=True)
+class CaptionPiece:
+    """Distinct captions to embed in this order (longest first) with ``model`` on ``device`` (None: the worker's
+    GPU when it has one), in batches of ``batch_size``."""
+
+    texts: list[str]
+    model: str | Path | None
+    device: str | None
+    batch_size: int
+
+
+def embed_caption_piece(piece: CaptionPiece, folder: Path) -> dict[str, int]:
+    """Write the piece's captions' (n, D) float16 unit rows into ``folder/embeddings.npy``; ``{"dim": D}``. Runs
+    on a worker, which loads the model once for all its pieces."""
+    encoder = load_text_model(piece.model, piece.device)
+    rows = np.lib.format.open_memmap(folder / EMBEDDINGS_FILE, mode="w+", dtype=np.float16,
+                                     shape=(len(piece.texts), encoder.get_embedding_dimension()))
+    embed_captions(piece.texts, model=encoder, batch_size=piece.batch_size, out=rows)
+    rows.flush()
+    return {"dim": rows.shape[1]}
+
+
 def _write_embeddings(manifest: Path, model: str | Path | None, batch_size: int, device: str | None,
-                      progress: bool, out: Path) -> dict[str, float]:
+                      progress: bool, executor: Executor | None, scratch: Path, out: Path) -> dict[str, float]:
+    """Embed the distinct captions of ``manifest`` in pieces, then scatter them to its rows. The pieces are cut
+    from the distinct captions longest first, as :func:`embed_captions` batches them, so with a ``batch_size``
+    dividing :data:`CAPTION_PIECE_TEXTS` the rows equal one call's."""
     started = time.time()
     table = read_manifest(manifest, ["index", "key", "caption"])
-    captions = table["caption"]
-    encoder = load_text_model(model, device)
-    dim = encoder.get_embedding_dimension()
+    texts, places = distinct_texts(table["caption"])
+    pieces = [Piece(f"{number:05d}", CaptionPiece(texts[start:start + CAPTION_PIECE_TEXTS], model, device, batch_size))
+              for number, start in enumerate(range(0, len(texts), CAPTION_PIECE_TEXTS))]
+    results = run_pieces(embed_caption_piece, pieces, scratch, executor, desc="embed captions", progress=progress)
+    dim = results[0].summary["dim"]
     embeddings = np.lib.format.open_memmap(out / EMBEDDINGS_FILE, mode="w+", dtype=np.float16,
-                                           shape=(len(captions), dim))
-    embed_captions(captions, model=encoder, batch_size=batch_size, progress=progress, out=embeddings)
+                                           shape=(len(places), dim))
+    for (start, rows), result in zip(rows_by_place(places, CAPTION_PIECE_TEXTS, len(texts)), results):
+        piece_rows = np.load(result.path / EMBEDDINGS_FILE, mmap_mode="r")
+        for block in range(0, len(rows), MERGE_ROWS):
+            chosen = rows[block:block + MERGE_ROWS]
+            embeddings[chosen] = piece_rows[places[chosen] - start]
     embeddings.flush()
     del embeddings
     pq.write_table(table.select(["index", "key"]), out / KEYS_FILE)
-    return {"samples": len(captions), "unique_captions": pc.count_distinct(captions).as_py(), "dim": dim,
-            "seconds": round(time.time() - started, 3)}
+    return {"samples": len(places), "unique_captions": len(texts), "dim": dim, "pieces": len(pieces),
+            "pieces_kept": sum(result.kept for result in results), "seconds": round(time.time() - started, 3)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,14 +199,20 @@ EmbeddingsLike = StageOutput | str | Path
 
 def neighbors_stage(embeddings: EmbeddingsLike, k: int = 10, index: str = "auto", metric: str = "cosine",
                     recall_queries: int = RECALL_QUERIES, seed: int = 0, out_dir: str | Path | None = None,
-                    progress: bool = True) -> StageOutput:
+                    progress: bool = True, executor: Executor | None = None) -> StageOutput:
     """The k nearest other rows of every row of (N, D) ``embeddings`` (a caption stage output or directory,
     or a ``.npy``, memory-mapped) with a FAISS ``index`` (``auto``: :func:`~repsim.similarity.neighbors.auto_index`),
     or the cached output at once. ``flat`` over more than :data:`~repsim.similarity.neighbors.EXACT_LIMIT` rows
-    warns. Approximate indexes measure recall on ``recall_queries`` rows drawn with ``seed``."""
+    warns. Approximate indexes measure recall on ``recall_queries`` rows drawn with ``seed``. The index is built
+    here and saved in ``$REPSIM_HOME/scratch/neighbors/<key>/``, where each piece of :data:`QUERY_PIECE_ROWS` rows,
+    searched on ``executor`` (default: here), is kept until the output is complete."""
     stage = neighbors_stage_of(embeddings, k, index, metric, recall_queries, seed)
     path, _ = _embeddings_input(embeddings)
-    return run_stage(stage, lambda tmp: _write_neighbors(path, stage.config, progress, tmp), out_dir)
+    scratch = repsim_home() / "scratch" / stage.name / stage.key
+    output = run_stage(stage, lambda tmp: _write_neighbors(path, stage.config, progress, executor, scratch, tmp),
+                       out_dir)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return output
 
 
 def neighbors_stage_of(embeddings: EmbeddingsLike, k: int = 10, index: str = "auto", metric: str = "cosine",
@@ -190,16 +245,52 @@ def _embeddings_input(embeddings: EmbeddingsLike) -> tuple[Path, str]:
     return path, fingerprint_files([path])
 
 
-def _write_neighbors(path: Path, config: dict, progress: bool, out: Path) -> dict[str, float]:
+@dataclass(frozen=True)
+class NeighborPiece:
+    """Rows ``start`` to ``stop - 1`` of the (N, D) ``.npy`` ``embeddings``, each to search for its ``k`` nearest
+    other rows by ``metric`` with the ``index`` saved at ``index_file`` (None: ``flat``)."""
+
+    embeddings: Path
+    index_file: Path | None
+    index: str
+    metric: str
+    k: int
+    start: int
+    stop: int
+
+
+def search_neighbor_piece(piece: NeighborPiece, folder: Path) -> dict[str, int]:
+    """Write the piece's (stop - start, k) neighbor ids and scores into ``folder`` (the list files); its row count.
+    Runs on a worker, which reads the index once for all its pieces."""
+    search = self_searcher(piece.embeddings, piece.index_file, piece.index, piece.metric)
+    ids, scores = open_lists(piece.stop - piece.start, piece.k, folder)
+    search_queries(search, search.base[piece.start:piece.stop], piece.k, ids, scores,
+                   own=np.arange(piece.start, piece.stop))
+    ids.flush(), scores.flush()
+    return {"rows": piece.stop - piece.start}
+
+
+def _write_neighbors(path: Path, config: dict, progress: bool, executor: Executor | None, scratch: Path,
+                     out: Path) -> dict[str, float]:
     started = time.time()
     points = np.load(path, mmap_mode="r")
     k, index, metric = config["k"], config["index"], config["metric"]
     if index == "flat" and len(points) > EXACT_LIMIT:
         warnings.warn(f"exact neighbor search over {len(points):,} points costs N² products; "
                       f"index='auto' would use {auto_index(*points.shape)}", stacklevel=2)
-    ids, scores = knn(points, k, index=index, metric=metric, out=out, progress=progress)
+    index_file = self_search_index(points, k, index, metric, scratch, progress)
+    pieces = [Piece(f"{number:05d}", NeighborPiece(path, index_file, index, metric, k, start,
+                                                   min(start + QUERY_PIECE_ROWS, len(points))))
+              for number, start in enumerate(range(0, len(points), QUERY_PIECE_ROWS))]
+    results = run_pieces(search_neighbor_piece, pieces, scratch, executor, desc=f"{index} search", progress=progress)
+    ids, scores = open_lists(len(points), k, out)
+    for piece, result in zip(pieces, results):
+        rows = slice(piece.argument.start, piece.argument.stop)
+        ids[rows], scores[rows] = load_neighbors(result.path)
+    ids.flush(), scores.flush()
     recall = {} if index == "flat" else _recall(points, ids, scores, config)
-    return {"samples": len(ids), "k": k, **recall, "seconds": round(time.time() - started, 3)}
+    return {"samples": len(ids), "k": k, **recall, "pieces": len(pieces),
+            "pieces_kept": sum(result.kept for result in results), "seconds": round(time.time() - started, 3)}
 
 
 def _recall(points: np.ndarray, ids: np.ndarray, scores: np.ndarray, config: dict) -> dict[str, float]:
@@ -221,7 +312,7 @@ def _tie_aware_recall(ids: np.ndarray, scores: np.ndarray, kth: np.ndarray, metr
     return float((near & (ids >= 0)).mean())
 
 
-CAPTIONS = StageKind("captions", embed_captions_stage_of, embed_captions_stage)
+CAPTIONS = StageKind("captions", embed_captions_stage_of, embed_captions_stage, split=True, gpu=True)
 WORDNET = StageKind("wordnet", wordnet_similarity_stage_of, wordnet_similarity_stage,
                     (CLASSES_FILE, SIMILARITY_FILE, HEAT_MAP_FILE))
-NEIGHBORS = StageKind("neighbors", neighbors_stage_of, neighbors_stage)
+NEIGHBORS = StageKind("neighbors", neighbors_stage_of, neighbors_stage, split=True)
