@@ -33,7 +33,7 @@ its outputs take.
     python benchmarks/scaling.py --max-n 100000        # 10k and 100k: minutes, a quick check
     python benchmarks/scaling.py --stages shard,evaluate --sizes 10000,50000
 
-With ``--workers 1,2`` it times instead the stages that split into pieces (``shard``) at each N on 1 and 2
+With ``--workers 1,2`` it times instead the stages that split into pieces (``shard``, ``features``) at each N on 1 and 2
 Dask workers (a LocalCluster of single-threaded processes started before the clock starts) beside the same
 stage in one process, and the scheduling overhead per piece (a piece that does nothing, 200 times), into
 ``benchmarks/results/scaling_workers.md``:
@@ -72,7 +72,7 @@ from neighbors import clustered_points
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("shard", "captions", "neighbors", "train", "features", "evaluate", "align")
-SPLIT_STAGES = ("shard",)  # the stages whose build takes an executor for its pieces
+SPLIT_STAGES = ("shard", "features")  # the stages whose build takes an executor for its pieces
 OVERHEAD_PIECES = 200
 SIZES = (10_000, 100_000, 1_000_000)
 CLASSES = 100
@@ -281,8 +281,9 @@ def stage_calls(stage: str, folder: Path, train_steps: int, executor=None):
     def encoder():
         return train(config, shards=shards(), progress=False).path
 
-    def features():
-        return [extract_features(shards(), encoder(), split, progress=False) for split in ("train", "test")]
+    def features(pieces_on=None):
+        return [extract_features(shards(), encoder(), split, progress=False, executor=pieces_on)
+                for split in ("train", "test")]
 
     def align_config():
         return load_align_config("gera", [f"data.spec={spec}", "image.type=encoder", f"image.path={encoder()}",
@@ -294,7 +295,7 @@ def stage_calls(stage: str, folder: Path, train_steps: int, executor=None):
         "neighbors": (lambda: folder / "points.npy",
                       lambda points: [neighbors_stage(points, NEIGHBORS_K, index="auto", progress=False)]),
         "train": (shards, lambda built: [train(config, shards=built, progress=False)]),
-        "features": (encoder, lambda _: features()),
+        "features": (encoder, lambda _: features(executor)),
         "evaluate": (features, lambda built: [evaluate_features(*built, ("knn", "linear"))]),
         "align": (align_config, lambda built: [align(built, progress=False)]),
     }

@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import multiprocessing
+import os
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,8 @@ from repsim.eval.evaluation import evaluate_features, extract_features, read_res
 from repsim.eval.knn import knn_metrics, knn_rankings
 from repsim.models import resnet, save_encoder
 from repsim.pieces import PIECE_FILE, Piece, run_pieces
-from test_shard import CLASSES, read_tar
+from repsim.data.sources import open_source
+from test_shard import CLASSES, cut_points, read_tar, webdataset_spec, write_webdataset_tar
 
 
 def write_text(argument: str, folder: Path) -> int:
@@ -162,3 +164,16 @@ def test_features_and_knn_pieces_on_three_workers_write_the_bytes_of_one_process
                          np.load(outputs["alone"][1].path / "features.npy"), (1, 3))
     assert read_results(outputs["alone"][2])["suites"]["knn"] == knn_metrics(whole, np.load(outputs["alone"][1].path /
                                                                                              "labels.npy"))
+
+
+def test_a_source_of_tars_listed_on_workers_gives_the_listing_and_skips_of_one_process(write_spec, tmp_path):
+    for number in range(3):
+        write_webdataset_tar(tmp_path / f"cc-{number:05d}.tar", [f"{number}-{i:02d}" for i in range(5)])
+    os.truncate(tmp_path / "cc-00001.tar", cut_points(tmp_path / "cc-00001.tar")["inside an image"])
+    spec = load_spec(webdataset_spec(write_spec, str(tmp_path / "cc-{00000..00002}.tar"), on_error="skip"))
+    alone = open_source(spec)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        spread = open_source(spec)
+        listing = spread.entries(pool)
+    assert [listing[row] for row in range(len(listing))] == [alone.entries()[row] for row in range(len(alone.entries()))]
+    assert spread.skipped == alone.skipped and len(alone.skipped) == 1 and len(listing) == 12

@@ -73,3 +73,20 @@ def test_bad_settings_are_one_line_errors():
     with pytest.raises(ValueError, match="mask is"):
         vit("tiny", image_size=8, patch_size=4, depth=1).forward_tokens(torch.randn(1, 3, 8, 8),
                                                                          torch.zeros(1, 5, dtype=torch.bool))
+
+
+def test_a_method_that_does_not_mask_trains_a_vit_under_distributed_data_parallel(tmp_path):
+    """Only a masking method turns the mask token's gradient on: a parameter no loss reaches would stop
+    DistributedDataParallel at its second step."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    network = vit("tiny", image_size=16, patch_size=4, depth=1, in_channels=1)
+    assert not network.mask_token.requires_grad
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        model = DistributedDataParallel(network)
+        for _ in range(2):
+            model(torch.randn(2, 1, 16, 16)).sum().backward()
+    finally:
+        dist.destroy_process_group()

@@ -155,7 +155,7 @@ class TarPiece:
 def _build(spec: DataSpec, reader: Reader, out: Path, progress: bool, executor: Executor | None,
            scratch: Path) -> dict[str, float]:
     started = time.time()
-    entries = reader.entries()
+    entries = reader.entries(executor)  # a source listed in parts lists them on the workers too
     if not entries:
         raise DataError(f"the source of {spec.name!r} holds no samples", "check the source path and contents")
     pieces = _tar_pieces(spec, entries)

@@ -19,6 +19,7 @@ import re
 import tarfile
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import chain, islice
@@ -76,6 +77,19 @@ class Listing(Sequence[Entry]):
     def __len__(self) -> int:
         return len(self.labels)
 
+    @classmethod
+    def concat(cls, listings: Sequence[Listing]) -> Listing:
+        """The entries of ``listings`` one after another, as one listing (columns joined, no Entry built)."""
+        joined = object.__new__(cls)
+        joined.source_ids, joined.captions, joined.splits = (
+            pa.concat_arrays([getattr(listing, name) for listing in listings]) for name in ("source_ids", "captions", "splits"))
+        joined.labels = np.concatenate([listing.labels for listing in listings])
+        refs = [listing.refs for listing in listings]
+        widths = {part.shape[1] for part in refs if isinstance(part, np.ndarray)}
+        joined.refs = np.concatenate(refs) if len(widths) == 1 and all(isinstance(part, np.ndarray) for part in refs) \
+            else [ref if not isinstance(part, np.ndarray) else tuple(ref.tolist()) for part in refs for ref in part]
+        return joined
+
     def take(self, rows: np.ndarray) -> Listing:
         """The entries at ``rows`` as a listing of their own: columns taken, no Entry built."""
         taken = object.__new__(Listing)
@@ -119,18 +133,32 @@ class Reader(ABC):
         self.spec = spec
         self.label_ids = {name: label for label, name in enumerate(spec.class_names)}
         self.skipped: list[dict[str, str]] = []
+        self._listing: Listing | None = None
 
     @abstractmethod
     def fingerprint(self) -> str:
         """A digest of the source files (paths, sizes, times) that changes when the data does."""
 
-    def entries(self) -> Listing:
-        """Every sample in source order, without reading images; listed once (so each problem is reported once)."""
-        return self._entries
+    def entries(self, executor: Executor | None = None) -> Listing:
+        """Every sample in source order, without reading images; listed once (so each problem is reported once).
+        A source listed in :meth:`parts` lists them on ``executor`` when given."""
+        if self._listing is None:
+            parts = self.parts()
+            if executor is None or len(parts) < 2:
+                self._listing = Listing(self.list_entries())
+            else:
+                listed = list(executor.map(list_part, [self.spec] * len(parts), parts))
+                self.skipped += [skipped for _, part_skipped in listed for skipped in part_skipped]
+                self._listing = Listing.concat([listing for listing, _ in listed])
+        return self._listing
 
-    @cached_property
-    def _entries(self) -> Listing:
-        return Listing(self.list_entries())
+    def parts(self) -> list[Any]:
+        """The parts the listing can be cut into, each listed by :meth:`list_part` (none: listed whole)."""
+        return []
+
+    def list_part(self, part: Any) -> Iterable[Entry]:
+        """The samples of one of :meth:`parts`, in source order."""
+        raise NotImplementedError(f"{type(self).__name__} lists its source whole")
 
     @abstractmethod
     def list_entries(self) -> Iterable[Entry]:
@@ -505,16 +533,24 @@ class WebDatasetReader(Reader):
     def list_entries(self) -> Iterator[Entry]:
         """``ref``: (tar number, data offset, size) of the image member, or None. A damaged tar is a DataError
         or, under ``on_error: skip``, reported, keeping all but its last sample read."""
-        for number, tar in enumerate(self.tars):
-            samples, damage = self._tar_samples(tar)
-            if damage:
-                self.skip_or_fail(tar.name, f"{tar} {damage}", "re-create or re-download it, or set 'on_error: skip' "
-                                  "in the data spec to keep the samples before the damage")
-                samples = dict(list(samples.items())[:-1])
-            for key, members in samples.items():
-                image = members.get(self.spec.source.image_ext)
-                yield Entry(f"{tar.name}/{key}", self._label(members.get("json"), f"{tar}:{key}"), members.get("txt"),
-                            None, None if image is None else (number, *image))
+        for number in self.parts():
+            yield from self.list_part(number)
+
+    def parts(self) -> list[int]:
+        """Each tar, by its number."""
+        return list(range(len(self.tars)))
+
+    def list_part(self, number: int) -> Iterator[Entry]:
+        tar = self.tars[number]
+        samples, damage = self._tar_samples(tar)
+        if damage:
+            self.skip_or_fail(tar.name, f"{tar} {damage}", "re-create or re-download it, or set 'on_error: skip' "
+                              "in the data spec to keep the samples before the damage")
+            samples = dict(list(samples.items())[:-1])
+        for key, members in samples.items():
+            image = members.get(self.spec.source.image_ext)
+            yield Entry(f"{tar.name}/{key}", self._label(members.get("json"), f"{tar}:{key}"), members.get("txt"),
+                        None, None if image is None else (number, *image))
 
     def _tar_samples(self, tar: Path) -> tuple[dict[str, dict[str, Any]], str | None]:
         """{key: {extension: value}} in member order, and why the tar is damaged (None when it is whole)."""
@@ -565,6 +601,12 @@ READERS: dict[type, type[Reader]] = {
     FashionMnistSource: FashionMnistReader, AnimalMnistSource: AnimalMnistReader,
     ImageFolderSource: ImageFolderReader, ManifestSource: ManifestReader, WebDatasetSource: WebDatasetReader,
 }
+
+
+def list_part(spec: DataSpec, part: Any) -> tuple[Listing, list[dict[str, str]]]:
+    """(the entries of one part of ``spec``'s source, what ``on_error: skip`` left out of it). Runs on a worker."""
+    reader = open_source(spec)
+    return Listing(reader.list_part(part)), reader.skipped
 
 
 def open_source(spec: DataSpec) -> Reader:

@@ -125,10 +125,10 @@ class SelfDistillation(Method):
         super().__init__()
         self.encoder, self.head, self.base_momentum, self.masking = encoder, head, momentum, masking
         self.horizon = horizon
+        if masking is not None and isinstance(encoder, MaskableViT):
+            encoder.mask_token.requires_grad_(True)
         self.teacher_encoder = copy.deepcopy(encoder).requires_grad_(False)
         self.teacher_head = copy.deepcopy(head).requires_grad_(False)
-        if masking is None and isinstance(encoder, MaskableViT):
-            encoder.mask_token.requires_grad_(False)
         self.register_buffer("entropy_sums", torch.zeros(2, dtype=torch.float64))  # of the mean, per sample
         self.register_buffer("entropy_steps", torch.zeros((), dtype=torch.long))
 

@@ -29,7 +29,9 @@ class MaskableViT(VisionTransformer):
         nn.init.trunc_normal_(self.conv_proj.weight, std=math.sqrt(1 / (in_channels * patch_size ** 2)))
         nn.init.zeros_(self.conv_proj.bias)
         self.heads = nn.Identity()
-        self.mask_token = nn.Parameter(torch.zeros(1, 1, width))
+        # learned only by a method that masks patches, which turns its gradient on: a parameter that no loss
+        # reaches would stop DistributedDataParallel at its second step
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, width), requires_grad=False)
         self.feature_dim = width
 
     def patch_grid(self, height: int, width: int) -> tuple[int, int]:
