@@ -6,9 +6,11 @@ twice is submitted once and its result shared."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import hashlib
+import logging
 import os
 import tempfile
 import time
@@ -42,7 +44,7 @@ from repsim.results import Row, Score, aggregate, as_records, headline_metrics, 
 from repsim.similarity.targets import ClassMatrixSource, EmbeddingSource, LabelSource, SimilaritySource
 from repsim.similarity.precompute import EMBEDDINGS_FILE, SIMILARITY_FILE
 from repsim.stage import StageOutput, read_record, rebuilding, verifying
-from repsim.tasks.cluster import cluster_running, requested_cluster
+from repsim.tasks.cluster import cluster_running, dask_logs_above, requested_cluster, stores
 from repsim.tasks.settings import api_for_workers
 from repsim.tasks.stage_tasks import KINDS, TASKS, current_record, from_prefect_cache, log_stage, planned, produced
 from repsim.tasks.tracking import MODEL_URI, StageRun, Tracker, model_directory
@@ -86,7 +88,8 @@ class Stages:
         self._uses[request] += 1
         if request not in self._submitted:
             named = TASKS[kind].with_options(task_run_name=f"{kind} {label}" if label else kind)
-            future = named.submit(params, options, out_dir, self.parent.run_id, label, encoder, register)
+            future = named.submit(params, options, out_dir, self.parent.run_id, label, encoder, register,
+                                  stores() if self.cluster else None)
             self._submitted[request] = future, kind, label, encoder
         return request
 
@@ -94,7 +97,13 @@ class Stages:
         """The output of a submitted request, once its task has finished; tracked the first time."""
         if request not in self._outputs:
             future, kind, label, encoder = self._submitted[request]
-            output = self._outputs[request] = future.result()
+            try:
+                output = self._outputs[request] = future.result()
+            except concurrent.futures.CancelledError:  # a task runner's lost future: its cluster went away
+                task = " ".join(filter(None, [kind, label]))
+                raise StageError(f"task {task} was lost with the cluster that ran it (its scheduler stopped or is "
+                                 "unreachable)", "start the scheduler again (or leave out --cluster) and rerun: the "
+                                 "stages completed and the pieces done are kept") from None
             prefect_cached = from_prefect_cache(future.state)
             if prefect_cached:  # the task did not run: its MLflow run is logged here
                 log_stage(self.tracker, self.parent, KINDS[kind], output.path, label, encoder)
@@ -349,7 +358,7 @@ def experiment_flow_on(cluster: str | None, concurrency: int | None = None) -> I
             return
         from prefect_dask import DaskTaskRunner
 
-        with api_for_workers():
+        with api_for_workers(), dask_logs_above(logging.CRITICAL):
             yield functools.partial(experiment_flow.with_options(task_runner=DaskTaskRunner(address=address)),
                                     cluster=address)
 

@@ -125,7 +125,7 @@ def _built(work: Work, pieces: Sequence[Piece], folder: Path, executor: concurre
 
 def _lost(futures: dict[concurrent.futures.Future, Piece], folder: Path, desc: str) -> StageError:
     done = sum(1 for piece in futures.values() if (folder / piece.name / PIECE_FILE).is_file())
-    return StageError(f"{desc}: the executor lost its pieces (the cluster's scheduler stopped or is unreachable); "
+    return StageError(f"{desc}: the executor lost its pieces (its scheduler stopped or is unreachable); "
                       f"{done} of {len(futures)} pieces of this run are done and kept in {folder}",
                       "start the scheduler again (or leave out --cluster) and rerun: the kept pieces are reused")
 

@@ -18,6 +18,7 @@ from concurrent.futures import Executor
 
 from repsim.errors import SpecError, StageError, first_line
 from repsim.experiment import CLUSTER_PATTERN
+from repsim.stage import repsim_home
 
 ADDRESS_ENV = "DASK_SCHEDULER_ADDRESS"
 GPU = "GPU"  # the worker resource a piece that wants a GPU asks for
@@ -37,15 +38,21 @@ def requested_cluster(cluster: str | None) -> str | None:
 
 
 @contextlib.contextmanager
-def _quiet(level: int) -> Iterator[None]:
-    """Dask's own log records below ``level`` dropped for the block: repsim says in one line what went wrong."""
-    dask_log = logging.getLogger("distributed")
-    previous = dask_log.level
-    dask_log.setLevel(level)
+def dask_logs_above(level: int) -> Iterator[None]:
+    """Dask's own log records below ``level`` dropped for the block (its loggers set their levels one by one):
+    a lost scheduler gets Dask's reconnection tracebacks, then repsim's one line."""
+    import distributed  # noqa: F401  (configures its loggers)
+
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+               if name == "distributed" or name.startswith("distributed.")]
+    previous = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(max(level, logger.level))
     try:
         yield
     finally:
-        dask_log.setLevel(previous)
+        for logger, was in zip(loggers, previous):
+            logger.setLevel(was)
 
 
 @contextlib.contextmanager
@@ -58,7 +65,7 @@ def cluster_running(cluster: str | None) -> Iterator[str | None]:
         return
     from distributed import LocalCluster
 
-    with _quiet(logging.WARNING), LocalCluster(n_workers=int(local.group(1)), threads_per_worker=1, processes=True,
+    with dask_logs_above(logging.WARNING), LocalCluster(n_workers=int(local.group(1)), threads_per_worker=1, processes=True,
                                                dashboard_address=None, silence_logs=logging.WARNING) as started:
         yield started.scheduler_address
 
@@ -72,7 +79,7 @@ def executor(address: str | None, gpu: bool | None = False) -> Iterator[Executor
     if address is None:
         yield None
         return
-    with _quiet(logging.CRITICAL), _client(address) as client:  # a lost scheduler: Dask's tracebacks, then a StageError
+    with dask_logs_above(logging.CRITICAL), _client(address) as client:  # a lost scheduler: Dask's tracebacks, then a StageError
         offered = gpu is not False and any(GPU in worker.get("resources", {})
                                            for worker in client.scheduler_info(n_workers=-1)["workers"].values())
         if gpu and not offered:
@@ -80,6 +87,22 @@ def executor(address: str | None, gpu: bool | None = False) -> Iterator[Executor
                              "asks for a GPU", f"start GPU workers with 'dask worker --resources {GPU}=1' (one per GPU), "
                              "or run the stage with device cpu")
         yield client.get_executor(resources={GPU: 1} if offered else None)
+
+
+def stores() -> dict[str, str]:
+    """Where this process keeps stage outputs and tracks runs: its ``$REPSIM_HOME`` and MLflow tracking URI."""
+    return {"REPSIM_HOME": str(repsim_home()), "MLFLOW_TRACKING_URI": os.environ.get("MLFLOW_TRACKING_URI", "")}
+
+
+def check_stores(expected: dict[str, str]) -> None:
+    """StageError, in one line, unless this process (a stage task on a cluster's worker) keeps outputs and runs
+    where the flow that sent the task does (``expected``, the flow's :func:`stores`)."""
+    differ = [f"{name}={value}, not the run's {expected[name]}" for name, value in stores().items()
+              if value != expected[name]]
+    if differ:
+        raise StageError(f"a Dask worker of this run has {'; '.join(differ)}",
+                         "start the workers with the run's REPSIM_HOME (on a file system they share) and its "
+                         "MLFLOW_TRACKING_URI and PREFECT_API_URL")
 
 
 def _client(address: str) -> contextlib.AbstractContextManager:

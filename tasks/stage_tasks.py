@@ -29,7 +29,7 @@ from repsim.eval.evaluation import EVALUATE, FEATURES
 from repsim.methods.training import TRAIN
 from repsim.similarity.precompute import CAPTIONS, NEIGHBORS, WORDNET
 from repsim.stage import Stage, StageKind, StageOutput, is_current, read_record
-from repsim.tasks.cluster import executor
+from repsim.tasks.cluster import check_stores, executor
 from repsim.tasks.tracking import StageRun, Tracker
 
 RETRY_DELAYS_S = [5, 30]  # waits before the retries of a transient failure
@@ -63,7 +63,9 @@ def stage_task(kind: StageKind) -> Task:
     stage runs its pieces on the Dask scheduler at the option ``cluster`` (:mod:`repsim.tasks.cluster`)."""
     def run(params: dict[str, Any], options: dict[str, Any] | None = None, out_dir: str | None = None,
             parent_run_id: str = "", label: str | None = None, encoder: str | None = None,
-            register: str | None = None) -> StageOutput:
+            register: str | None = None, stores: dict[str, str] | None = None) -> StageOutput:
+        if stores is not None:  # sent to a cluster's worker: it must keep outputs and runs where the flow does
+            check_stores(stores)
         stage, out = planned(kind, params, out_dir)
         options = dict(options or {})
         cluster, gpu = options.pop("cluster", None), wants_gpu(kind, {**params, **options}.get("device"))
