@@ -26,9 +26,9 @@ import json
 import shutil
 import tarfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -161,7 +161,7 @@ def _build(spec: DataSpec, reader: Reader, out: Path, progress: bool, executor: 
     pieces = _tar_pieces(spec, entries)
     results = run_pieces(write_tar_piece, pieces, scratch, executor, desc=f"shard {spec.name}", progress=progress)
     errors = reader.skipped + [error for result in results for error in result.summary["errors"]]
-    tar_names: dict[str, list[str]] = {split: [] for split, _ in dict.fromkeys((p.argument.split, 0) for p in pieces)}
+    tar_names: dict[str, list[str]] = {piece.argument.split: [] for piece in pieces}  # splits in write order
     with ManifestWriter(out / MANIFEST) as manifest:
         for piece, result in zip(pieces, results):
             if result.summary["samples"]:

@@ -78,27 +78,31 @@ class Listing(Sequence[Entry]):
         return len(self.labels)
 
     @classmethod
+    def _of_columns(cls, source_ids: pa.Array, captions: pa.Array, splits: pa.Array, labels: np.ndarray,
+                    refs: np.ndarray | list[Any]) -> Listing:
+        """A listing of these columns as they are (no Entry built)."""
+        listing = object.__new__(cls)
+        listing.source_ids, listing.captions, listing.splits, listing.labels, listing.refs = \
+            source_ids, captions, splits, labels, refs
+        return listing
+
+    @classmethod
     def concat(cls, listings: Sequence[Listing]) -> Listing:
-        """The entries of ``listings`` one after another, as one listing (columns joined, no Entry built)."""
-        joined = object.__new__(cls)
-        joined.source_ids, joined.captions, joined.splits = (
-            pa.concat_arrays([getattr(listing, name) for listing in listings]) for name in ("source_ids", "captions", "splits"))
-        joined.labels = np.concatenate([listing.labels for listing in listings])
+        """The entries of ``listings`` one after another, as one listing."""
         refs = [listing.refs for listing in listings]
-        widths = {part.shape[1] for part in refs if isinstance(part, np.ndarray)}
-        joined.refs = np.concatenate(refs) if len(widths) == 1 and all(isinstance(part, np.ndarray) for part in refs) \
-            else [ref if not isinstance(part, np.ndarray) else tuple(ref.tolist()) for part in refs for ref in part]
-        return joined
+        arrays = all(isinstance(part, np.ndarray) for part in refs) and len({part.shape[1] for part in refs}) == 1
+        return cls._of_columns(*(pa.concat_arrays([getattr(listing, name) for listing in listings])
+                                 for name in ("source_ids", "captions", "splits")),
+                               np.concatenate([listing.labels for listing in listings]),
+                               np.concatenate(refs) if arrays else
+                               [tuple(ref.tolist()) if isinstance(part, np.ndarray) else ref for part in refs for ref in part])
 
     def take(self, rows: np.ndarray) -> Listing:
-        """The entries at ``rows`` as a listing of their own: columns taken, no Entry built."""
-        taken = object.__new__(Listing)
+        """The entries at ``rows`` as a listing of their own."""
         positions = pa.array(rows, pa.int64())
-        taken.source_ids, taken.captions, taken.splits = (column.take(positions)
-                                                          for column in (self.source_ids, self.captions, self.splits))
-        taken.labels = self.labels[rows]
-        taken.refs = self.refs[rows] if isinstance(self.refs, np.ndarray) else [self.refs[row] for row in rows]
-        return taken
+        return self._of_columns(*(column.take(positions) for column in (self.source_ids, self.captions, self.splits)),
+                                self.labels[rows],
+                                self.refs[rows] if isinstance(self.refs, np.ndarray) else [self.refs[row] for row in rows])
 
     def __getitem__(self, row: int) -> Entry:
         if isinstance(row, slice):
@@ -153,12 +157,12 @@ class Reader(ABC):
         return self._listing
 
     def parts(self) -> list[Any]:
-        """The parts the listing can be cut into, each listed by :meth:`list_part` (none: listed whole)."""
-        return []
+        """The parts the listing can be cut into, each listed by :meth:`list_part`; by default one, the whole."""
+        return [None]
 
     def list_part(self, part: Any) -> Iterable[Entry]:
-        """The samples of one of :meth:`parts`, in source order."""
-        raise NotImplementedError(f"{type(self).__name__} lists its source whole")
+        """The samples of one of :meth:`parts`, in source order; by default (the one part) all of them."""
+        return self.list_entries()
 
     @abstractmethod
     def list_entries(self) -> Iterable[Entry]:
