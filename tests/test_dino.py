@@ -14,6 +14,7 @@ from repsim.data.sharding import shard
 from repsim.data.masking import BlockMasking
 from repsim.losses.dino import DINOLoss, cross_view_cross_entropy
 from repsim.losses.ibot import IBOTPatchLoss
+from repsim.losses.koleo import KoLeoLoss
 from repsim.methods.config import ModelConfig, load_config
 from repsim.methods.dino import Dino, Prototypes
 from repsim.methods.self_distillation import projection_head
@@ -103,12 +104,12 @@ def test_no_masked_patch_gives_a_zero_patch_loss_and_keeps_the_centre():
         loss(torch.zeros(3, 4), torch.zeros(3, 5))
 
 
-def ibot(share: float) -> Dino:
+def ibot(share: float, koleo_weight: float = 0.0) -> Dino:
     torch.manual_seed(0)
     encoder = vit("tiny", image_size=16, patch_size=4, depth=1, in_channels=1)
     head = projection_head(encoder.feature_dim, ModelConfig(projection_hidden_dim=32, projection_dim=16))
     return Dino(encoder, head, Prototypes(16, 12), DINOLoss(12), patch_loss=IBOTPatchLoss(12), patch_weight=0.5,
-                masking=BlockMasking((0.3, 0.5), share=share))
+                masking=BlockMasking((0.3, 0.5), share=share), koleo_weight=koleo_weight)
 
 
 def test_ibot_adds_the_weighted_patch_loss_and_trains_the_mask_token():
@@ -126,6 +127,27 @@ def test_ibot_adds_the_weighted_patch_loss_and_trains_the_mask_token():
     with pytest.raises(ValueError, match="patch loss needs masking"):
         Dino(method.encoder, projection_head(method.encoder.feature_dim, ModelConfig(projection_dim=16)),
              Prototypes(16, 12), DINOLoss(12), patch_loss=IBOTPatchLoss(12))
+
+
+def test_the_koleo_option_adds_its_weight_times_koleo_of_the_global_unit_projections_before_the_prototypes():
+    batch = {"views": [torch.randn(4, 1, 16, 16), torch.randn(4, 1, 16, 16), torch.randn(4, 1, 8, 8)]}
+    steps = {}
+    for weight in (0.0, 0.5):
+        method = ibot(share=1.0, koleo_weight=weight)
+        torch.manual_seed(1)
+        steps[weight] = method.training_step(batch)
+    plain, spread = steps[0.0], steps[0.5]
+    assert plain["koleo"] == 0 and spread["koleo"] > 0
+    torch.testing.assert_close(spread["cls_loss"], plain["cls_loss"])
+    torch.testing.assert_close(spread["loss"], plain["loss"] + 0.5 * spread["koleo"])
+    torch.manual_seed(1)
+    globals_ = torch.cat(batch["views"][:2])
+    cls, _ = method.encoder.forward_tokens(globals_, method.draw_mask(globals_))
+    expected = torch.stack([KoLeoLoss()(method.head[0](view)) for view in cls.chunk(2)]).mean()
+    torch.testing.assert_close(spread["koleo"], expected)
+    spread["koleo"].backward()
+    assert method.prototypes.weight.grad is None
+    assert all(weight.grad is not None for weight in method.head[0].parameters())
 
 
 def optimizer_steps(method: Dino, steps: int, total: int) -> list[torch.Tensor]:

@@ -53,9 +53,10 @@ class Prototypes(nn.Module):
 
 
 class Dino(SelfDistillation):
-    """DINO: ``head`` to the unit projection, then ``prototypes`` to K logits. Logs ``loss`` and
-    ``prototype_entropy``; with ``patch_loss`` and ``masking`` (iBOT) the loss adds ``patch_weight`` × the
-    masked patches' loss, logged with ``cls_loss``. ``warmup``: share of the steps over which each teacher
+    """DINO: ``head`` to the unit projection, then ``prototypes`` to K logits. Logs ``loss``, ``koleo`` and
+    ``prototype_entropy``; the loss adds ``koleo_weight`` × ``koleo`` (:meth:`SelfDistillation.spreading`), and
+    with ``patch_loss`` and ``masking`` (iBOT) ``patch_weight`` × the masked patches' loss, logged with
+    ``cls_loss``. ``warmup``: share of the steps over which each teacher
     temperature reaches its ``final_temperatures`` entry ([CLS], patches); ``frozen``: share with no
     prototype update.
     """
@@ -66,10 +67,10 @@ class Dino(SelfDistillation):
                  momentum: float = 0.996, memory_size: int = DIAGNOSTIC_MEMORY, *,
                  patch_loss: IBOTPatchLoss | None = None, patch_weight: float = 1.0,
                  masking: BlockMasking | None = None, final_temperatures: tuple[float, ...] = (),
-                 warmup: float = 0.0, frozen: float = 0.0, horizon: float | None = None):
+                 warmup: float = 0.0, frozen: float = 0.0, horizon: float | None = None, koleo_weight: float = 0.0):
         if (patch_loss is None) != (masking is None):
             raise ValueError("a patch loss needs masking, and masking needs a patch loss")
-        super().__init__(encoder, nn.Sequential(head, prototypes), momentum, masking=masking, horizon=horizon)
+        super().__init__(encoder, nn.Sequential(head, prototypes), momentum, masking, horizon, koleo_weight)
         self.loss, self.patch_loss, self.patch_weight = loss, patch_loss, patch_weight
         self.memory = Memory(memory_size, prototypes.weight.shape[1])
         self.prototypes, self.frozen, self.warmup = prototypes, frozen, warmup
@@ -105,13 +106,16 @@ class Dino(SelfDistillation):
         teacher_logits = prototypes(teacher)
         student_cls, student_patches = self.student_tokens(batch, globals_, mask)
         entropy = self.record_targets(self.loss.teacher_probabilities(teacher_logits))
-        cls_loss = self.loss([self.head(view) for view in student_cls], list(teacher_logits.chunk(2)))
+        student = [self.head[0](view) for view in student_cls]
+        cls_loss = self.loss([self.prototypes(view) for view in student], list(teacher_logits.chunk(2)))
+        koleo = self.spreading(student)
         self.memory.enqueue(teacher)
+        loss = cls_loss + self.koleo_weight * koleo
         if self.patch_loss is None:
-            return {"loss": cls_loss, "prototype_entropy": entropy}
+            return {"loss": loss, "koleo": koleo, "prototype_entropy": entropy}
         patch_loss = self.patch_loss(self.head(student_patches[mask]), self.teacher_head(teacher_patches[mask]))
-        return {"loss": cls_loss + self.patch_weight * patch_loss, "cls_loss": cls_loss, "patch_loss": patch_loss,
-                "prototype_entropy": entropy}
+        return {"loss": loss + self.patch_weight * patch_loss, "cls_loss": cls_loss, "patch_loss": patch_loss,
+                "koleo": koleo, "prototype_entropy": entropy}
 
 
 @register("dino", settings=DinoConfig)
@@ -124,4 +128,5 @@ def build(config: Config, data: TrainingData, **patch_options: object) -> Dino:
                 Prototypes(config.model.projection_dim, method.num_prototypes),
                 DINOLoss(method.num_prototypes, method.student_temperature, method.teacher_temperature,
                          method.center_momentum), momentum=method.teacher_momentum, frozen=method.freeze_prototypes,
-                warmup=method.teacher_warmup, horizon=method.teacher_horizon, **patch_options)
+                warmup=method.teacher_warmup, horizon=method.teacher_horizon, koleo_weight=method.koleo_weight,
+                **patch_options)

@@ -18,6 +18,7 @@ from torch import nn
 from repsim.data.masking import BlockMasking
 from repsim.errors import SpecError
 from repsim.eval.diagnostics import effective_rank, embedding_std, mean_cosine
+from repsim.losses import KoLeoLoss
 from repsim.losses._pairs import gather_no_grad
 from repsim.losses.sop import mean_assignment_entropy, mean_sample_entropy
 from repsim.layering import Strict
@@ -29,13 +30,15 @@ from repsim.models import VITS, MaskableViT, backbone
 
 class SelfDistillationSettings(Strict):
     """A student and its EMA teacher, momentum cosine from ``teacher_momentum`` (or 1 − 1/(h·steps) with
-    ``teacher_horizon`` h) to 1; ``head_batchnorm``: BatchNorm in the projection head."""
+    ``teacher_horizon`` h) to 1; ``head_batchnorm``: BatchNorm in the projection head; ``koleo_weight``:
+    the weight of KoLeo (DINOv2's spreading term) on the student's global unit embeddings, an option (0: off)."""
 
     student_temperature: float = Field(0.1, gt=0)
     teacher_temperature: float = Field(0.04, gt=0)
     teacher_momentum: float = Field(0.996, ge=0, le=1)
     teacher_horizon: float | None = Field(None, gt=0, le=1)
     head_batchnorm: bool = False
+    koleo_weight: float = Field(0.0, ge=0)
 
 
 class MaskedPatchesSettings(Strict):
@@ -114,17 +117,18 @@ def projection_head(in_dim: int, model: ModelConfig, batchnorm: bool = False) ->
 
 class SelfDistillation(Method):
     """A student (``encoder``, ``head``), its EMA teacher (``teacher_encoder``, ``teacher_head``) of base
-    ``momentum`` (or averaging over the ``horizon`` share of the run) and ``masking`` (None: none).
-    :meth:`epoch_metrics` reads the memory ``embeddings`` and the targets passed to :meth:`record_targets`.
+    ``momentum`` (or averaging over the ``horizon`` share of the run), ``masking`` (None: none) and
+    ``koleo_weight`` (:meth:`spreading`). :meth:`epoch_metrics` reads the memory ``embeddings`` and the
+    targets passed to :meth:`record_targets`.
     """
 
     entropy_metric = "assignment_entropy"
 
     def __init__(self, encoder: nn.Module, head: nn.Module, momentum: float, masking: BlockMasking | None,
-                 horizon: float | None = None):
+                 horizon: float | None = None, koleo_weight: float = 0.0):
         super().__init__()
         self.encoder, self.head, self.base_momentum, self.masking = encoder, head, momentum, masking
-        self.horizon = horizon
+        self.horizon, self.koleo_weight, self.koleo = horizon, koleo_weight, KoLeoLoss()
         if masking is not None and isinstance(encoder, MaskableViT):
             encoder.mask_token.requires_grad_(True)
         self.teacher_encoder = copy.deepcopy(encoder).requires_grad_(False)
@@ -164,6 +168,13 @@ class SelfDistillation(Method):
         if local:
             cls = torch.cat([cls, self.encoder(torch.cat(local))])
         return list(cls.chunk(len(batch["views"]))), patches
+
+    def spreading(self, student: list[torch.Tensor]) -> torch.Tensor:
+        """KoLeo of the student's unit embeddings of the two global views (``student[:2]``, (B, D) each),
+        their mean; a zero that keeps the graph when ``koleo_weight`` is 0."""
+        if not self.koleo_weight:
+            return sum(view.sum() for view in student[:2]) * 0.0
+        return torch.stack([self.koleo(view) for view in student[:2]]).mean()
 
     @torch.no_grad()
     def after_optimizer_step(self, step: int, total_steps: int) -> None:

@@ -17,7 +17,6 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from repsim.data.masking import BlockMasking
-from repsim.losses import KoLeoLoss
 from repsim.losses.sop import MaskedSOPLoss, SOPLoss, SOPs, Supports, assemble_sops, draw_supports
 from repsim.methods.config import Config
 from repsim.methods.base import TrainingData, register
@@ -45,7 +44,6 @@ class SOPConfig(SelfDistillationSettings, MaskedPatchesSettings):
     patches_per_view: int = Field(1, gt=0)
     cls_weight: float = Field(1.0, ge=0)
     mim_weight: float = Field(1.0, ge=0)
-    koleo_weight: float = Field(0.0, ge=0)
     anchor_share: float | None = Field(None, gt=0, lt=1)
     supports_from_anchors: bool = True
     patch_support_size: int | None = Field(None, ge=0)
@@ -150,11 +148,10 @@ class SOP(SelfDistillation):
                  momentum: float = 0.996, masking: BlockMasking | None = None, patches_per_view: int = 1,
                  koleo_weight: float = 0.0, horizon: float | None = None, anchor_draws: int = 1,
                  enqueue_second_only: bool = False):
-        super().__init__(encoder, head, momentum, masking if mim_weight > 0 else None, horizon)
+        super().__init__(encoder, head, momentum, masking if mim_weight > 0 else None, horizon, koleo_weight)
         self.cls_bank, self.patch_bank = cls_bank, patch_bank
         self.cls_loss, self.mim_loss = cls_loss, mim_loss
         self.cls_weight, self.mim_weight, self.patches_per_view = cls_weight, mim_weight, patches_per_view
-        self.koleo_weight, self.koleo = koleo_weight, KoLeoLoss()
         self.anchor_draws, self.enqueue_second_only = anchor_draws, enqueue_second_only
 
     @property
@@ -179,7 +176,7 @@ class SOP(SelfDistillation):
         self.cls_bank.memory.enqueue(teacher_cls[enqueued])
         if teacher_patches is not None:
             self.patch_bank.memory.enqueue(self._sample_patches(teacher_patches[enqueued]))
-        koleo = torch.stack([self.koleo(view) for view in student[:2]]).mean() if self.koleo_weight else zero
+        koleo = self.spreading(student)
         count = torch.tensor(float(cls_sops.count if cls_sops is not None else 0), device=zero.device)
         loss = self.cls_weight * cls_loss + self.mim_weight * mim_loss + self.koleo_weight * koleo
         return {"loss": loss, "cls_loss": cls_loss, "mim_loss": mim_loss, "koleo": koleo,
