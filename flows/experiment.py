@@ -59,6 +59,13 @@ def concurrency() -> int:
     return int(os.environ.get("REPSIM_CONCURRENCY") or max(1, torch.cuda.device_count()))
 
 
+def task_run_name(kind: str, label: str | None) -> str:
+    """The stage task's run name, "KIND LABEL", as a template Prefect formats with the task's parameters:
+    braces of the label (a grid point's dict value) escaped."""
+    name = f"{kind} {label}" if label else kind
+    return name.replace("{", "{{").replace("}", "}}")
+
+
 def _request(kind: str, params: dict[str, Any], options: dict[str, Any], out_dir: str | None) -> str:
     """A stage request as text: two requests are the same stage when their texts are equal."""
     return f"{kind}{params!r}{sorted(options.items())!r}{out_dir}"
@@ -87,7 +94,7 @@ class Stages:
         request = _request(kind, params, options, out_dir)
         self._uses[request] += 1
         if request not in self._submitted:
-            named = TASKS[kind].with_options(task_run_name=f"{kind} {label}" if label else kind)
+            named = TASKS[kind].with_options(task_run_name=task_run_name(kind, label))
             future = named.submit(params, options, out_dir, self.parent.run_id, label, encoder, register,
                                   stores() if self.cluster else None)
             self._submitted[request] = future, kind, label, encoder

@@ -44,6 +44,18 @@ def test_a_stage_is_labelled_by_the_grid_values_that_can_change_it():
     assert member.label_through("align", "pixels") == "pairs=20 seed=3"  # no trained encoder
 
 
+def test_a_grid_point_of_a_dict_value_names_its_stage_task_literally():
+    from flows.experiment import task_run_name
+
+    experiment = load_experiment("default", ["seeds=[0]", "sweep={train.settings.data.preset_options: "
+                                             "[{local_crops: 0, global_scale: [0.5, 1.0]}]}"])
+    [member] = expand(experiment)
+    assert member.label == "preset_options={global_scale: [0.5, 1.0], local_crops: 0} seed=0"
+    template = task_run_name("train", f"simclr [{member.label}]")
+    assert template.format(params={}, options={}) == f"train simclr [{member.label}]"  # as Prefect formats it
+    assert task_run_name("shard", None) == "shard"
+
+
 def test_an_experiment_without_seeds_or_sweep_is_its_only_member():
     experiment = load_experiment("default")
     [member] = expand(experiment)
