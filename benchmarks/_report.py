@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import math
 import shlex
 import statistics
 import tempfile
@@ -15,6 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+
+HERE = Path(__file__).resolve().parent  # benchmarks/: the reports' folder
 
 
 def markdown(header: list[str], rows: list[list[str]]) -> str:
@@ -215,3 +219,59 @@ def mean_std(row: dict, metric: str) -> str:
     if row[f"{metric}.n"] == 1:
         return f"{100 * row[metric]:.2f}"
     return f"{100 * row[metric]:.2f} ± {100 * row[f'{metric}.std']:.2f}"
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A claim as a comparison of two rows of a result table on one metric: row ``better`` beats row
+    ``worse``. ``text`` words it; ``source`` says whose claim it is (the paper, its rebuttal, a control)."""
+
+    text: str
+    source: str
+    better: str
+    worse: str
+    metric: str = "knn_top1_k20"
+
+
+def pooled_std(first: dict, second: dict, metric: str) -> float:
+    """√((s₁² + s₂²)/2) of two rows' sample standard deviations of ``metric``."""
+    return math.sqrt(((first[f"{metric}.std"] or 0) ** 2 + (second[f"{metric}.std"] or 0) ** 2) / 2)
+
+
+def verdict(better: dict | None, worse: dict | None, metric: str, seeds: int = 3) -> tuple[str, str]:
+    """(✔ / ✗ / not shown, why) for "``better`` beats ``worse`` on ``metric``": ✔ when its mean is ahead by
+    more than one pooled standard deviation, ✗ when behind by more, "not shown" within it, whichever way
+    it points, and for a row not run or run at fewer than ``seeds`` seeds."""
+    for row in (better, worse):
+        if row is None or row.get(metric) is None:
+            return "not shown", "not run"
+        if row[f"{metric}.n"] < seeds and row["encoder"] != "pixels":  # the pixels are the same at every seed
+            return "not shown", f"{row['encoder']} has {row[f'{metric}.n']} of the {seeds} seeds"
+    difference, spread = 100 * (better[metric] - worse[metric]), 100 * pooled_std(better, worse, metric)
+    said = f"{difference:+.2f} points, pooled std {spread:.2f}"
+    if abs(difference) <= spread:
+        return "not shown", f"{said}: within one pooled std"
+    return ("✔" if difference > 0 else "✗"), said
+
+
+def verdict_table(claims: list[Claim], rows: list[dict], names: Callable[[str], str]) -> str:
+    """The markdown verdict table of ``claims`` against the result ``rows`` (one per encoder)."""
+    by_encoder = {row["encoder"]: row for row in rows}
+    lines = []
+    for claim in claims:
+        better, worse = by_encoder.get(claim.better), by_encoder.get(claim.worse)
+        mark, why = verdict(better, worse, claim.metric)
+        measured = " vs ".join(f"{names(label)} {mean_std_n(row, claim.metric)}"
+                               for label, row in ((claim.better, better), (claim.worse, worse)))
+        lines.append([claim.text, claim.source, METRIC_NAMES.get(claim.metric, claim.metric), measured, mark, why])
+    return markdown(["claim", "whose", "measure", "measured (mean ± std, n)", "verdict", "why"], lines)
+
+
+METRIC_NAMES = {"knn_top1_k20": "kNN top-1 (k = 20)", "linear_top1": "linear top-1"}
+
+
+def mean_std_n(row: dict | None, metric: str) -> str:
+    """``81.23 ± 0.41 (3)``; ``-`` for a row not run."""
+    if row is None or row.get(metric) is None:
+        return "-"
+    return f"{100 * row[metric]:.2f} ± {100 * (row[f'{metric}.std'] or 0):.2f} ({row[f'{metric}.n']})"

@@ -38,6 +38,11 @@ NAMES = {"pixels": "raw pixels (floor)", "sop": "SOP", "sop-no-mim": "SOP withou
          "sop-authors": "SOP, every option above (preset: authors)",
          "sop-authors-ema": "SOP, every option above but the horizon (teacher momentum 0.99)",
          "dino": "DINO-style (learned prototypes)",
+         "dino-koleo": "DINO-style + KoLeo (λ = 0.1)",
+         "koleo-only": "KoLeo alone (SOP's student and teacher, λ1 = 0)",
+         "sop-anchors-64": "SOP, 64 anchors (of 256)",
+         "sop-support-2": "SOP, k = 2 supports (of 8)",
+         "sop-memory-1024": "SOP, a memory of 1024 (of 4096)",
          "ibot": "iBOT-style (learned prototypes, masked patches)",
          "supcon": "SupCon on the same backbone (labels: the reference)",
          "simclr": "SimCLR on the same backbone (no labels: the contrastive reference)"}

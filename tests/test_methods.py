@@ -242,16 +242,19 @@ def test_every_method_the_config_accepts_is_registered_and_takes_a_training_step
 
 def test_sop_with_the_authors_preset_builds_their_banks_and_takes_a_training_step(animals):
     spec, shards = animals
-    config = tiny_config(spec, {"name": "sop", "preset": "authors", "cls_memory": 256, "patch_memory": 64},
-                         model=TINY_VIT)
+    config = tiny_config(spec, {"name": "sop", "preset": "authors", "cls_memory": 8192, "num_anchors": 16,
+                                "patch_memory": 64}, model=TINY_VIT)
     data, _ = prepare(config, shards, progress=False)
     model = method_spec("sop").build(config, data)
-    assert model.cls_bank.num_anchors == 16 and model.patch_bank.support_size == 0 and model.anchor_draws == 2
-    assert model.cls_bank.memory.filled == 256 and model.patch_bank.memory.filled == 64  # random, full
-    assert model.horizon == 0.002 and model.enqueue_second_only and not model.cls_bank.supports_from_anchors
+    assert model.cls_bank.num_anchors == 4 and model.patch_bank.num_anchors == 16  # 32 of 65536, and as set
+    assert model.patch_bank.support_size == 0 and model.anchor_draws == 4
+    assert model.cls_bank.memory.filled == 8192 and model.patch_bank.memory.filled == 64  # random, full
+    assert model.horizon is None and model.base_momentum == 0.996
+    assert model.enqueue_second_only and not model.cls_bank.supports_from_anchors
+    assert model.masking.share == 1.0 and model.masking.ratio == (0.3, 0.3)
     outputs = model.training_step(first_batch(shards, 8))
     outputs["loss"].backward()
-    assert torch.isfinite(outputs["loss"]) and outputs["cls_loss"] > 0 and outputs["sops"] == 16
+    assert torch.isfinite(outputs["loss"]) and outputs["cls_loss"] > 0 and outputs["sops"] == 4
 
 
 @pytest.mark.parametrize("name", ["simclr", "supcon", "xclr", "clip"])

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 import torch.nn.functional as F
 
 from repsim.data.loader import make_loader
@@ -283,10 +284,12 @@ def test_the_authors_preset_sets_every_option_the_config_does_not_set_itself():
     assert load_config(path).method.anchor_share is None  # the paper's SOP by default
     authors = load_config(path, ["method.preset=authors", "method.anchor_draws=3"]).method
     assert authors.anchor_draws == 3
-    assert authors.patches_per_view == 4  # configs/sop.yaml sets it: the file wins over the preset
-    mine = {name for name in ("anchor_draws", "patches_per_view")}
+    in_file = yaml.safe_load(path.read_text())["method"]
+    assert authors.patches_per_view == in_file["patches_per_view"] == 4  # the file wins over the preset
+    mine = {"anchor_draws", *in_file}
     assert {name: getattr(authors, name) for name in AUTHORS if name not in mine} == {
         name: value for name, value in AUTHORS.items() if name not in mine}
+    assert authors.teacher_horizon is None and authors.anchor_share == 1 / 2048
 
 
 # ---------------------------------------------------------------------------------------------

@@ -377,3 +377,27 @@ def test_the_sop_run_at_8000_images_is_the_sop_reproduction_on_four_times_the_im
         assert larger[label] == smaller[label], label
     assert larger["sop-koleo"]["method"].pop("koleo_weight") == 0.1 and smaller["sop"]["method"].pop("koleo_weight") == 0
     assert larger["sop-koleo"] == smaller["sop"]
+
+
+def test_each_row_of_the_sop_design_differs_from_its_base_row_in_one_factor_and_shares_the_grid():
+    from repsim.methods.config import load_config
+
+    rows = _method_configs("sop-resnet")
+    grid = [load_config(run.config, member.experiment.section("train").overrides(run, member.experiment.data)).model_dump()
+            for member in expand(load_experiment("sop-grid-resnet")) for run in member.experiment.section("train").methods]
+    assert len(grid) == 8  # 2 learning rates x 2 views x SOP and DINO-style
+    factors = {"sop-koleo": ("sop", {"koleo_weight"}), "dino-koleo": ("dino", {"koleo_weight"}),
+               "koleo-only": ("sop-koleo", {"cls_weight"}), "sop-fixed": ("sop", {"fixed_anchors", "fixed_supports"}),
+               "sop-anchors-64": ("sop", {"num_anchors"}), "sop-support-2": ("sop", {"support_size"}),
+               "sop-memory-1024": ("sop", {"cls_memory"})}
+    assert set(rows) == {"sop", "dino", *factors}
+    for label, (base, fields) in factors.items():
+        differ = {name for name, value in rows[label]["method"].items() if rows[base]["method"][name] != value}
+        assert differ == fields, label
+        assert rows[label] | {"method": None} == rows[base] | {"method": None}, label
+    assert rows["sop"] | {"method": None} == rows["dino"] | {"method": None}  # SOP and DINO-style: the method alone
+    for label in ("sop", "dino"):  # the grid's rows, at the cell it chose, on the full train split
+        cells = [config for config in grid if config["method"]["name"] == label]
+        for config in [rows[label], *cells]:
+            config["data"].pop("spec"), config["monitor"].pop("test_split"), config["optim"].pop("seed")
+        assert rows[label] in cells, label

@@ -66,9 +66,28 @@ class SOPConfig(SelfDistillationSettings, MaskedPatchesSettings):
         return self
 
 
-AUTHORS = {"anchor_share": 1 / 16, "supports_from_anchors": False, "patch_support_size": 0, "patches_per_view": 1,
-           "patch_teacher_temperature": 0.04, "enqueue": "second", "memory_init": "random", "anchor_draws": 2,
-           "teacher_horizon": 0.002}  # preset: authors; the horizon: 0.996 over the papers' 125k steps
+AUTHORS = {  # preset: authors. sthalles/sop at 0e5e5a1 (main_ibot.py, memory_bank.py); run.sh overrides none of them
+    "cls_memory": 65536,              # --class_memory_size, main_ibot.py:55
+    "anchor_share": 32 / 65536,       # --class_partition_size 64 drawn (main_ibot.py:156); "low_energy", on by default
+                                      # (memory_bank.py:15), keeps a uniform random half of them (memory_bank.py:166-177)
+    "support_size": 8,                # --num_class_experts 9: the anchor and its 8 nearest (main_ibot.py:144, memory_bank.py:139)
+    "supports_from_anchors": False,   # neighbours among the entries that are no anchor (memory_bank.py:112-136)
+    "anchor_draws": 4,                # --num_class_tasks, the [CLS] losses averaged (main_ibot.py:154, 536-543)
+    "patch_memory": 8192,             # --patch_memory_size, main_ibot.py:152-153
+    "num_anchors": 512,               # the patch bank's: --patch_partition_size, main_ibot.py:150-151
+    "patch_support_size": 0,          # --num_patch_experts 1: each patch SOP is its anchor alone (main_ibot.py:146)
+    "patches_per_view": 1,            # one random teacher patch per image (main_ibot.py:570-574)
+    "enqueue": "second",              # the second global view's embeddings alone (main_ibot.py:545, 574)
+    "memory_init": "random",          # unit Gaussian vectors (memory_bank.py:26-27)
+    "teacher_momentum": 0.996,        # --momentum_teacher, cosine to 1 over the run (main_ibot.py:57, 375)
+    "teacher_temperature": 0.04,      # main_ibot.py:75; its warm-up starts at 0.04 too (main_ibot.py:72)
+    "patch_teacher_temperature": 0.04,  # the patch bank is given teacher_temp (main_ibot.py:553)
+    "student_temperature": 0.1,       # --student_temp, main_ibot.py:162
+    "epsilon": 0.1,                   # --smoothing, main_ibot.py:148
+    "mask_ratio": (0.3, 0.3),         # --pred_ratio 0.3, --pred_ratio_var 0 (main_ibot.py:62, 64)
+    "mask_share": 1.0,                # a single pred_ratio masks every global view
+    "cls_weight": 1.0, "mim_weight": 1.0,  # loss = cls_ce + patch_ce (main_ibot.py:576)
+}
 
 
 SOP_DRAWING = ("epsilon", "one_hot", "fixed_anchors", "shared_supports", "fixed_supports",
