@@ -3,9 +3,13 @@ the shared settings, the verdict on each claim, then the matched rows' scores, d
 
     repsim run sop-grid-resnet                 # the grid on a validation split (Animal-MNIST)
     repsim run sop-resnet                      # the matched design, the test split read once
+    repsim run sop-grid-vit                    # the same for the ViT, SOP against DINO- and iBOT-style
+    repsim run sop-vit
     python benchmarks/sop_report.py animal-mnist
 
-    repsim run sop-resnet --set data=data_specs/fashion-mnist-10k.yaml --set name=sop-resnet-fashion-mnist
+    repsim run sop-resnet --set data=data_specs/fashion-mnist-10k.yaml --set name=sop-resnet-fashion-mnist \
+      --set 'train.methods.sop-fixed.seeds=[]' --set 'train.methods.sop-anchors-64.seeds=[]' \
+      --set 'train.methods.sop-support-2.seeds=[]' --set 'train.methods.sop-memory-1024.seeds=[]'
     python benchmarks/sop_report.py fashion-mnist
 
 Each writes ``benchmarks/REPORT_sop-<dataset>.md`` and its plot; a rerun keeps the analysis below
@@ -16,19 +20,27 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-from _report import HERE, Claim, FinishedRun, finished_run, markdown, optional_run, verdict_table, write_report
+from _report import HERE, Claim, FinishedRun, markdown, optional_run, verdict_table, write_report
 from reproduce_sop import curve_table, monitor_table, name, plot, scores_table, sop_epochs
 
-DATASETS = {"animal-mnist": ("sop-resnet", "sop-grid-resnet"),
-            "fashion-mnist": ("sop-resnet-fashion-mnist", None)}  # the design's run, its grid's (None: Animal-MNIST's)
-GRID = "sop-grid-resnet"
-BASE_ROWS = ("sop", "dino")  # a grid cell's score: the mean of these rows' kNN on val
-KNN, LINEAR = "knn_top1_k20", "linear_top1"
+@dataclass(frozen=True)
+class Design:
+    """A matched design: its experiment, the validation grid that chose its shared settings (Fashion-MNIST's
+    design takes Animal-MNIST's), the rows whose mean scores a grid cell, and the claims its rows decide."""
 
-CLAIMS = [
+    experiment: str
+    grid: str
+    base_rows: tuple[str, ...]
+    title: str
+    claims: tuple[Claim, ...]
+
+
+KNN, LINEAR = "knn_top1_k20", "linear_top1"
+RESNET_CLAIMS = (
     Claim("SOP beats learned prototypes (DINO-style) at equal compute", "paper", "sop", "dino"),
     Claim("SOP beats learned prototypes (DINO-style) at equal compute", "paper", "sop", "dino", LINEAR),
     Claim("with KoLeo on both, SOP still beats DINO-style", "factorial", "sop-koleo", "dino-koleo"),
@@ -44,7 +56,22 @@ CLAIMS = [
     Claim("SOP beats the raw pixels", "floor", "sop", "pixels"),
     Claim("SOP + KoLeo beats the raw pixels", "floor", "sop-koleo", "pixels"),
     Claim("DINO-style beats the raw pixels", "floor", "dino", "pixels"),
-]
+)
+VIT_CLAIMS = (
+    Claim("SOP beats DINO-style at equal compute (ViT)", "paper", "sop", "dino"),
+    Claim("SOP beats DINO-style at equal compute (ViT)", "paper", "sop", "dino", LINEAR),
+    Claim("SOP beats iBOT-style at equal compute (ViT)", "paper", "sop", "ibot"),
+    Claim("SOP beats iBOT-style at equal compute (ViT)", "paper", "sop", "ibot", LINEAR),
+    Claim("SOP beats the raw pixels (ViT)", "floor", "sop", "pixels"),
+)
+RESNET = "ResNet-18: the factorial, its control, fixed SOPs and the ablations"
+DATASETS = {
+    "animal-mnist": (Design("sop-resnet", "sop-grid-resnet", ("sop", "dino"), RESNET, RESNET_CLAIMS),
+                     Design("sop-vit", "sop-grid-vit", ("sop", "dino", "ibot"), "ViT-Tiny: SOP, DINO- and iBOT-style",
+                            VIT_CLAIMS)),
+    "fashion-mnist": (Design("sop-resnet-fashion-mnist", "sop-grid-resnet", ("sop", "dino"), RESNET,
+                             RESNET_CLAIMS[:7] + RESNET_CLAIMS[11:]),),  # no fixed SOPs, no ablations
+}
 
 
 def views(options: dict) -> str:
@@ -52,14 +79,14 @@ def views(options: dict) -> str:
     return "multi-crop" if options.get("local_crops") else "2 global views"
 
 
-def grid_cells(run: FinishedRun) -> list[dict]:
+def grid_cells(run: FinishedRun, base_rows: tuple[str, ...]) -> list[dict]:
     """Each grid point: its settings, each base row's kNN on val, and their mean; best first."""
     cells: dict[str, dict] = {}
     for row in run.rows:
-        if row["encoder"] in BASE_ROWS:
+        if row["encoder"] in base_rows:
             cells.setdefault(row["point"], {"point": row["point"]})[row["encoder"]] = row[KNN]
     for cell in cells.values():
-        cell["mean"] = statistics.mean(cell.get(encoder, float("nan")) for encoder in BASE_ROWS)
+        cell["mean"] = statistics.mean(cell.get(encoder, float("nan")) for encoder in base_rows)
     return sorted(cells.values(), key=lambda cell: -cell["mean"])
 
 
@@ -76,49 +103,48 @@ def shared_settings(source: str) -> tuple[float, dict]:
     return train["optim"]["lr"], train["data"]["preset_options"]
 
 
-def grid_section(grid: FinishedRun, design: FinishedRun) -> str:
+def grid_section(grid: FinishedRun, design: FinishedRun, base_rows: tuple[str, ...]) -> str:
     """The grid's cells on val, the chosen one, and whether the design shares it."""
-    cells = grid_cells(grid)
+    cells = grid_cells(grid, base_rows)
     floor = next(row[KNN] for row in grid.rows if row["encoder"] == "pixels")
     chosen = point_settings(cells[0]["point"])
     used = shared_settings(design.source)
     agreement = ("Every row of the design shares this cell." if used == chosen else
                  f"**The design does not use this cell**: it sets lr {used[0]} with {views(used[1])}.")
-    lines = [[f"{lr:g}", views(options), *(f"{100 * cell.get(encoder, float('nan')):.2f}" for encoder in BASE_ROWS),
+    lines = [[f"{lr:g}", views(options), *(f"{100 * cell.get(encoder, float('nan')):.2f}" for encoder in base_rows),
               f"{100 * cell['mean']:.2f}" + (" (chosen)" if index == 0 else "")]
              for index, cell in enumerate(cells) for lr, options in [point_settings(cell["point"])]]
     return "\n".join([
-        "## The settings, chosen on validation", "",
+        "### The settings, chosen on validation", "",
         f"Command: `{grid.command}` ({grid.wall_time}). Trained on the grid's training split and scored "
         "by kNN top-1 (k = 20, %) on its validation split, cut from the training images; the test split is "
-        f"not read. Raw pixels on val: {100 * floor:.2f}. A cell's score is the mean of SOP's and DINO-style's, "
-        "so the method and the baseline choose from the same grid by the same rule. Seed 0.", "",
-        markdown(["lr", "views", name("sop"), name("dino"), "mean"], lines), "",
+        f"not read. Raw pixels on val: {100 * floor:.2f}. A cell's score is the mean of its rows' "
+        f"({', '.join(map(name, base_rows))}), so the method and the baselines choose from the same grid by "
+        "the same rule. Seed 0.", "",
+        markdown(["lr", "views", *map(name, base_rows), "mean"], lines), "",
         agreement, ""])
 
 
-def report(dataset: str, image: Path) -> str:
-    design_name, grid_name = DATASETS[dataset]
-    design = finished_run(design_name)
-    grid = optional_run(grid_name or GRID)
-    epochs = sop_epochs(design)
-    plot(design, epochs, image)
+def design_section(design: Design, run: FinishedRun, image: Path) -> str:
+    """A design's verdicts, its grid, its scores and curves, and its plot (written to ``image``)."""
+    grid = optional_run(design.grid)
+    epochs = sop_epochs(run)
+    plot(run, epochs, image)
     return "\n".join([
-        f"# SOP on {dataset}: the paper's claims in matched designs", "",
-        f"Commands: `{design.command}` ({design.wall_time}), then `python benchmarks/sop_report.py {dataset}`. "
-        f"The design is `experiments/{design.source}.yaml`: every row shares one backbone, budget, views, "
-        "learning rate and teacher schedule and differs from another in one factor.", "",
-        "## Verdicts", "",
+        f"## {design.title}", "",
+        f"Commands: `{run.command}` ({run.wall_time}). The design is `experiments/{run.source}.yaml`: its rows "
+        "share one backbone, budget, views, learning rate and teacher schedule and differ in one factor.", "",
+        "### Verdicts", "",
         "Test split, read once per row. A difference within one pooled standard deviation is not shown, "
         "whichever way it points.", "",
-        verdict_table(CLAIMS, design.rows, name), "",
-        *([grid_section(grid, design)] if grid else []),
-        "## Scores", "",
+        verdict_table(list(design.claims), run.rows, name), "",
+        *([grid_section(grid, run, design.base_rows)] if grid else []),
+        "### Scores", "",
         "Top-1 accuracy (%) on the test split of a weighted cosine kNN and of a linear probe on frozen features "
         "of the train split; mean ± sample std over the seeds. Diagnostics of the last epoch, mean over the "
         "seeds: effective rank, per-dimension std and mean cosine of the teacher's embeddings in memory, "
         "assignment entropy (→ 0: collapse) and target entropy (→ 1: flat targets).", "",
-        scores_table(design.rows, epochs), "",
+        scores_table(run.rows, epochs), "",
         "†: below the raw-pixel floor.", "",
         "The online monitor's kNN top-1 (%) on the test split after every epoch, mean over the seeds:", "",
         monitor_table(epochs), "",
@@ -126,12 +152,20 @@ def report(dataset: str, image: Path) -> str:
         f"![scores]({image.name})", ""])
 
 
+def report(dataset: str, path: Path) -> str:
+    sections = [design_section(design, run, path.with_name(f"{path.stem}-{design.experiment}.png"))
+                for design in DATASETS[dataset] if (run := optional_run(design.experiment))]
+    return "\n".join([f"# SOP on {dataset}: the paper's claims in matched designs", "",
+                      f"Written by `python benchmarks/sop_report.py {dataset}` from the runs each section names, "
+                      "under the protocol of `docs/benchmarks.md`.", "", *sections])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("dataset", choices=sorted(DATASETS))
     args = parser.parse_args()
     path = HERE / f"REPORT_sop-{args.dataset}.md"
-    text = report(args.dataset, path.with_suffix(".png"))
+    text = report(args.dataset, path)
     write_report(path, text)
     print(text)
 

@@ -49,12 +49,13 @@ def headline_metrics(rows: Sequence[Row], knn_k: int | None) -> dict[str, str]:
     return {title: name for title, name in columns.items() if any(name in row.mean for row in rows)}
 
 
-def cell(row: Row, metric: str) -> str:
-    """``0.8123`` for one value, ``0.8123 ± 0.0041 (3)`` over several, ``-`` when the row lacks it."""
+def cell(row: Row, metric: str, counted: bool = False) -> str:
+    """``0.8123`` for one value (``0.8123 (1)`` when ``counted``: beside rows over several), ``0.8123 ±
+    0.0041 (3)`` over several, ``-`` when the row lacks it."""
     if metric not in row.mean:
         return "-"
     if row.n[metric] == 1:
-        return f"{row.mean[metric]:.4f}"
+        return f"{row.mean[metric]:.4f}" + (" (1)" if counted else "")
     return f"{row.mean[metric]:.4f} ± {row.std[metric]:.4f} ({row.n[metric]})"
 
 
@@ -76,10 +77,13 @@ def as_records(rows: Sequence[Row], first: Iterable[str] = ()) -> list[dict]:
 
 
 def table(rows: Sequence[Row], columns: dict[str, str], encoder: str = "encoder") -> tuple[list[str], list[list[str]]]:
-    """(header, cells) of the rows' table of the ``columns`` ({title: metric name}), with any grid point."""
+    """(header, cells) of the rows' table of the ``columns`` ({title: metric name}), with any grid point; where
+    some row averages several outputs, a row of one says so."""
     swept = any(row.point for row in rows)
+    counted = any(count > 1 for row in rows for count in row.n.values())
     return ([*(["grid point"] if swept else []), encoder, *columns],
-            [[*([row.point] if swept else []), row.encoder, *(cell(row, name) for name in columns.values())] for row in rows])
+            [[*([row.point] if swept else []), row.encoder, *(cell(row, name, counted) for name in columns.values())]
+             for row in rows])
 
 
 def markdown(rows: Sequence[Row], columns: dict[str, str]) -> str:

@@ -22,6 +22,7 @@ GRACE_S = 8.0  # from the signal to the forced exit: within a 10 s grace period,
 CHILDREN_S = 1.0  # how long the child processes get to end on SIGTERM before they are killed
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _requested: list[signal.Signals] = []
+_training: dict[str, int | None] = {}  # the training running in this process: its "step", "total" and "saved"
 
 
 class Stopped(RepsimError):
@@ -53,13 +54,34 @@ def stopped(where: str) -> Stopped:
     return Stopped(f"stopped by {signum.name} {where}", "run the same command again to resume from there", signum)
 
 
+def training_at(step: int, total: int, saved: int | None) -> None:
+    """Note that this process trains, ``step`` steps of ``total`` done, its checkpoint written after step
+    ``saved`` (None: none yet), for the line a forced stop prints."""
+    _training.update(step=step, total=total, saved=saved)
+
+
+def training_ended() -> None:
+    _training.clear()
+
+
+def forced_stop(signum: signal.Signals) -> str:
+    """The line of a stop that could not wait for the stage: the step a training was in, and what the
+    same command resumes from."""
+    if not _training:
+        return (f"stopped by {signum.name} before the stage it was in ended; the same command runs it again, "
+                "from its last checkpoint if it is a training that wrote one")
+    step, total, saved = _training["step"], _training["total"], _training["saved"]
+    resume = f"resumes from its checkpoint of step {saved}" if saved else "starts the training again (no checkpoint yet)"
+    return (f"stopped by {signum.name} in step {step + 1} of {total}, which did not end within {GRACE_S:g} s; "
+            f"the same command {resume}")
+
+
 def _on_signal(signum: int, _frame: object) -> None:
     signum = signal.Signals(signum)
-    mid_stage = f"stopped by {signum.name}; the stage it was in starts anew when the same command runs again"
     if _requested:  # a second signal: stop now
-        exit_now(signum, mid_stage)
+        exit_now(signum, forced_stop(signum))
     _requested.append(signum)
-    timer = threading.Timer(GRACE_S, exit_now, (signum, mid_stage))
+    timer = threading.Timer(GRACE_S, lambda: exit_now(signum, forced_stop(signum)))
     timer.daemon = True
     timer.start()
 

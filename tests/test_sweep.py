@@ -103,8 +103,9 @@ def test_aggregate_is_mean_and_sample_std_over_distinct_outputs():
     assert rows[1].n == {"knn": 1} and rows[1].std == {"knn": 0.0}
     assert cell(simclr, "knn") == "0.5400 ± 0.0400 (3)" and cell(rows[1], "knn") == "0.4000"
     assert cell(rows[2], "linear") == "-"
-    table = markdown(rows, {"kNN": "knn"}).splitlines()
-    assert table[0] == "| grid point | encoder | kNN |" and table[3] == "| lr=0.1 | pixels | 0.4000 |"
+    table = markdown(rows, {"kNN": "knn"}).splitlines()  # beside a row of 3, a row of one says so
+    assert table[0] == "| grid point | encoder | kNN |" and table[3] == "| lr=0.1 | pixels | 0.4000 (1) |"
+    assert markdown(rows[1:2], {"kNN": "knn"}).splitlines()[2] == "| lr=0.1 | pixels | 0.4000 |"  # one seed alone
 
 
 def test_the_logged_table_has_no_dotted_columns_and_leads_with_the_headline_metrics():
@@ -379,13 +380,16 @@ def test_the_sop_run_at_8000_images_is_the_sop_reproduction_on_four_times_the_im
     assert larger["sop-koleo"] == smaller["sop"]
 
 
-def test_each_row_of_the_sop_design_differs_from_its_base_row_in_one_factor_and_shares_the_grid():
+def _grid_configs(name: str) -> list[dict]:
+    """The resolved config (as a dict) of every train method of every member of a shipped experiment."""
     from repsim.methods.config import load_config
 
+    return [load_config(run.config, member.experiment.section("train").overrides(run, member.experiment.data)).model_dump()
+            for member in expand(load_experiment(name)) for run in member.experiment.section("train").methods]
+
+
+def test_each_row_of_the_sop_design_differs_from_its_base_row_in_one_factor():
     rows = _method_configs("sop-resnet")
-    grid = [load_config(run.config, member.experiment.section("train").overrides(run, member.experiment.data)).model_dump()
-            for member in expand(load_experiment("sop-grid-resnet")) for run in member.experiment.section("train").methods]
-    assert len(grid) == 8  # 2 learning rates x 2 views x SOP and DINO-style
     factors = {"sop-koleo": ("sop", {"koleo_weight"}), "dino-koleo": ("dino", {"koleo_weight"}),
                "koleo-only": ("sop-koleo", {"cls_weight"}), "sop-fixed": ("sop", {"fixed_anchors", "fixed_supports"}),
                "sop-anchors-64": ("sop", {"num_anchors"}), "sop-support-2": ("sop", {"support_size"}),
@@ -395,9 +399,15 @@ def test_each_row_of_the_sop_design_differs_from_its_base_row_in_one_factor_and_
         differ = {name for name, value in rows[label]["method"].items() if rows[base]["method"][name] != value}
         assert differ == fields, label
         assert rows[label] | {"method": None} == rows[base] | {"method": None}, label
-    assert rows["sop"] | {"method": None} == rows["dino"] | {"method": None}  # SOP and DINO-style: the method alone
-    for label in ("sop", "dino"):  # the grid's rows, at the cell it chose, on the full train split
-        cells = [config for config in grid if config["method"]["name"] == label]
-        for config in [rows[label], *cells]:
-            config["data"].pop("spec"), config["monitor"].pop("test_split"), config["optim"].pop("seed")
-        assert rows[label] in cells, label
+
+
+@pytest.mark.parametrize(("design", "grid", "methods"), [("sop-resnet", "sop-grid-resnet", {"sop", "dino"}),
+                                                          ("sop-vit", "sop-grid-vit", {"sop", "dino", "ibot"})])
+def test_the_sop_designs_base_rows_share_everything_but_the_method_and_sit_at_a_cell_of_their_grid(design, grid, methods):
+    rows, cells = _method_configs(design), _grid_configs(grid)
+    assert len(cells) == 4 * len(methods)  # 2 learning rates x 2 kinds of views per method
+    assert len({json.dumps(rows[label] | {"method": None}, sort_keys=True, default=str) for label in methods}) == 1
+    for config in [*(rows[label] for label in methods), *cells]:
+        config["data"].pop("spec"), config["monitor"].pop("test_split"), config["optim"].pop("seed")
+    for label in methods:  # the grid's rows, at one cell, on the full train split
+        assert rows[label] in [config for config in cells if config["method"]["name"] == label], label

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import signal
 import os
 import socket
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+from repsim import stopping
 from repsim.data.loader import make_loader
 from repsim.data.sharding import ShardResult, shard
 from repsim.methods.config import OptimConfig
@@ -136,6 +138,21 @@ def test_a_resumed_run_repeats_the_uninterrupted_run_exactly(tiny_shards, tmp_pa
     assert resumed_epochs == full_epochs[1:]  # epoch 1 ended before the checkpoint
     for (name, a), (_, b) in zip(finished.state_dict().items(), recovered.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def test_a_stop_that_cannot_wait_names_the_step_and_the_checkpoint_the_rerun_resumes_from(tiny_shards, tmp_path):
+    lines = []
+
+    def log(metrics: dict[str, float], step: int) -> None:
+        if step in (1, 7):  # inside the step: before any checkpoint, and after the one of step 6
+            lines.append(stopping.forced_stop(signal.SIGTERM))
+    Trainer(tiny_simclr(), SETTINGS, make_loader(tiny_shards.path, "simclr", SETTINGS.batch_size, seed=1),
+            checkpoint_path=tmp_path / "run.pt", log=log, progress=False).fit()
+    assert lines == ["stopped by SIGTERM in step 1 of 12, which did not end within 8 s; the same command starts "
+                     "the training again (no checkpoint yet)",
+                     "stopped by SIGTERM in step 7 of 12, which did not end within 8 s; the same command resumes "
+                     "from its checkpoint of step 6"]
+    assert stopping.forced_stop(signal.SIGTERM).startswith("stopped by SIGTERM before the stage it was in ended")
 
 
 def test_max_steps_ends_training_mid_epoch_and_resumes_exactly(tiny_shards, tmp_path):

@@ -301,12 +301,14 @@ class Trainer:
                                 "lower optim.batch_size or train on more samples")
         self.total_steps = min(settings.epochs * self.steps_per_epoch, settings.max_steps or math.inf)
         self.warmup_steps = round(settings.warmup_epochs * self.steps_per_epoch)
+        self.saved_step: int | None = None  # the step of the checkpoint last written or resumed from
 
     def fit(self) -> Progress:
         """Train to the end (resuming from the checkpoint if there is one); returns the final progress."""
         progress, every = self._resume(), self.settings.checkpoint_every
+        self.saved_step = progress.step or None
         with tqdm(total=self.total_steps, initial=progress.step, desc="train", unit="step",
-                  disable=not (self.show_progress and is_main_process())) as bar:
+                  disable=not (self.show_progress and is_main_process())) as bar, self._noted(progress):
             while progress.epoch < self.settings.epochs and progress.step < self.total_steps:
                 for batch in self._remaining_batches(progress):
                     loss = self._step(batch, progress)
@@ -319,11 +321,21 @@ class Trainer:
                         raise stopping.stopped(f"at step {progress.step} of {self.total_steps}, its checkpoint written")
                     if every > 0 and progress.step % every == 0 and progress.step < self.total_steps:
                         self._save(progress)
+                    stopping.training_at(progress.step, self.total_steps, self.saved_step)
         if distributed():  # every rank ends with rank 0's buffers (e.g. BatchNorm statistics), as DDP gives them
             for buffer in self.method.buffers():
                 dist.broadcast(buffer, src=0)
         self._save(progress)
         return progress
+
+    @contextlib.contextmanager
+    def _noted(self, progress: Progress) -> Iterator[None]:
+        """Where the training is, noted for the line of a stop that cannot wait for the step to end."""
+        stopping.training_at(progress.step, self.total_steps, self.saved_step)
+        try:
+            yield
+        finally:
+            stopping.training_ended()
 
     def _remaining_batches(self, progress: Progress) -> Iterator[Batch]:
         """This epoch's batches after the ``position`` already consumed, up to its end or the last step."""
@@ -376,6 +388,7 @@ class Trainer:
         save_atomically({"model": self.method.state_dict(), "optimizer": self.optimizer.state_dict(),
                          "step": progress.step, "epoch": epoch, "position": position,
                          "steps_per_epoch": self.steps_per_epoch, "rng": rng_states()}, self.checkpoint_path)
+        self.saved_step = progress.step
 
     def _resume(self) -> Progress:
         """Progress from the checkpoint, else the one it replaced, else the start (unloadable ones set aside)."""
