@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from repsim.data.augment import make_views
-from repsim.data.loader import ShardPart, deal, make_loader, read_samples
+from repsim.data.loader import make_loader, read_samples
 from repsim.data.sharding import ShardResult, shard
 from repsim.errors import DataError
 
@@ -185,7 +185,7 @@ def test_a_missing_split_names_the_splits_there_are(gray):
         make_loader(gray.path, "eval", 4, split="val")
 
 
-def test_without_a_manifest_batches_still_flow_but_the_length_is_unknown(gray, tmp_path):
+def test_without_a_manifest_one_reader_gets_the_batches_but_no_length_and_more_are_refused(gray, tmp_path):
     tar = tmp_path / "elsewhere" / "train-00000.tar"
     tar.parent.mkdir()
     tar.write_bytes(gray.shards["train"][0].read_bytes())
@@ -193,14 +193,8 @@ def test_without_a_manifest_batches_still_flow_but_the_length_is_unknown(gray, t
     assert len(indices(list(loader))) == 4
     with pytest.raises(TypeError, match="number of batches is unknown without manifest.parquet"):
         len(loader)
-
-
-def test_dealing_gives_whole_parts_round_robin_and_shares_the_rest():
-    parts = [ShardPart(f"{i}.tar", 10) for i in range(5)]
-    assert deal(parts, 2, 0) == [parts[0], parts[2], ShardPart("4.tar", 10, 0, 2)]
-    assert deal(parts, 2, 1) == [parts[1], parts[3], ShardPart("4.tar", 10, 1, 2)]
-    shared = deal(deal(parts[:1], 2, 1), 3, 2)
-    assert shared == [ShardPart("0.tar", 10, 5, 6)] and shared[0].num_samples == 1
+    with pytest.raises(DataError, match="between 1 rank.* and 2 worker.*needs each tar's sample count"):
+        make_loader([tar], "eval", 2, num_workers=2)
 
 
 def test_truncated_or_corrupt_tars_are_reported(gray, tmp_path):

@@ -2,15 +2,18 @@
 
 Batches are ``{"views": [B×C×H×W float, ...] (the preset's order), "label": B int64 (-1: none), "index": B
 int64 (row in manifest.parquet), "caption": [str] * B (with_captions only)}``; images are decoded straight
-to uint8 tensors (torchvision, no PIL). Shards, permuted per epoch when shuffling, are dealt whole,
-round-robin, to ranks and then workers; those left after the last full round are shared sample by sample,
-so every sample goes to one consumer. Seeds: shard order (seed, epoch), shuffle buffer (seed, epoch, rank,
-worker), per-sample views (seed, epoch, manifest index), per-batch views (seed, epoch, rank, batch
-position), so a pass resumed mid-epoch by skipping batches gives the rest the same views; the global
-torch RNG is untouched. ``len(loader)``, from ``manifest.parquet``, is this rank's exact batch count
-without ``drop_last``; with it (the default when shuffling) a count every rank reaches in every epoch, so
-DDP ranks step together. Unshuffled, with ``num_workers=0`` on one rank, an epoch yields every sample once
-in manifest order.
+to uint8 tensors (torchvision, no PIL). An epoch is cut from the samples of the tars in order (permuted by
+(seed, epoch) when shuffling): each rank takes an even, contiguous share of them and each of its workers an
+even, contiguous share of the rank's (a tar that a boundary cuts is read by both sides, each skipping to its
+own samples). Each worker shuffles and batches what it reads; the main process joins the workers' partial
+last batches into whole ones and, with ``drop_last``, stops every rank after ``⌊N / (world_size ×
+batch_size)⌋`` batches, which leaves out fewer than a batch per rank. Seeds: shard order (seed,
+epoch), shuffle buffer (seed, epoch, rank, worker), per-sample views (seed, epoch, manifest index), per-batch
+views (seed, epoch, rank, batch position), so a pass resumed mid-epoch by skipping batches gives the rest the
+same views; the global torch RNG is untouched. ``len(loader)``, from ``manifest.parquet``, is the exact
+number of batches this rank yields in every epoch, the same for every rank with ``drop_last`` (the default
+when shuffling), so DDP ranks step together. Unshuffled, with ``num_workers=0`` on one rank, an epoch yields
+every sample once in manifest order.
 """
 
 from __future__ import annotations
@@ -83,6 +86,9 @@ def make_loader(shards: str | Path | ShardResult | Sequence[str | Path], preset:
                          batch_size=batch_size, shuffle=shuffle, shuffle_buffer=shuffle_buffer,
                          drop_last=shuffle if drop_last is None else drop_last, seed=seed, epoch=epoch,
                          rank=rank, world_size=world_size, num_workers=num_workers, with_captions=with_captions)
+    if not stream.counted and world_size * max(1, num_workers) > 1:
+        raise DataError(f"cutting an epoch between {world_size} rank(s) and {num_workers} worker(s) needs each tar's "
+                        f"sample count, which {MANIFEST} gives", f"keep {MANIFEST} beside the shards or pass manifest=")
     return ShardLoader(stream, pin_memory, batch_views, device or "cpu")
 
 
@@ -145,39 +151,40 @@ def peek_image(url: str) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Splitting shards between ranks and workers
+# Cutting an epoch between ranks and workers
 
 @dataclass(frozen=True)
 class ShardPart:
-    """The samples of one tar at positions ``offset, offset + stride, ...``; ``size``: samples in the tar."""
+    """Samples ``start`` to ``stop - 1`` of one tar; ``stop`` None: to its end, where read_samples checks the count
+    against ``size``, the samples in the tar (None: unknown, without a manifest)."""
 
     url: str
     size: int | None
-    offset: int = 0
-    stride: int = 1
-
-    def share(self, consumers: int, consumer: int) -> ShardPart:
-        """This part's samples for consumer ``consumer`` of ``consumers`` (every n-th one)."""
-        return replace(self, offset=self.offset + self.stride * consumer, stride=self.stride * consumers)
-
-    @property
-    def num_samples(self) -> int:
-        if self.size is None:
-            raise DataError(f"the number of samples in {self.url} is unknown",
-                            f"keep {MANIFEST} beside the shards or pass manifest=")
-        return len(range(self.offset, self.size, self.stride))
+    start: int = 0
+    stop: int | None = None
 
 
-def deal(parts: list[ShardPart], consumers: int, consumer: int) -> list[ShardPart]:
-    """Consumer ``consumer``'s parts: whole parts round-robin, the leftover parts shared sample-wise."""
-    whole = len(parts) - len(parts) % consumers
-    return parts[consumer:whole:consumers] + [part.share(consumers, consumer) for part in parts[whole:]]
+def span(start: int, stop: int, pieces: int, piece: int) -> tuple[int, int]:
+    """(first, end) of piece ``piece`` of ``pieces`` even, contiguous pieces of the positions start..stop-1."""
+    return start + piece * (stop - start) // pieces, start + (piece + 1) * (stop - start) // pieces
+
+
+def cut(parts: list[ShardPart], start: int, stop: int) -> list[ShardPart]:
+    """The parts (of known sizes) holding samples start..stop-1 of their concatenation, each cut to those."""
+    cuts, offset = [], 0
+    for part in parts:
+        first, end = max(start - offset, 0), min(stop - offset, part.size)
+        if first < end:
+            cuts.append(replace(part, start=first, stop=None if end == part.size else end))
+        offset += part.size
+    return cuts
 
 
 def read_parts(parts: list[ShardPart]) -> Iterator[dict[str, Any]]:
     """The raw samples (extension -> bytes) of each part, in order."""
     for part in parts:
-        yield from islice(read_samples(part.url, part.size), part.offset, None, part.stride)
+        with contextlib.closing(read_samples(part.url, part.size)) as samples:
+            yield from islice(samples, part.start, part.stop)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,8 +218,9 @@ def derive_seed(*values: int) -> int:
 
 
 class ShardStream(IterableDataset):
-    """The batches of one rank in one epoch; inside a DataLoader worker, that worker's share of them.
-    ``num_workers`` is the DataLoader's (0: the main process alone); without ``views`` batches hold ``images``."""
+    """The batches of one rank in one epoch; inside a DataLoader worker, that worker's share of them, whose last
+    batch may be partial (:func:`rebatched` joins those). ``num_workers`` is the DataLoader's (0: the main process
+    alone); without ``views`` batches hold ``images``."""
 
     def __init__(self, parts: list[ShardPart], views: Views | None, channels: int, *, batch_size: int, shuffle: bool,
                  shuffle_buffer: int, drop_last: bool, seed: int, epoch: int, rank: int, world_size: int,
@@ -225,22 +233,33 @@ class ShardStream(IterableDataset):
         self.rank, self.world_size, self.num_workers = rank, world_size, num_workers
         self.with_captions = with_captions
 
-    def worker_parts(self, rank: int, worker: int) -> list[ShardPart]:
-        """The parts read by ``worker`` of ``rank`` in this epoch."""
+    @property
+    def counted(self) -> bool:
+        """Whether every tar's sample count is known (from the manifest)."""
+        return all(part.size is not None for part in self.parts)
+
+    def rank_span(self) -> tuple[int, int]:
+        """(first, end): this rank's even, contiguous share first..end-1 of the positions of the epoch's samples."""
+        return span(0, sum(part.size for part in self.parts), self.world_size, self.rank)
+
+    def worker_parts(self, worker: int) -> list[ShardPart]:
+        """The parts ``worker`` reads in this epoch: its even, contiguous share of this rank's; every part when the
+        counts are unknown (one reader alone)."""
         parts = list(self.parts)
         if self.shuffle:
             random.Random(derive_seed(self.seed, self.epoch)).shuffle(parts)
-        return deal(deal(parts, self.world_size, rank), max(1, self.num_workers), worker)
+        if not self.counted:
+            return parts
+        return cut(parts, *span(*self.rank_span(), max(1, self.num_workers), worker))
 
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
         worker = info.id if info else 0
-        stages: list[Any] = [partial(iter, self.worker_parts(self.rank, worker)), read_parts]
+        stages: list[Any] = [partial(iter, self.worker_parts(worker)), read_parts]
         if self.shuffle:
             seed = derive_seed(self.seed, self.epoch, self.rank, worker)
             stages.append(wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer, seed=seed))
-        stages += [wds.batched(self.batch_size, collation_fn=None, partial=not self.drop_last),
-                   wds.map(self.decode_batch)]
+        stages += [wds.batched(self.batch_size, collation_fn=None), wds.map(self.decode_batch)]
         return _passing_errors_on(iter(wds.DataPipeline(*stages)))
 
     def decode_batch(self, samples: list[dict[str, Any]]) -> Batch:
@@ -261,18 +280,13 @@ class ShardStream(IterableDataset):
         with seeded_rng(derive_seed(self.seed, self.epoch, index)):
             return self.views(image)
 
-    def batches(self, rank: int) -> int:
-        """The number of batches ``rank`` yields in this epoch."""
-        counts = [sum(part.num_samples for part in self.worker_parts(rank, worker))
-                  for worker in range(max(1, self.num_workers))]
-        return sum(count // self.batch_size if self.drop_last else -(-count // self.batch_size) for count in counts)
-
-    def fewest_batches(self) -> int:
-        """A lower bound on the batches of any rank in any epoch, shards in any order (with drop_last)."""
-        sizes = sorted(part.num_samples for part in self.parts)
-        rounds, leftover = divmod(len(sizes), self.world_size)
-        fewest_samples = sum(sizes[:rounds]) + sum(size // self.world_size for size in sizes[:leftover])
-        return max(0, fewest_samples // self.batch_size - max(1, self.num_workers) + 1)
+    def batches(self) -> int:
+        """The number of batches this rank yields in every epoch: with ``drop_last``, ⌊N / (world_size × batch_size)⌋
+        for N samples, on every rank (each share holds at least that many whole batches)."""
+        if self.drop_last:
+            return sum(part.size for part in self.parts) // (self.world_size * self.batch_size)
+        first, end = self.rank_span()
+        return -(-(end - first) // self.batch_size)
 
 
 def _passing_errors_on(batches: Iterator[Batch]) -> Iterator[Batch | RepsimError]:
@@ -289,6 +303,38 @@ def _raising_errors(batches: Iterator[Batch | RepsimError]) -> Iterator[Batch]:
         if isinstance(batch, RepsimError):
             raise batch
         yield batch
+
+
+def rebatched(batches: Iterator[Batch], size: int, drop_last: bool) -> Iterator[Batch]:
+    """The workers' batches with their partial last ones joined into batches of ``size`` as they come; what is
+    left at the end (fewer than ``size``) comes last, unless ``drop_last``."""
+    rest: Batch | None = None
+    for batch in batches:
+        if len(batch["index"]) < size:
+            rest = batch if rest is None else joined(rest, batch)
+            if len(rest["index"]) < size:
+                continue
+            batch, rest = sliced(rest, 0, size), sliced(rest, size, None)
+        yield batch
+    if rest is not None and len(rest["index"]) and not drop_last:
+        yield rest
+
+
+def joined(first: Batch, second: Batch) -> Batch:
+    """One batch of the samples of ``first`` then those of ``second`` (``images`` at the size of the first image)."""
+    def join(key: str, value: Any) -> Any:
+        if key == "views":
+            return [torch.cat(pair) for pair in zip(value, second[key])]
+        if key == "images":
+            return stack_images([*value, *second[key]])
+        return torch.cat([value, second[key]]) if isinstance(value, torch.Tensor) else value + second[key]
+    return {key: join(key, value) for key, value in first.items()}
+
+
+def sliced(batch: Batch, start: int, stop: int | None) -> Batch:
+    """The batch of the samples ``start`` to ``stop - 1`` of ``batch``."""
+    return {key: [view[start:stop] for view in value] if key == "views" else value[start:stop]
+            for key, value in batch.items()}
 
 
 def seeded_rng(seed: int) -> contextlib.AbstractContextManager[None]:
@@ -369,24 +415,19 @@ class ShardLoader:
 
     def __len__(self) -> int:
         """Batches per pass; TypeError (as for any iterable without a length) when no manifest was found."""
-        if not self._length_known():
+        if not self.stream.counted:
             raise TypeError(f"the number of batches is unknown without {MANIFEST}; "
                             "keep it beside the shards or pass manifest=")
-        stream = self.stream
-        if not stream.drop_last:
-            return stream.batches(stream.rank)
-        if stream.shuffle:
-            return stream.fewest_batches()
-        return min(stream.batches(rank) for rank in range(stream.world_size))
+        return self.stream.batches()
 
     def __iter__(self) -> Iterator[Batch]:
         epoch_stream = copy.copy(self.stream)
-        steps = len(self) if self.stream.drop_last and self._length_known() else None
+        steps = len(self) if epoch_stream.counted else None
         self.stream.epoch += 1
         pin_memory = self.pin_memory or (self.batch_views is not None and self.device.type == "cuda")
         loader = DataLoader(epoch_stream, batch_size=None, num_workers=epoch_stream.num_workers,
                             pin_memory=pin_memory, generator=torch.Generator().manual_seed(epoch_stream.seed))
-        batches = _raising_errors(islice(loader, steps))
+        batches = islice(rebatched(_raising_errors(iter(loader)), epoch_stream.batch_size, epoch_stream.drop_last), steps)
         return batches if self.batch_views is None else self.augmented(batches, epoch_stream)
 
     def augmented(self, batches: Iterator[Batch], stream: ShardStream) -> Iterator[Batch]:
@@ -396,6 +437,3 @@ class ShardLoader:
             with torch_threads(1):
                 views = self.batch_views(images, derive_seed(stream.seed, stream.epoch, stream.rank, position))
             yield {"views": views, **batch}
-
-    def _length_known(self) -> bool:
-        return all(part.size is not None for part in self.stream.parts)

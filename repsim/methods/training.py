@@ -35,7 +35,7 @@ from repsim.methods.train import (KnnMonitor, LogFn, Trainer, TrainingError, ini
 from repsim.models.backbones import ENCODER_FILE, encoder_file, load_encoder, save_encoder
 from repsim.stage import Stage, StageKind, StageOutput, read_record, repsim_home, run_stage, sha256_file
 
-VERSION = "1"
+VERSION = "2"  # 2: the loader reads every sample once an epoch with several workers or ranks
 CHECKPOINT_FILE = "checkpoint.pt"
 METRICS_FILE = "metrics.jsonl"
 KEY_NEUTRAL = (("optim", "threads"), ("optim", "checkpoint_every"), ("monitor", "batch_size"), ("data", "spec"),
