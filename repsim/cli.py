@@ -26,7 +26,7 @@ FORCEABLE = ("shard", "captions", "wordnet", "neighbors", "train", "features", "
 
 def cmd_shard(args: argparse.Namespace) -> None:
     from repsim.data import ShardResult, load_spec
-    from repsim.data.remote import is_url, upload
+    from repsim.data.remote import check_destination, is_url, upload
     from repsim.data.manifest import MANIFEST
 
     specs = [load_spec(spec) for spec in args.specs]  # validate every spec before starting any orchestration
@@ -35,6 +35,8 @@ def cmd_shard(args: argparse.Namespace) -> None:
     if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
         raise RepsimError(f"--out {args.out} is a file, not a directory", "name a new or existing directory")
     bucket = args.out if args.out and is_url(args.out) else None  # built in $REPSIM_HOME, then uploaded there
+    if bucket:
+        check_destination(bucket)  # a read-only scheme or a missing bucket, before any work
     rows = []
     for path, spec in zip(args.specs, specs):
         section = {"kind": "shard", "out": None if bucket else args.out}

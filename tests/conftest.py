@@ -1,4 +1,4 @@
-"""Shared fixtures: an isolated artifact root per test, and tiny synthetic datasets."""
+"""Shared fixtures: an isolated artifact root per test, tiny synthetic datasets, and an S3 bucket on moto's server."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import pytest
 import torch
 import yaml
 from PIL import Image
+
+AWS_SECRET = "not-a-real-secret-key-5e3c"  # the bucket fixture's secret key: no output may hold it
 
 
 @pytest.fixture(autouse=True)
@@ -64,3 +66,35 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint() -> str:
+    """The URL of moto's S3 server, started on 127.0.0.1 for the session."""
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def bucket(moto_endpoint, monkeypatch) -> str:
+    """A new, empty bucket; the AWS variables point boto at the moto server (the endpoint by AWS_ENDPOINT_URL)."""
+    import uuid
+
+    import s3fs
+
+    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": AWS_SECRET,
+                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": moto_endpoint}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    s3fs.S3FileSystem.clear_instance_cache()
+    name = f"shards-{uuid.uuid4().hex[:8]}"
+    s3fs.S3FileSystem().mkdir(name)
+    return name

@@ -1,12 +1,14 @@
-"""Shards in object storage and behind HTTP: moto's S3 server and Python's http.server on 127.0.0.1,
-started here; shards uploaded, keyed, streamed, and their failures reported in one line."""
+"""Shards in object storage and behind HTTP: moto's S3 server (conftest's ``bucket``) and Python's http.server
+on 127.0.0.1; shards uploaded, keyed, streamed, and their failures reported in one line."""
 
 from __future__ import annotations
 
 import functools
 import http.server
-import logging
+import importlib.util
+import re
 import shutil
+import socket
 import threading
 import uuid
 from pathlib import Path
@@ -18,8 +20,8 @@ import s3fs
 import torch
 import yaml
 from animals import CLASSES, animal_shards
+from conftest import AWS_SECRET
 from e2e import repsim
-from moto.server import ThreadedMotoServer
 
 from repsim.cli import main
 from repsim.data import loader as loader_module
@@ -28,37 +30,12 @@ from repsim.data.manifest import MANIFEST
 from repsim.data.remote import s3_etag, upload
 from repsim.data.sharding import ERRORS, INDEX, ShardResult, shard, shard_stage
 from repsim.data.spec import load_spec
-from repsim.errors import DataError
+from repsim.errors import DataError, RepsimError
 from repsim.eval.evaluation import evaluate
 from repsim.methods.config import Config
 from repsim.methods.training import train, train_stage_of
 from repsim.models import load_encoder
 from repsim.stage import artifacts_root
-
-SECRET = "not-a-real-secret-key-5e3c"
-
-
-@pytest.fixture(scope="session")
-def moto_endpoint() -> str:
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
-@pytest.fixture
-def bucket(moto_endpoint, monkeypatch) -> str:
-    """A new, empty bucket; the AWS variables point boto at the moto server (the endpoint by AWS_ENDPOINT_URL)."""
-    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": SECRET,
-                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": moto_endpoint}.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
-    s3fs.S3FileSystem.clear_instance_cache()
-    name = f"shards-{uuid.uuid4().hex[:8]}"
-    s3fs.S3FileSystem().mkdir(name)
-    return name
 
 
 @pytest.fixture
@@ -110,7 +87,7 @@ def one_error_line(capsys) -> str:
     err = capsys.readouterr().err
     *before, line = err.rstrip("\n").split("\n")
     assert line.startswith("error: ") and "Traceback" not in err and not any("error" in text for text in before), err
-    assert SECRET not in err
+    assert AWS_SECRET not in err
     return line
 
 
@@ -239,7 +216,7 @@ def test_training_and_evaluating_from_the_bucket_alone_equals_the_local_run(buck
     assert all(torch.equal(local_weights[key], bucket_weights[key]) for key in local_weights)
     assert untimed(local_metrics) == untimed(bucket_metrics) and "knn_top1_k5" in local_metrics[0]
     for record in artifacts_root().rglob("stage.json"):
-        assert SECRET not in record.read_text()
+        assert AWS_SECRET not in record.read_text()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,7 +253,7 @@ def test_the_shard_command_uploads_to_a_bucket_and_refuses_a_missing_one(animals
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     [line] = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
     assert "no-such-bucket-4a1f" in line
-    assert not any(SECRET.encode() in file.read_bytes() for file in home.rglob("*") if file.is_file())
+    assert not any(AWS_SECRET.encode() in file.read_bytes() for file in home.rglob("*") if file.is_file())
 
 
 def test_wrong_credentials_are_one_line_and_never_shown(uploaded, forbidden, capsys):
@@ -331,3 +308,70 @@ def test_an_experiment_shard_section_refuses_a_bucket_and_names_the_command(tmp_
                                           "stages": [{"kind": "shard", "out": "s3://bucket/prefix/"}]}))
     assert main(["run", str(experiment)]) == 2
     assert "repsim shard SPEC --out URL" in one_error_line(capsys)
+
+
+# ---------------------------------------------------------------------------------------------
+# What failed, in one line whose fix fits the scheme; refused before any work
+
+class Forbidding(Quiet):
+    """Refuses every file: 403."""
+
+    def send_head(self):
+        self.send_error(403)
+
+
+@pytest.mark.parametrize(("handler", "said"), [(Quiet, "does not exist"), (Forbidding, "is denied")])
+def test_a_missing_or_forbidden_http_object_is_one_line_without_aws(tmp_path, capsys, handler, said):
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(tmp_path))) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        spec = in_place_spec(tmp_path, f"http://127.0.0.1:{server.server_address[1]}/")
+        assert main(["shard", str(spec)]) == 2
+        server.shutdown()
+    line = one_error_line(capsys)
+    assert f"{MANIFEST} {said}" in line and "AWS" not in line
+
+
+def test_a_refused_http_connection_is_one_line_without_aws(tmp_path, capsys):
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # nothing listens there once it is closed
+    assert main(["shard", str(in_place_spec(tmp_path, f"http://127.0.0.1:{port}/"))]) == 2
+    line = one_error_line(capsys)
+    assert f"cannot reach http://127.0.0.1:{port}/{MANIFEST} (ConnectionRefusedError" in line
+    assert "does not exist" not in line and "AWS" not in line
+
+
+@pytest.mark.parametrize(("scheme", "said"), [("foo", ["fsspec knows no scheme foo://; use one of ", "s3://", "https://"]),
+                                               ("gs", ["Please install gcsfs to access Google Storage; pip install gcsfs"])])
+def test_a_scheme_fsspec_cannot_open_is_one_line_naming_the_fix(tmp_path, capsys, scheme, said):
+    if scheme == "gs" and importlib.util.find_spec("gcsfs"):
+        pytest.skip("gcsfs is installed")
+    assert main(["shard", str(in_place_spec(tmp_path, f"{scheme}://bucket/animals/"))]) == 2
+    line = one_error_line(capsys)
+    assert all(text in line for text in said)
+
+
+@pytest.mark.parametrize(("out", "said"), [("http://127.0.0.1:9/animals/", "is read-only"),
+                                           ("s3://no-such-bucket-4a1f/animals/", "create the bucket first")])
+def test_an_upload_destination_that_cannot_take_it_is_refused_before_any_work(animals, bucket, capsys, out, said):
+    spec, _ = animals
+    assert main(["shard", str(spec), "--out", out]) == 2
+    line = one_error_line(capsys)
+    assert out in line and said in line
+    assert not artifacts_root().exists()  # nothing sharded
+
+
+@pytest.mark.parametrize("where", ["bucket", "local"])
+def test_a_tar_swapped_for_another_shards_tar_is_named(animals, bucket, tmp_path, where):
+    spec, shards = animals
+    if where == "bucket":
+        prefix = f"s3://{bucket}/animals/"
+        upload(shards.path, prefix, last=MANIFEST)
+        s3().pipe(f"{prefix}train-00001.tar", s3().cat(f"{prefix}train-00002.tar"))
+        swapped, sharding = f"{prefix}train-00001.tar", lambda: shard(in_place_spec(tmp_path, prefix), progress=False)
+    else:
+        copy = shutil.copytree(shards.path, tmp_path / "shards")
+        shutil.copyfile(copy / "train-00002.tar", copy / "train-00001.tar")  # the same size: still a cache hit
+        swapped, sharding = copy / "train-00001.tar", lambda: shard(spec, out_dir=copy, progress=False)
+    with pytest.raises(RepsimError, match=re.escape(str(swapped)) + r" starts with sample \d+ where the manifest lists \d+"):
+        evaluate(sharding(), suites=["knn"], knn_k=[5], device="cpu", progress=False)

@@ -26,7 +26,7 @@ import json
 import shutil
 import tarfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,9 +40,9 @@ import webdataset as wds
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from repsim.data import remote
-from repsim.data.manifest import MANIFEST, ManifestWriter, shard_sizes, write_rows
+from repsim.data.manifest import MANIFEST, ManifestWriter, read_manifest, shard_sizes, write_rows
 from repsim.data.remote import beside, is_url
-from repsim.data.sources import Entry, Listing, Reader, assign_splits, open_source, split_order
+from repsim.data.sources import Entry, Listing, Reader, assign_splits, open_source, split_member_name, split_order
 from repsim.data.spec import DataSpec, load_spec
 from repsim.errors import DataError, StageError
 from repsim.pieces import Piece, link_or_copy, run_pieces
@@ -101,8 +101,9 @@ def sharded_already(spec: DataSpec, shards: ShardResult | str | Path | None = No
 def shard(spec: DataSpec | str | Path, out_dir: str | Path | None = None, progress: bool = True,
           executor: Executor | None = None) -> ShardResult:
     """Write ``spec``'s samples as WebDataset shards (keyed by the spec and a fingerprint of the source
-    files), or return the cached output at once. Each tar is a piece run on ``executor`` (default: here), kept
-    in ``$REPSIM_HOME/scratch/shard/<key>/`` until the output is complete, so a stopped stage resumes with the
+    files), or return the cached output at once, once each tar's first header shows it was not swapped since
+    (:func:`check_tars`). Each tar is a piece run on ``executor`` (default: here), kept in
+    ``$REPSIM_HOME/scratch/shard/<key>/`` until the output is complete, so a stopped stage resumes with the
     tars left. DataError for an unreadable source, and under ``on_error: fail`` for the first unreadable image,
     repeated manifest row or damaged source tar (``skip``: counted)."""
     spec = spec if isinstance(spec, DataSpec) else load_spec(spec)
@@ -111,11 +112,15 @@ def shard(spec: DataSpec | str | Path, out_dir: str | Path | None = None, progre
     scratch = repsim_home() / "scratch" / "shard" / stage.key
     if getattr(spec.source, "manifest", None):
         output = run_stage(stage, lambda tmp: _in_place(spec, reader, tmp), out_dir, file_details=_tar_samples)
-    else:
-        output = run_stage(stage, lambda tmp: _build(spec, reader, tmp, progress, executor, scratch), out_dir,
-                           file_details=_tar_samples)
-        shutil.rmtree(scratch, ignore_errors=True)
-    return ShardResult.from_dir(output.path, cached=output.cached)
+        return ShardResult.from_dir(output.path, cached=output.cached)
+    output = run_stage(stage, lambda tmp: _build(spec, reader, tmp, progress, executor, scratch), out_dir,
+                       file_details=_tar_samples)
+    shutil.rmtree(scratch, ignore_errors=True)
+    result = ShardResult.from_dir(output.path, cached=output.cached)
+    if output.cached:  # the tars were right when built: a cache hit checks that none was swapped since
+        check_tars([tar for tars in result.shards.values() for tar in tars], result.manifest,
+                   f"remove {result.path} and shard again")
+    return result
 
 
 def shard_stage(spec: DataSpec, reader: Reader | None = None) -> Stage:
@@ -212,7 +217,8 @@ def write_tar_piece(piece: TarPiece, folder: Path) -> dict[str, Any]:
 
 def _in_place(spec: DataSpec, reader: Reader, out: Path) -> dict[str, float]:
     """The output of shards read in place: their manifest and errors.json fetched, and a shards.json
-    that lists the tars of ``source.urls`` by URL under the split their name starts with."""
+    that lists the tars of ``source.urls`` by URL under the split their name starts with, each checked to start
+    with the sample the manifest lists first for it."""
     started, manifest = time.time(), spec.source.manifest
     (out / MANIFEST).write_bytes(remote.read_bytes(str(manifest)))
     (out / ERRORS).write_bytes(remote.read_bytes(str(beside(manifest, ERRORS))))
@@ -224,9 +230,29 @@ def _in_place(spec: DataSpec, reader: Reader, out: Path) -> dict[str, float]:
         split = splits.setdefault(name.rsplit("-", 1)[0], {"samples": 0, "shards": []})
         split["samples"] += sizes[name]
         split["shards"].append(tar)
+    check_tars(reader.tars, out / MANIFEST, "copy or upload the shards again from one shard output (repsim shard SPEC --out URL)")
     index |= {"name": spec.name, "num_samples": sum(split["samples"] for split in splits.values()), "splits": splits}
     (out / INDEX).write_text(json.dumps(index, indent=2))
     return _metrics({name: split["samples"] for name, split in splits.items()}, index["errors"], started)
+
+
+def check_tars(tars: Sequence[str | Path], manifest: Path, fix: str) -> None:
+    """DataError naming the tars whose first sample is not the one ``manifest`` lists first for them: a tar swapped
+    for another shard's, or damaged (each tar's first header is read, nothing more)."""
+    rows = read_manifest(manifest, ["shard", "key"])
+    first = dict(zip(reversed(rows["shard"].to_pylist()), reversed(rows["key"].to_pylist())))  # each tar's first row
+    wrong = []
+    for tar in tars:
+        header = remote.read_head(tar, tarfile.BLOCKSIZE)
+        try:
+            key, _ = split_member_name(tarfile.TarInfo.frombuf(header, "utf-8", "surrogateescape").name)
+        except tarfile.HeaderError as err:
+            raise DataError(f"{tar} is not a readable tar ({err})", fix) from None
+        expected = first.get(str(tar).rsplit("/", 1)[-1])
+        if key != expected:
+            wrong.append(f"{tar} starts with sample {key} where the manifest lists {expected}")
+    if wrong:
+        raise DataError(f"{', '.join(wrong)} (swapped for another shard's tar?)", fix)
 
 
 def _write_order(splits: list[str], spec: DataSpec) -> list[tuple[str, np.ndarray]]:

@@ -502,7 +502,7 @@ def expand_urls(pattern: str) -> list[Path]:
     return paths
 
 
-def _split_member_name(name: str) -> tuple[str, str]:
+def split_member_name(name: str) -> tuple[str, str]:
     """WebDataset's convention: the key is the name up to the first dot of its last component."""
     folder, _, base = name.rpartition("/")
     stem, _, ext = base.partition(".")
@@ -562,7 +562,7 @@ class WebDatasetReader(Reader):
         try:
             with tarfile.open(tar, "r:") as archive:
                 for member in filter(tarfile.TarInfo.isfile, archive):
-                    key, ext = _split_member_name(member.name)
+                    key, ext = split_member_name(member.name)
                     sample = samples.setdefault(key, {})
                     if ext == self.spec.source.image_ext:
                         sample[ext] = (member.offset_data, member.size)
