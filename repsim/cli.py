@@ -8,6 +8,7 @@ import argparse
 import logging
 import os
 import re
+import shlex
 import shutil
 import sys
 from collections.abc import Callable, Sequence
@@ -171,7 +172,7 @@ def cmd_run(args: argparse.Namespace) -> None:
     requested_cluster(args.cluster or experiment.cluster)
     if args.spread and not os.environ.get("PREFECT_API_URL"):
         raise SpecError("--spread runs members on the workers of a Prefect server, and none is configured",
-                        "set PREFECT_API_URL (make servers; source .repsim/servers/env.sh) or leave out --spread")
+                        f"set PREFECT_API_URL ({_start_servers()}) or leave out --spread")
     if args.plan:
         from repsim.flows.experiment import plan_experiment
 
@@ -277,9 +278,16 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if not os.environ.get("PREFECT_API_URL"):
         print("note: no Prefect server is configured, so these deployments live on a temporary API that the "
               "Prefect UI and other processes cannot reach; for schedules and UI runs start servers first "
-              "(make servers; source .repsim/servers/env.sh)", file=sys.stderr)
+              f"({_start_servers()})", file=sys.stderr)
     _start_orchestration()
     serve_deployments(args.deployments)
+
+
+def _start_servers() -> str:
+    """How to start the servers and point this shell at them, with this run's ``$REPSIM_HOME``."""
+    from repsim.stage import repsim_home
+
+    return f"make servers; source {shlex.quote(str(repsim_home() / 'servers' / 'env.sh'))}"
 
 
 def _positive_int(text: str) -> int:

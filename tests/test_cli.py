@@ -91,3 +91,10 @@ def test_durations_are_a_number_times_its_unit(text, seconds):
     from repsim.cli import duration
 
     assert duration(text) == seconds
+
+
+def test_spread_without_a_server_says_how_to_start_one_for_this_repsim_home(repsim_home, capsys, monkeypatch):
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    assert main(["run", "default", "--spread", "experiment/sweep-worker"]) == 2
+    err = capsys.readouterr().err
+    assert f"source {repsim_home.resolve() / 'servers' / 'env.sh'}" in err and err.count("\n") == 1
