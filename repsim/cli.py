@@ -55,9 +55,9 @@ def _run_section(name: str, data: str | os.PathLike, section: dict, cluster: str
     from repsim.experiment import single_section
 
     experiment = single_section(name, data, section, cluster)
+    _start_orchestration(stop_on_signals=True)  # first: nothing is written before its checks
     from repsim.flows.experiment import experiment_flow_on
 
-    _start_orchestration(stop_on_signals=True)
     with experiment_flow_on(experiment.cluster) as flow:
         return flow(experiment=experiment)
 
@@ -178,9 +178,9 @@ def cmd_run(args: argparse.Namespace) -> None:
 
         _print_plan(plan_experiment(experiment, args.force))
         return
-    from repsim.flows.experiment import experiment_flow_on  # first: it sets Prefect's embedded defaults
+    _start_orchestration(stop_on_signals=True)  # first: nothing is written before its checks
+    from repsim.flows.experiment import experiment_flow_on
 
-    _start_orchestration(stop_on_signals=True)
     with experiment_flow_on(args.cluster or experiment.cluster, args.concurrency) as flow:
         # the file as written and the overrides apart, so that the run records the command that made it
         outcome = flow(experiment=load_experiment(args.experiment), overrides=args.overrides, force=args.force,
@@ -273,13 +273,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     for experiment in load_deployments(args.deployments)[1]:  # validate before orchestration
         check_experiment(experiment)
-    from repsim.flows.serve import serve_deployments
-
     if not os.environ.get("PREFECT_API_URL"):
         print("note: no Prefect server is configured, so these deployments live on a temporary API that the "
               "Prefect UI and other processes cannot reach; for schedules and UI runs start servers first "
               f"({_start_servers()})", file=sys.stderr)
     _start_orchestration()
+    from repsim.flows.serve import serve_deployments
+
     serve_deployments(args.deployments)
 
 

@@ -5,6 +5,8 @@
 
 import contextlib
 import os
+import warnings
+from pathlib import Path
 
 from filelock import FileLock
 
@@ -28,7 +30,9 @@ def use_embedded_defaults() -> None:
     }
     for name, value in defaults.items():
         os.environ.setdefault(name, value)
-    (home / "prefect").mkdir(parents=True, exist_ok=True)
+    # Prefect makes its home when imported, which would write under $REPSIM_HOME before a command's checks
+    # (or before any run: a plan); start_embedded_stores makes it
+    warnings.filterwarnings("ignore", "Failed to create the Prefect home directory", UserWarning)
 
 
 def start_embedded_stores() -> None:
@@ -38,6 +42,7 @@ def start_embedded_stores() -> None:
     from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL
 
+    Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)  # repsim_home() with it, by default
     repsim_home().mkdir(parents=True, exist_ok=True)
     with FileLock(repsim_home() / STORES_LOCK):
         if not PREFECT_API_URL.value():  # the timeout passed on: Prefect read its setting when first imported
