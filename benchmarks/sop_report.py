@@ -40,11 +40,16 @@ class Design:
 
 
 KNN, LINEAR = "knn_top1_k20", "linear_top1"
+
+
+def on_both(text: str, source: str, better: str, worse: str) -> tuple[Claim, Claim]:
+    """The claim on the kNN and on the linear probe."""
+    return Claim(text, source, better, worse, KNN), Claim(text, source, better, worse, LINEAR)
+
+
 RESNET_CLAIMS = (
-    Claim("SOP beats learned prototypes (DINO-style) at equal compute", "paper", "sop", "dino"),
-    Claim("SOP beats learned prototypes (DINO-style) at equal compute", "paper", "sop", "dino", LINEAR),
-    Claim("with KoLeo on both, SOP still beats DINO-style", "factorial", "sop-koleo", "dino-koleo"),
-    Claim("with KoLeo on both, SOP still beats DINO-style", "factorial", "sop-koleo", "dino-koleo", LINEAR),
+    *on_both("SOP beats learned prototypes (DINO-style) at equal compute", "paper", "sop", "dino"),
+    *on_both("with KoLeo on both, SOP still beats DINO-style", "factorial", "sop-koleo", "dino-koleo"),
     Claim("SOP's loss adds to KoLeo: SOP + KoLeo beats KoLeo alone", "control", "sop-koleo", "koleo-only"),
     Claim("KoLeo helps SOP", "option", "sop-koleo", "sop"),
     Claim("KoLeo helps DINO-style", "option", "dino-koleo", "dino"),
@@ -53,15 +58,12 @@ RESNET_CLAIMS = (
     Claim("256 anchors beat 64 (fewer prototypes)", "rebuttal", "sop", "sop-anchors-64"),
     Claim("k = 8 supports beat k = 2", "rebuttal", "sop", "sop-support-2"),
     Claim("a memory of 4096 beats one of 1024", "rebuttal", "sop", "sop-memory-1024"),
-    Claim("SOP beats the raw pixels", "floor", "sop", "pixels"),
-    Claim("SOP + KoLeo beats the raw pixels", "floor", "sop-koleo", "pixels"),
-    Claim("DINO-style beats the raw pixels", "floor", "dino", "pixels"),
+    *(Claim(f"{title} beats the raw pixels", "floor", row, "pixels")
+      for row, title in (("sop", "SOP"), ("sop-koleo", "SOP + KoLeo"), ("dino", "DINO-style"))),
 )
 VIT_CLAIMS = (
-    Claim("SOP beats DINO-style at equal compute (ViT)", "paper", "sop", "dino"),
-    Claim("SOP beats DINO-style at equal compute (ViT)", "paper", "sop", "dino", LINEAR),
-    Claim("SOP beats iBOT-style at equal compute (ViT)", "paper", "sop", "ibot"),
-    Claim("SOP beats iBOT-style at equal compute (ViT)", "paper", "sop", "ibot", LINEAR),
+    *on_both("SOP beats DINO-style at equal compute (ViT)", "paper", "sop", "dino"),
+    *on_both("SOP beats iBOT-style at equal compute (ViT)", "paper", "sop", "ibot"),
     Claim("SOP beats the raw pixels (ViT)", "floor", "sop", "pixels"),
 )
 RESNET = "ResNet-18: the factorial, its control, fixed SOPs and the ablations"
