@@ -44,3 +44,35 @@ def test_the_verdict_table_has_a_row_per_claim_with_both_measurements():
     assert len(table) == 2 + len(claims)
     assert "SOP 85.00 ± 1.00 (3) vs DINO 80.00 ± 1.00 (3) | ✔ |" in table[2]
     assert table[3].endswith("| not shown | not run |")
+
+
+def test_the_sop_report_reads_grid_points_as_the_sweep_labels_them_and_picks_the_best_mean():
+    from sop_report import grid_cells, point_settings, shared_settings
+
+    two_views = "lr=0.0005 preset_options={global_scale: [0.5, 1.0], local_crops: 0}"
+    assert point_settings(two_views) == (0.0005, {"global_scale": [0.5, 1.0], "local_crops": 0})
+    assert point_settings("lr=0.002 preset_options={local_crops: 4}") == (0.002, {"local_crops": 4})
+    rows = [row("sop", 0.70, 0) | {"point": two_views}, row("dino", 0.80, 0) | {"point": two_views},
+            row("sop", 0.60, 0) | {"point": "lr=0.002 preset_options={local_crops: 4}"},
+            row("dino", 0.95, 0) | {"point": "lr=0.002 preset_options={local_crops: 4}"}]
+    best, second = grid_cells(type("Run", (), {"rows": rows})(), ("sop", "dino"))
+    assert best["point"] == "lr=0.002 preset_options={local_crops: 4}" and best["mean"] == pytest.approx(0.775)
+    assert second["mean"] == pytest.approx(0.75)
+    assert shared_settings("sop-resnet") in [point_settings(two_views), point_settings(best["point"])]
+
+
+def test_gera_few_pairs_chooses_per_m_on_validation_among_positive_weights_and_pairs_rows_at_that_choice():
+    from gera_few_pairs import chosen, test_rows
+
+    def align(point: str, score: float, asif: float = 0.5, encoder: str = "simclr") -> dict:
+        return {"point": point, "encoder": encoder, "zeroshot_top1": score, "zeroshot_top1.std": 0.01,
+                "zeroshot_top1.n": 10, "asif_zeroshot_top1": asif, "asif_zeroshot_top1.std": 0.02,
+                "asif_zeroshot_top1.n": 10}
+    tuning = [align("pairs=20 alpha=0.0 count=50", 0.9), align("pairs=20 alpha=100.0 count=50", 0.4),
+              align("pairs=20 alpha=1000.0 count=200", 0.5), align("pairs=50 alpha=100.0 count=800", 0.6)]
+    choice = chosen(type("Run", (), {"rows": tuning})())
+    assert choice == {20: (1000.0, 200.0), 50: (100.0, 800.0)}  # α = 0 is not GeRA, whatever it scores
+    test = [align("pairs=20 alpha=1000.0 count=200", 0.45, asif=0.47), align("pairs=20 alpha=0.0 count=200", 0.44),
+            align("pairs=20 alpha=0.0 count=50", 0.1), align("pairs=20 alpha=1000.0 count=200", 0.3, encoder="pixels")]
+    named = {found["encoder"]: found["zeroshot_top1"] for found in test_rows(type("Run", (), {"rows": test})(), choice)}
+    assert named == {"gera-20": 0.45, "asif-20": 0.47, "contrastive-20": 0.44, "gera-pixels-20": 0.3}
