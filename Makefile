@@ -14,11 +14,14 @@ setup:
 run: setup  ## the default experiment end to end on the embedded defaults: shard, precompute, train, evaluate
 	$(REPSIM) run $(EXPERIMENT)
 
+# pytest-xdist processes: most slow tests wait on servers and subprocesses
+TEST_WORKERS ?= 2
+
 test: setup  ## the whole test suite, slow tests included
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS)
 
 test-fast: setup  ## the tests that take seconds
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -m "not slow" -n $(TEST_WORKERS)
 
 lint: setup  ## ruff's checks, configured in pyproject.toml
 	$(VENV)/bin/ruff check .
