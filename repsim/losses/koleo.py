@@ -7,7 +7,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from repsim.losses._pairs import at_least_float32
-from repsim.similarity.neighbors import nearest
 
 
 class KoLeoLoss(nn.Module):
@@ -28,7 +27,8 @@ class KoLeoLoss(nn.Module):
         if len(embeddings) < 2:
             raise ValueError(f"KoLeo needs at least two embeddings, got {len(embeddings)}")
         embeddings = F.normalize(at_least_float32(embeddings), dim=1)
-        ids = torch.arange(len(embeddings), device=embeddings.device)
-        others, _ = nearest(embeddings.detach(), embeddings.detach(), 1, "ip", (ids, ids))
-        distances = (embeddings - embeddings[others[:, 0]]).norm(dim=1)
+        with torch.no_grad():
+            cosines = embeddings @ embeddings.T
+            others = cosines.fill_diagonal_(-torch.inf).argmax(dim=1)  # the nearest other: the largest cosine
+        distances = (embeddings - embeddings[others]).norm(dim=1)
         return -(distances + self.eps).log().mean()
