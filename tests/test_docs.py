@@ -68,3 +68,22 @@ def test_the_site_builds_strictly(tmp_path):
     assert built.returncode == 0, built.stderr
     assert (tmp_path / "site" / "index.html").exists()
     assert "The same chain from Python" in (tmp_path / "site" / "pipeline" / "index.html").read_text()
+
+
+def test_the_sweep_snippet_of_the_experiments_page_plans_on_the_pages_example(tmp_path):
+    """docs/experiments.md's example with its seeds-and-sweep snippet added plans the trainings the page
+    says (three of SimCLR, shared across the grid, and six of X-CLR)."""
+    from repsim.experiment import check_experiment, expand, load_experiment
+
+    page = (REPO / "docs" / "experiments.md").read_text()
+    example, snippet = re.findall(r"```yaml\n(.*?)```", page, re.S)[:2]
+    for folder in ("configs", "data_specs"):  # the page's relative paths, as from a file in experiments/
+        (tmp_path / folder).symlink_to(REPO / folder)
+    path = tmp_path / "experiments" / "example.yaml"
+    path.parent.mkdir()
+    path.write_text(yaml.safe_dump(yaml.safe_load(example) | yaml.safe_load(snippet)))
+    loaded = load_experiment(str(path))
+    check_experiment(loaded)
+    trainings = {(run.label, str(member.experiment.section("train").overrides(run, member.experiment.data)))
+                 for member in expand(loaded) for run in member.experiment.section("train").methods}
+    assert sorted(label for label, _ in trainings) == ["simclr"] * 3 + ["xclr"] * 6
