@@ -76,7 +76,7 @@ start() {
     PREFECT_UI_API_URL="http://$HOST:$PREFECT_PORT/api" \
     launch prefect "http://$HOST:$PREFECT_PORT/api/health" \
     "$VENV/bin/prefect" server start --host "$HOST" --port "$PREFECT_PORT"
-  launch mlflow "http://$HOST:$MLFLOW_PORT/health" \
+  MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false launch mlflow "http://$HOST:$MLFLOW_PORT/health" \
     "$VENV/bin/mlflow" server --host "$HOST" --port "$MLFLOW_PORT" --workers 1 \
     --backend-store-uri "$mlflow_db" --artifacts-destination "$DIR/mlartifacts" --serve-artifacts
   cat >"$DIR/env.sh" <<ENV
@@ -112,7 +112,7 @@ ui() {  # both UIs over the embedded stores, in this terminal; stopping either s
     PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT=false PREFECT_UI_API_URL="http://$HOST:$PREFECT_PORT/api" \
     launch prefect "http://$HOST:$PREFECT_PORT/api/health" \
     "$VENV/bin/prefect" server start --host "$HOST" --port "$PREFECT_PORT"
-  launch mlflow "http://$HOST:$MLFLOW_PORT/health" \
+  MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false launch mlflow "http://$HOST:$MLFLOW_PORT/health" \
     "$VENV/bin/mlflow" ui --host "$HOST" --port "$MLFLOW_PORT" --workers 1 --backend-store-uri "sqlite:///$REPSIM_HOME/mlflow.db"
   say "MLflow UI $(runs_link "sqlite:///$REPSIM_HOME/mlflow.db" "http://$HOST:$MLFLOW_PORT") (experiment repsim), Prefect UI http://$HOST:$PREFECT_PORT, over $REPSIM_HOME; Ctrl-C stops both"
   while running prefect && running mlflow; do sleep 2; done

@@ -5,6 +5,7 @@ headless Chromium renders both UIs' pages of the run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -41,6 +42,16 @@ def read_env_file(path: Path) -> dict[str, str]:
     return dict(line.removeprefix("export ").split("=", 1) for line in path.read_text().splitlines())
 
 
+def process_group(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid``."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(ProcessLookupError):
+            if os.getpgid(int(entry.name)) == pgid:
+                found.append(int(entry.name))
+    return found
+
+
 @pytest.fixture
 def servers(tmp_path) -> Iterator[dict[str, str]]:
     """Both servers started by scripts/servers.sh on free ports; the environment that points at them."""
@@ -51,6 +62,7 @@ def servers(tmp_path) -> Iterator[dict[str, str]]:
     try:
         assert started.returncode == 0, started.stdout + started.stderr
         pids = [int((home / "servers" / f"{name}.pid").read_text()) for name in ("prefect", "mlflow")]
+        assert len(process_group(pids[1])) <= 2, "MLflow started its job runner"  # its CLI and one uvicorn worker
         yield env | read_env_file(home / "servers" / "env.sh")
     finally:
         stopped = subprocess.run([*script, "stop"], env=env, capture_output=True, text=True, timeout=120)
