@@ -326,14 +326,19 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
 
 
+HOOK_LINES = re.compile(r"Running hook '[^']*' in response to entering state|Hook '[^']*' finished running successfully")
+
+
 def _keep_log_record(record: logging.LogRecord) -> bool:
-    """Keep Prefect's console line for a RepsimError but drop its traceback, and drop the records of a
-    full disk (a store's failed writes): the CLI explains both in one line."""
+    """Keep Prefect's console line for a RepsimError but drop its traceback; drop the records of a full
+    disk (a store's failed writes), which the CLI explains in one line, and Prefect's lines around each
+    state hook (a stage's summary line is the hook's own)."""
     error = record.exc_info[1] if record.exc_info else None
     if isinstance(error, RepsimError):
         record.exc_info, record.exc_text = None, None
         return True
-    return not (disk_full(error) or any(text in record.getMessage() for text in DISK_FULL_TEXTS))
+    message = record.getMessage()
+    return not (disk_full(error) or any(text in message for text in DISK_FULL_TEXTS) or HOOK_LINES.match(message))
 
 
 def _filled_a_disk(err: BaseException) -> DiskFull | None:

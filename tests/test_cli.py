@@ -98,3 +98,17 @@ def test_spread_without_a_server_says_how_to_start_one_for_this_repsim_home(reps
     assert main(["run", "default", "--spread", "experiment/sweep-worker"]) == 2
     err = capsys.readouterr().err
     assert f"source {repsim_home.resolve() / 'servers' / 'env.sh'}" in err and err.count("\n") == 1
+
+
+def test_prefects_lines_around_a_state_hook_are_dropped_and_the_hooks_own_line_kept():
+    import logging
+
+    from repsim.cli import _keep_log_record
+
+    def kept(message: str) -> bool:
+        return _keep_log_record(logging.LogRecord("prefect.task_runs", logging.INFO, __file__, 1, message, None, None))
+
+    assert not kept("Running hook 'summarize_if_cached' in response to entering state 'Cached'")
+    assert not kept("Hook 'summarize_if_cached' finished running successfully")
+    assert kept("shard: 10000 samples; found complete in the cache -> /home/artifacts/shard/b460615c")
+    assert kept("Finished in state Cached(type=COMPLETED)")
