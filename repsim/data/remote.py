@@ -403,7 +403,7 @@ def check_destination(url: str) -> None:
     with reaching(url):
         try:
             fs.pipe_file(probe, b"")
-        except NotImplementedError:
+        except NotImplementedError:  # a file system fsspec can only read (github://, zip://, ...)
             raise read_only from None
         except FileNotFoundError as err:
             raise DataError(f"cannot write to {url} ({first_line(err)})", "create the bucket first, or correct the URL") from None
