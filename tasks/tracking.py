@@ -1,23 +1,29 @@
 """MLflow tracking: one parent run per flow run, one nested run per stage, tagged with the stage, its key,
 output path, cache hit and Prefect flow-run id; params are the stage's resolved config, metrics its
 metrics, outputs its artifacts. A trained encoder is registered as an MLflow model once per stage key
-(:meth:`StageRun.log_encoder`); ``models:/NAME/VERSION`` resolves to a directory (:func:`model_directory`).
+(:meth:`StageRun.log_encoder`), whose weights are the stage's ``encoder.pt`` itself: hard-linked where the
+artifact store is a local folder on the same disk, so the bytes are stored once. ``models:/NAME/VERSION``
+resolves to a directory (:func:`model_directory`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import filecmp
 import importlib.metadata
 import json
 import math
+import os
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
+from urllib.parse import urlparse
 
 from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
@@ -28,18 +34,18 @@ from prefect.runtime import flow_run
 
 from repsim.errors import RepsimError
 from repsim.layering import flatten
-from repsim.models.backbones import ENCODER_FILE
+from repsim.models.backbones import ENCODER_FILE, EXPORTING
 from repsim.stage import STAGE_FILE, read_record, repsim_home
 from repsim.tasks.settings import mlflow_artifact_location
 
 EXPERIMENT = "repsim"
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}  # the UI opens on the runs, not on traces
 SMALL_ARTIFACT_BYTES = 50 * 2**20
-MODEL_FILES = (ENCODER_FILE, STAGE_FILE)  # what a registered encoder carries for repsim to load and key it
+MODEL_FILES = (ENCODER_FILE, STAGE_FILE)  # what repsim loads and keys a registered encoder from
+MODEL_WEIGHTS = Path("data") / "model.pt2"  # mlflow.pytorch's file of an exported program: the stage's encoder.pt
 MODEL_URI = "models:/"
 RUNS_VIEW = "repsim-runs"  # the key of the saved view the printed links open
 RUN_NAME_COLUMN, RUN_NAME_WIDTH = "attributes.`Run Name`", 420  # px: ~45 characters of a nested run's name
-_EXPORTING = threading.Lock()
 
 
 @dataclass
@@ -109,9 +115,9 @@ class StageRun:
                 self.client.log_artifact(self.run_id, str(path))
 
     def log_encoder(self, train_dir: Path, registered: str) -> str:
-        """The encoder of the train stage at ``train_dir`` as an MLflow model of this run (with a signature,
-        an input example and the files repsim loads it from), registered under ``registered`` with its
-        lineage as tags, once per stage key. Returns the version."""
+        """The encoder of the train stage at ``train_dir`` as an MLflow model of this run (a signature, an input
+        example, ``stage.json``, and the stage's ``encoder.pt`` as its weights), registered under ``registered``
+        with its lineage as tags, once per stage key. Returns the version."""
         import mlflow
         import torch
         from mlflow.models import infer_signature
@@ -129,17 +135,53 @@ class StageRun:
         example = torch.zeros(1, channels, size, size)
         with torch.no_grad():
             signature = infer_signature(example.numpy(), encoder(example).numpy())
-        with _EXPORTING:  # MLflow saves the model with torch.export, which two threads cannot run at once
+        with EXPORTING:  # MLflow saves the model with torch.export too
             # a logged model belongs to the active experiment, not to its run's: make that this run's
             mlflow.set_experiment(experiment_id=self.client.get_run(self.run_id).info.experiment_id)
-            logged = mlflow.pytorch.log_model(
-                encoder, name="encoder", run_id=self.run_id, signature=signature, input_example=example.numpy(),
-                extra_files=[str(train_dir / name) for name in MODEL_FILES],
+            logged = mlflow.models.Model.log(
+                None, _flavor_with_weights(train_dir / ENCODER_FILE), name=registered, run_id=self.run_id,
+                pytorch_model=encoder, serialization_format="pt2", signature=signature, input_example=example.numpy(),
+                extra_files=[str(train_dir / STAGE_FILE)],
                 pip_requirements=[f"{name}=={importlib.metadata.version(name)}" for name in ("torch", "repsim")])
+        if (folder := _local_folder(logged.artifact_path)) is not None:
+            share_file(train_dir / ENCODER_FILE, folder / MODEL_WEIGHTS)
         lineage = {"repsim.stage_key": record["key"], "repsim.output": str(train_dir.resolve()),
                    "repsim.method": record["config"]["method"]["name"], "repsim.run_id": self.run_id,
                    **{f"repsim.input.{name}": key for name, key in record["inputs"].items()}}
         return mlflow.register_model(logged.model_uri, registered, tags=lineage).version
+
+
+def _flavor_with_weights(archive: Path) -> SimpleNamespace:
+    """``mlflow.pytorch`` as a flavor for ``Model.log`` whose saved model holds ``archive`` (an encoder's
+    ``torch.export`` archive, :func:`repsim.models.save_encoder`) as its weights, in place of MLflow's own export."""
+    import mlflow.pytorch
+
+    def save_model(path: str, **kwargs: Any) -> None:
+        mlflow.pytorch.save_model(path=path, **kwargs)
+        shutil.copyfile(archive, Path(path) / MODEL_WEIGHTS)
+
+    return SimpleNamespace(__name__=mlflow.pytorch.__name__, save_model=save_model)
+
+
+def _local_folder(uri: str) -> Path | None:
+    """The folder an artifact URI names on this machine's disk, or None (a server, a bucket)."""
+    parsed = urlparse(uri)
+    return Path(parsed.path) if parsed.scheme in ("", "file") else None
+
+
+def share_file(source: Path, copy: Path) -> None:
+    """Make ``copy``, a byte-identical copy of ``source``, a hard link to it (stored once); left as it is
+    where it is absent, differs, or lies on another file system."""
+    if not copy.is_file() or copy.stat().st_size != source.stat().st_size:
+        return
+    if os.path.samefile(source, copy) or not filecmp.cmp(source, copy, shallow=False):
+        return
+    linked = copy.with_name(copy.name + ".link")
+    try:
+        os.link(source, linked)
+    except OSError:  # another file system, or one without hard links
+        return
+    os.replace(linked, copy)
 
 
 class Tracker:
@@ -216,14 +258,25 @@ def model_directory(uri: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
         with tempfile.TemporaryDirectory(dir=target.parent) as folder:
-            model = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=folder))
+            model = _local_folder(MlflowClient().get_model_version_download_uri(name, version))
+            if model is None or not model.is_dir():
+                model = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=folder))
             staged = Path(folder) / "staged"
             staged.mkdir()
-            for file in MODEL_FILES:
-                shutil.copyfile(next(model.rglob(file)), staged / file)
+            # models registered before the weights were the stage's archive carry an encoder.pt of their own
+            weights = next(chain(model.rglob(ENCODER_FILE), model.glob(str(MODEL_WEIGHTS))))
+            _link_or_copy(weights, staged / ENCODER_FILE)
+            _link_or_copy(next(model.rglob(STAGE_FILE)), staged / STAGE_FILE)
             shutil.rmtree(target, ignore_errors=True)
             staged.rename(target)  # whole or not at all
     except (MlflowException, StopIteration) as err:
         raise RepsimError(f"cannot fetch {uri} ({str(err).splitlines()[0] if str(err) else 'no encoder.pt'})",
                           "check the model's name and version in the MLflow UI's Models page") from None
     return target
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)

@@ -227,7 +227,8 @@ def tiny_config(config_file: str, spec: Path, *settings: str):
 @pytest.mark.parametrize("config_file", ["dino.yaml", "ibot.yaml"])
 def test_dino_and_ibot_train_through_the_train_stage(config_file, tiny_spec, tiny_shards, tmp_path):
     config = tiny_config(config_file, tiny_spec,
-                         f"method.freeze_prototypes={0.9 if config_file == 'dino.yaml' else 0.01}")  # dino: all 4 frozen
+                         f"method.freeze_prototypes={0.9 if config_file == 'dino.yaml' else 0.01}",  # dino: all 4 frozen
+                         "optim.keep_checkpoint=true")
     output = train(config, out_dir=tmp_path / "out", shards=tiny_shards, device="cpu", progress=False)
     records = [json.loads(line) for line in (output.path / "metrics.jsonl").read_text().splitlines()]
     last_epoch = [record for record in records if "epoch" in record][-1]

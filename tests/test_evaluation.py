@@ -95,7 +95,7 @@ def test_the_key_ignores_batch_size_but_not_the_view(pets_shards):
 def test_a_saved_encoder_gives_its_outputs_on_the_eval_views(pets_shards, tmp_path):
     torch.manual_seed(0)
     encoder = resnet("resnet18", small_images=True, in_channels=1).eval()
-    save_encoder(encoder, tmp_path / "encoder.pt")
+    save_encoder(encoder, tmp_path / "encoder.pt", image_size=8)
     output = extract_features(pets_shards, tmp_path / "encoder.pt", "test", device="cpu", progress=False)
     batch = next(iter(make_loader(pets_shards, "eval", 64, split="test", shuffle=False)))
     with torch.no_grad():
@@ -106,7 +106,7 @@ def test_a_saved_encoder_gives_its_outputs_on_the_eval_views(pets_shards, tmp_pa
 
 def test_a_train_stage_encoder_is_keyed_by_the_stage_and_sees_its_normalisation(pets_shards):
     def write(out):
-        save_encoder(resnet("resnet18", small_images=True, in_channels=3), out / "encoder.pt")
+        save_encoder(resnet("resnet18", small_images=True, in_channels=3), out / "encoder.pt", image_size=6)
     config = {"data": {"image_size": 6, "preset_options": {"mean": 0.0, "std": 1.0, "local_crops": 2}}}
     trained = run_stage(Stage("train", "test", config), write)
     output = extract_features(pets_shards, trained.path, "test", device="cpu", progress=False)

@@ -103,7 +103,7 @@ def no_encoder_inside(folder: Path) -> tuple[Path, str]:
 
 def not_written_by_torch(folder: Path) -> tuple[Path, str]:
     (folder / "encoder.pt").write_text("not a torch archive\n")
-    return folder / "encoder.pt", f"encoder {folder / 'encoder.pt'} is not a file that torch.save wrote"
+    return folder / "encoder.pt", f"encoder {folder / 'encoder.pt'} is not an archive that repsim.models.save_encoder wrote"
 
 
 def record_not_utf8(folder: Path) -> tuple[Path, str]:

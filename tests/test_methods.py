@@ -35,6 +35,7 @@ from repsim.methods.training import file_digest, prepare, train, train_stage_of,
 from repsim.methods.train import init_distributed
 from repsim.methods.xclr import similarity_source, upstream
 from repsim.models import MaskableViT, backbone, load_encoder, save_encoder
+from repsim.models.backbones import read_encoder
 from repsim.stage import repsim_home
 from repsim.similarity.precompute import EMBEDDINGS_FILE
 
@@ -393,7 +394,7 @@ def test_self_distillation_starts_student_and_teacher_from_a_contrastive_encoder
     supcon = tiny_config(spec, {"name": "supcon"}, model=TINY_VIT)
     data, _ = prepare(supcon, shards, progress=False)
     save_encoder(method_spec("supcon").build(supcon, data).encoder, tmp_path / "encoder.pt")
-    saved = torch.load(tmp_path / "encoder.pt", weights_only=True)["state_dict"]
+    saved = read_encoder(tmp_path / "encoder.pt")["state_dict"]
     sop = tiny_config(spec, {"name": "sop", **SETTINGS.get("sop", {})},
                       model={**TINY_VIT, "init_encoder": str(tmp_path / "encoder.pt")})
     model = method_spec("sop").build(sop, data)
@@ -433,7 +434,7 @@ def test_training_lowers_the_loss_and_writes_a_loadable_encoder(animals):
     assert metrics["loss"] == pytest.approx(last)
     encoder = load_encoder(output.path)
     assert encoder(torch.zeros(2, 1, 28, 28)).shape == (2, 512)
-    assert torch.load(output.path / "checkpoint.pt", weights_only=True)["step"] == 12
+    assert not (output.path / "checkpoint.pt").exists()  # resume needs it only while training runs
     assert not (repsim_home() / "scratch" / "train" / output.key).exists()
     again = train(config, device="cpu", progress=False)
     assert again.cached and again.key == output.key == train_stage_of(config).key

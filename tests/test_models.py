@@ -56,13 +56,35 @@ def test_gradients_reach_every_parameter():
 
 def test_saved_encoder_loads_without_the_training_config(tmp_path):
     encoder = resnet("resnet18", small_images=True, in_channels=1).eval()
-    save_encoder(encoder, tmp_path / "encoder.pt")
+    save_encoder(encoder, tmp_path / "encoder.pt", image_size=12)
     loaded = load_encoder(tmp_path)
     x = torch.randn(2, 1, 12, 12)
     assert not loaded.training and loaded.feature_dim == 512
     assert torch.equal(loaded(x), encoder(x))
     with pytest.raises(StageError, match="no encoder at"):
         load_encoder(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("network", [resnet("resnet18", small_images=False, in_channels=1), vit("tiny", 16, 4, 2, 1)],
+                         ids=["resnet", "vit"])
+def test_a_saved_encoder_is_a_program_that_runs_without_repsim_at_any_batch_size(network, tmp_path):
+    save_encoder(network, tmp_path / "encoder.pt", image_size=16)
+    with open(tmp_path / "encoder.pt", "rb") as handle:
+        program = torch.export.load(handle).module()  # what mlflow.pytorch.load_model runs
+    network.eval()
+    for batch in (1, 5):
+        images = torch.randn(batch, 1, 16, 16)
+        torch.testing.assert_close(program(images), network(images))
+    weights = sum(value.numel() * value.element_size() for value in network.state_dict().values())
+    assert (tmp_path / "encoder.pt").stat().st_size < 1.05 * weights + 2**16  # the weights once, and a small graph
+
+
+def test_an_encoder_saved_as_a_dict_of_recipe_and_weights_still_loads(tmp_path):
+    encoder = vit("tiny", 16, 4, 1, 1).eval()
+    torch.save({"recipe": encoder.recipe, "feature_dim": encoder.feature_dim, "state_dict": encoder.state_dict()},
+               tmp_path / "encoder.pt")  # the format of stage outputs written before the archive
+    images = torch.randn(3, 1, 16, 16)
+    torch.testing.assert_close(load_encoder(tmp_path)(images), encoder(images))
 
 
 def test_a_backbone_starts_from_a_saved_encoder_of_its_recipe(tmp_path):

@@ -20,6 +20,7 @@ import yaml
 from e2e import isolated_env
 from PIL import Image
 
+from repsim.models.backbones import read_encoder
 from repsim.device import TorchrunLaunch
 
 STEPS = 8  # 8 train images in global batches of 4: 2 steps an epoch, 4 epochs
@@ -138,7 +139,7 @@ def trained(home: Path) -> Path:
 def assert_same_encoder(output: Path, expected: Path) -> None:
     """The two train stage outputs have the same key and bit-identical encoder tensors."""
     assert output.name == expected.name
-    weights, reference = (torch.load(path / "encoder.pt", weights_only=True)["state_dict"] for path in (output, expected))
+    weights, reference = (read_encoder(path)["state_dict"] for path in (output, expected))
     assert weights.keys() == reference.keys()
     assert all(torch.equal(weights[name], reference[name]) for name in reference)
 

@@ -90,7 +90,7 @@ def test_train_flow_streams_curves_to_mlflow_and_caches(pets_16px, tmp_path):
     losses = client.get_metric_history(trained.info.run_id, "loss")
     assert [m.step for m in losses] == list(range(1, 7))  # 3 batches of 4 per epoch, 2 epochs
     assert [m.step for m in client.get_metric_history(trained.info.run_id, "knn_top1_k3")] == [3, 6]
-    assert {a.path for a in client.list_artifacts(trained.info.run_id)} >= {"metrics.jsonl", "encoder.pt", "stage.json"}
+    assert {a.path for a in client.list_artifacts(trained.info.run_id)} == {"metrics.jsonl", "stage.json"}  # weights: the model
     assert trained.data.params["config.method.name"] == "supcon"
 
 

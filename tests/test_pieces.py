@@ -145,7 +145,7 @@ def small_tars_shards(make_image_folder, write_spec):
 def test_features_and_knn_pieces_on_three_workers_write_the_bytes_of_one_process(small_tars_shards, tmp_path, monkeypatch):
     encoder = tmp_path / "encoder.pt"
     torch.manual_seed(0)
-    save_encoder(resnet("resnet18", in_channels=1, small_images=True), encoder)
+    save_encoder(resnet("resnet18", in_channels=1, small_images=True), encoder, image_size=8)
     monkeypatch.setattr(evaluation_module, "KNN_PIECE_QUERIES", 7)  # 20 test rows: pieces of 7, 7 and 6
     outputs = {}
     spawned = concurrent.futures.ProcessPoolExecutor(3, mp_context=multiprocessing.get_context("spawn"))  # torch: no fork

@@ -11,6 +11,7 @@ import pytest
 import torch
 from e2e import REPSIM, isolated_env
 
+from repsim.models.backbones import read_encoder
 from repsim.stopping import CHILDREN_S, GRACE_S, _alive, _descendants, _end
 
 
@@ -32,7 +33,7 @@ SETTINGS = ["optim.epochs=150", "optim.batch_size=4", "optim.num_workers=0", "op
 
 def encoder_weights(home) -> dict[str, torch.Tensor]:
     [output] = [path for path in (home / "artifacts" / "train").iterdir() if not path.name.startswith(".")]
-    return torch.load(output / "encoder.pt", weights_only=False)["state_dict"]
+    return read_encoder(output)["state_dict"]
 
 
 def steps_logged(home) -> int:

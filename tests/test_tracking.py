@@ -5,20 +5,24 @@ retries for transient failures only."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import mlflow
+import mlflow.pytorch
 import pytest
 import requests
+import torch
 import yaml
 from e2e import flow_runs, prefect_query, repsim, tiny_experiment
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from repsim.errors import DataError
+from repsim.models import load_encoder
 from repsim.stage import read_record
 from repsim.tasks.stage_tasks import transient
-from repsim.tasks.tracking import EXPERIMENT_KIND, StageRun
+from repsim.tasks.tracking import EXPERIMENT_KIND, StageRun, share_file
 
 
 def raised_from(cause: BaseException, error: BaseException) -> BaseException:
@@ -87,6 +91,28 @@ def store_bytes(home: Path) -> int:
     return sum(path.stat().st_size for path in home.rglob("*") if path.is_file())
 
 
+def test_a_copy_becomes_a_link_only_when_its_bytes_are_the_same(tmp_path):
+    source, same, other, longer = (tmp_path / name for name in ("source", "same", "other", "longer"))
+    source.write_bytes(b"weights")
+    same.write_bytes(b"weights")
+    other.write_bytes(b"WEIGHTS")
+    longer.write_bytes(b"weights and more")
+    for copy in (same, other, longer, tmp_path / "absent"):
+        share_file(source, copy)
+    assert os.path.samefile(source, same) and same.read_bytes() == b"weights"
+    assert not os.path.samefile(source, other) and other.read_bytes() == b"WEIGHTS"
+    assert not os.path.samefile(source, longer) and not (tmp_path / "absent").exists()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["longer", "other", "same", "source"]  # no .link left
+
+
+def assert_stored_once(trained: Path, model: Path, client: MlflowClient, run_id: str) -> None:
+    """The encoder's weights are one file on disk, in the stage output and the logged model, and nowhere else."""
+    assert os.path.samefile(trained / "encoder.pt", model / "data" / "model.pt2")
+    assert sorted(path.relative_to(model).as_posix() for path in model.rglob("*.pt*")) == ["data/model.pt2"]
+    assert not (trained / "checkpoint.pt").exists()  # removed once the stage completed
+    assert {artifact.path for artifact in client.list_artifacts(run_id)} == {"stage.json", "metrics.jsonl"}
+
+
 @pytest.mark.slow
 @pytest.mark.orchestration
 def test_runs_models_and_cache_hits_are_what_the_uis_show(make_image_folder, write_spec, tmp_path, monkeypatch):
@@ -118,11 +144,12 @@ def test_runs_models_and_cache_hits_are_what_the_uis_show(make_image_folder, wri
     curve = [(point.step, point.value) for point in client.get_metric_history(train.info.run_id, "loss")]
     assert len(curve) > 1  # and the same curves
     assert [(point.step, point.value) for point in client.get_metric_history(cached_train.info.run_id, "loss")] == curve
-    assert cached_train.data.tags["repsim.file.encoder.pt"] == str(Path(train.data.tags["repsim.output"]) / "encoder.pt")
+    trained = Path(train.data.tags["repsim.output"])
+    assert cached_train.data.tags["repsim.file.metrics.jsonl"] == str(trained / "metrics.jsonl")
     assert not client.list_artifacts(cached_train.info.run_id)
     repsim_id = client.get_experiment_by_name("repsim").experiment_id
     [logged] = client.search_logged_models(experiment_ids=[repsim_id])
-    assert logged.name == "encoder" and logged.source_run_id == train.info.run_id
+    assert logged.name == "tiny-supcon" and logged.source_run_id == train.info.run_id
     assert logged.artifact_location.removeprefix("file://").startswith(str(home))
     assert not client.search_logged_models(experiment_ids=["0"])
     [version] = client.search_model_versions("name = 'tiny-supcon'")  # one version, also after the rerun
@@ -130,6 +157,10 @@ def test_runs_models_and_cache_hits_are_what_the_uis_show(make_image_folder, wri
     assert version.tags["repsim.output"] == train.data.tags["repsim.output"]
     model = mlflow.models.get_model_info(f"models:/tiny-supcon/{version.version}")
     assert model.signature is not None and model.saved_input_example_info is not None
+    assert_stored_once(trained, Path(logged.artifact_location.removeprefix("file://")), client, train.info.run_id)
+    images = torch.rand(3, *model.signature.inputs.to_dict()[0]["tensor-spec"]["shape"][1:])
+    served = mlflow.pytorch.load_model(f"models:/tiny-supcon/{version.version}")
+    torch.testing.assert_close(served(images), load_encoder(trained)(images))
 
     tasks = prefect_task_runs(home)
     by_flow: dict[str, list[dict]] = {}

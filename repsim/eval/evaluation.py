@@ -86,7 +86,7 @@ def encoder_source(encoder: str | Path) -> EncoderSource:
         raise EvalError(f"encoder {encoder} does not exist" + (f" (no {ENCODER_FILE} inside)" if path.is_dir() else ""),
                         f"pass '{PIXELS}', a train stage directory or its {ENCODER_FILE}")
     if not zipfile.is_zipfile(file):
-        raise EvalError(f"encoder {file} is not a file that torch.save wrote",
+        raise EvalError(f"encoder {file} is not an archive that repsim.models.save_encoder wrote",
                         f"pass '{PIXELS}', a train stage directory or its {ENCODER_FILE}")
     record = read_record(file.parent) if file.name == ENCODER_FILE else None
     if record is None or record.get("stage") != "train":

@@ -81,6 +81,8 @@ class OptimConfig(Strict):
     num_workers: int | None = Field(None, ge=0, description="DataLoader workers; default: repsim.device.cpu_plan")
     threads: int | None = Field(None, gt=0, description="torch intra-op threads; default: the cores the workers leave")
     checkpoint_every: int = Field(50, ge=0, description="steps between checkpoints; 0: only at the end")
+    keep_checkpoint: bool = Field(False, description="keep the final checkpoint (optimizer, queues, step) in the "
+                                  "stage output; by default it is removed once the stage completes")
 
 
 class MonitorConfig(Strict):

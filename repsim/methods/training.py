@@ -1,6 +1,6 @@
 """The train stage: one experiment config trained into a cached output directory holding ``encoder.pt``
-(:func:`load_encoder` rebuilds it), the final ``checkpoint.pt``, ``metrics.jsonl`` (one JSON object per
-step and per epoch) and the method's figures, if any.
+(a ``torch.export`` archive: :func:`load_encoder` rebuilds it), ``metrics.jsonl`` (one JSON object per step
+and per epoch), the method's figures, if any, and with ``optim.keep_checkpoint`` the final ``checkpoint.pt``.
 
 The key covers the config less the settings that do not change what is learned, with the shard key,
 the upstream key and the digest of ``model.init_encoder`` in place of paths. While training runs,
@@ -38,7 +38,7 @@ from repsim.stage import Stage, StageKind, StageOutput, read_record, repsim_home
 VERSION = "2"  # 2: the loader reads every sample once an epoch with several workers or ranks
 CHECKPOINT_FILE = "checkpoint.pt"
 METRICS_FILE = "metrics.jsonl"
-KEY_NEUTRAL = (("optim", "threads"), ("optim", "checkpoint_every"), ("monitor", "batch_size"), ("data", "spec"),
+KEY_NEUTRAL = (("optim", "threads"), ("optim", "checkpoint_every"), ("optim", "keep_checkpoint"), ("monitor", "batch_size"), ("data", "spec"),
                ("method", "similarity", "path"), ("model", "init_encoder"))  # paths: their contents are keyed
 MACHINE_CHOSEN = ("optim", "num_workers")  # changes the batches (a shuffle stream per worker): keyed when set only
 
@@ -194,9 +194,10 @@ def _builder(config: Config, data: TrainingData, scratch: Path, log: LogFn | Non
             trainer.fit()
         if out is None:
             return {}
-        shutil.copyfile(scratch / CHECKPOINT_FILE, out / CHECKPOINT_FILE)
+        if config.optim.keep_checkpoint:
+            shutil.copyfile(scratch / CHECKPOINT_FILE, out / CHECKPOINT_FILE)
         shutil.copyfile(metrics.path, out / METRICS_FILE)
-        save_encoder(method.encoder, out / ENCODER_FILE)
+        save_encoder(method.encoder, out / ENCODER_FILE, data.image_size)
         spec.write_figures(method, out)
         seen = {"loader_workers": plan.workers, "channels": data.channels, "image_size": data.image_size}
         return summarise(out / METRICS_FILE, trainer.steps_per_epoch) | seen
@@ -276,5 +277,5 @@ def summarise(metrics_path: Path, steps_per_epoch: int) -> dict[str, float]:
             "epochs": epochs[-1]["epoch"] if epochs else 0, **knn}
 
 
-TRAIN = StageKind("train", train_stage_of, launch_training, (METRICS_FILE, ENCODER_FILE, CHECKPOINT_FILE, "*.png"),
+TRAIN = StageKind("train", train_stage_of, launch_training, (METRICS_FILE, "*.png"),
                   streams=True)

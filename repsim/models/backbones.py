@@ -4,7 +4,11 @@
 
 from __future__ import annotations
 
+import copy
+import json
 import pickle
+import threading
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +21,8 @@ from repsim.models.vit import VITS, vit
 
 RESNETS = ("resnet18", "resnet34", "resnet50")
 ENCODER_FILE = "encoder.pt"
+ABOUT_ENTRY = "repsim_encoder.json"  # in the archive's extra files: recipe, feature_dim, input_shape
+EXPORTING = threading.Lock()  # torch.export saves and loads with process-wide state: one at a time
 UNREADABLE_FIX = "pass an encoder written by the train stage (repsim.models.save_encoder)"
 
 
@@ -52,10 +58,22 @@ def resnet(name: str = "resnet18", small_images: bool = False, in_channels: int 
 BUILDERS = {"resnet": resnet, "vit": vit}
 
 
-def save_encoder(encoder: nn.Module, path: str | Path) -> None:
-    """Write ``encoder``'s recipe, feature width and weights to ``path`` (loadable with weights_only)."""
-    torch.save({"recipe": encoder.recipe, "feature_dim": encoder.feature_dim,
-                "state_dict": encoder.state_dict()}, path)
+def save_encoder(encoder: nn.Module, path: str | Path, image_size: int | None = None) -> None:
+    """Write ``encoder`` to ``path`` as a ``torch.export`` archive: a program that maps images (B, C, H, W) of
+    any batch size B to features (B, F), which ``torch.export.load`` and ``mlflow.pytorch.load_model`` run
+    without repsim, and its recipe, from which :func:`load_encoder` rebuilds a trainable copy. H = W =
+    ``image_size`` (default: the recipe's; a ResNet's has none)."""
+    recipe = encoder.recipe
+    size = image_size or recipe.get("image_size")
+    if size is None:
+        raise ValueError(f"a {recipe['builder']} recipe holds no image size: pass image_size")
+    network = copy.deepcopy(encoder).cpu().eval()
+    example = torch.zeros(2, recipe["in_channels"], size, size)
+    with EXPORTING:
+        program = torch.export.export(network, (example,), dynamic_shapes=({0: torch.export.Dim.AUTO},))
+    about = {"recipe": recipe, "feature_dim": encoder.feature_dim, "input_shape": list(example.shape[1:])}
+    with open(path, "wb") as handle:  # a file object: torch.export wants the name to end in .pt2
+        torch.export.save(program, handle, extra_files={ABOUT_ENTRY: json.dumps(about)})
 
 
 def encoder_file(path: str | Path) -> Path:
@@ -65,17 +83,36 @@ def encoder_file(path: str | Path) -> Path:
 
 
 def read_encoder(path: str | Path) -> dict[str, Any]:
-    """A saved encoder's ``recipe``, ``feature_dim`` and ``state_dict`` (``path`` as in :func:`encoder_file`)."""
+    """A saved encoder's ``recipe``, ``feature_dim`` and ``state_dict`` (``path`` as in :func:`encoder_file`):
+    a :func:`save_encoder` archive, or the dict of recipe and weights that encoders were saved as before."""
     path = encoder_file(path)
     if not path.is_file():
         raise StageError(f"no encoder at {path}", "pass a train stage directory or its encoder.pt")
     try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError, OSError) as err:
+        saved = _read_program(path) if _is_program(path) else torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError, OSError, KeyError) as err:
         raise StageError(f"cannot load encoder {path} ({first_line(err)})", UNREADABLE_FIX) from None
     if not isinstance(saved, dict) or not {"recipe", "state_dict"} <= saved.keys():
         raise StageError(f"{path} holds no encoder recipe and weights", UNREADABLE_FIX)
     return saved
+
+
+def _is_program(path: Path) -> bool:
+    """Whether ``path`` is a ``torch.export`` archive (a zip holding ``<name>/archive_format``)."""
+    if not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as archive:
+        return any(name.endswith("/archive_format") for name in archive.namelist())
+
+
+def _read_program(path: Path) -> dict[str, Any]:
+    """:func:`read_encoder` of a :func:`save_encoder` archive: its recorded recipe and the program's weights."""
+    extra = {ABOUT_ENTRY: ""}
+    with open(path, "rb") as handle, EXPORTING:
+        program = torch.export.load(handle, extra_files=extra)
+    if not extra[ABOUT_ENTRY]:
+        raise StageError(f"{path} is a torch.export archive without repsim's recipe", UNREADABLE_FIX)
+    return json.loads(extra[ABOUT_ENTRY]) | {"state_dict": program.state_dict}
 
 
 def load_encoder(path: str | Path, device: str | torch.device = "cpu") -> nn.Module:

@@ -50,7 +50,7 @@ class MaskableViT(VisionTransformer):
                 raise ValueError(f"the mask is {tuple(mask.shape)} but the images give {tuple(patches.shape[:2])} "
                                  f"(batch, patches)")
             patches = torch.where(mask[..., None], self.mask_token.to(patches.dtype), patches)
-        tokens = torch.cat([self.class_token.expand(len(patches), -1, -1), patches], dim=1)
+        tokens = torch.cat([self.class_token.expand(patches.shape[0], -1, -1), patches], dim=1)
         tokens = self.encoder.dropout(tokens + self.position_embedding(rows, cols))
         tokens = self.encoder.ln(self.encoder.layers(tokens))
         return tokens[:, 0], tokens[:, 1:]
