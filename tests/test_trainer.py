@@ -159,7 +159,8 @@ def test_max_steps_ends_training_mid_epoch_and_resumes_exactly(tiny_shards, tmp_
     settings = SETTINGS.model_copy(update={"max_steps": 6})  # 3 epochs of 4 batches, cut in the second
     full, epochs, finished = run(tiny_shards, tmp_path / "full.pt", settings=settings)
     assert [step for step, _ in full] == list(range(1, 7))
-    assert [record["epoch"] for record in epochs] == [1]
+    assert [(record["step"], record["epoch"]) for record in epochs] == [(4, 1), (6, 1.5)]  # the cut epoch too
+    assert all(0 <= record["knn_top1_k5"] <= 1 for record in epochs)
     crashed, _, _ = run(tiny_shards, tmp_path / "cut.pt", crash_at=5, settings=settings)  # last checkpoint: step 4
     resumed, _, recovered = run(tiny_shards, tmp_path / "cut.pt", settings=settings)
     assert crashed[:4] + resumed == full

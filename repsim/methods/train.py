@@ -314,7 +314,7 @@ class Trainer:
                     loss = self._step(batch, progress)
                     bar.update()
                     bar.set_postfix(loss=f"{loss:.4f}", epoch=progress.epoch)
-                    if progress.position == self.steps_per_epoch:
+                    if progress.position == self.steps_per_epoch or progress.step == self.total_steps:
                         self._end_epoch(progress)
                     if stopping.requested():
                         self._save(progress)
@@ -368,8 +368,10 @@ class Trainer:
         return scalars["loss"]
 
     def _end_epoch(self, progress: Progress) -> None:
-        """Log the finished epoch with the kNN monitor and the method's epoch metrics (rank 0; the others wait)."""
-        metrics = {"epoch": progress.epoch + 1}
+        """Log the finished epoch, or the part of it that ends the training (``epoch`` 1.5: half of the second),
+        with the kNN monitor and the method's epoch metrics (rank 0; the others wait)."""
+        epoch = progress.epoch + progress.position / self.steps_per_epoch
+        metrics = {"epoch": int(epoch) if epoch.is_integer() else round(epoch, 4)}
         if is_main_process():
             if self.monitor is not None:
                 metrics |= {f"{prefix}{name}": value for prefix, encoder in self.method.monitored_encoders().items()
