@@ -12,6 +12,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import tempfile
 import time
 from collections import Counter
@@ -347,9 +348,15 @@ def publish(parent: StageRun, rows: list[Row], columns: dict[str, str], name: st
                            | {f"{prefix}{row.encoder}.{metric}.std": row.std[metric]
                               for metric in row.mean if row.n[metric] > 1})
     parent.log_params({f"point{index}": point for index, point in enumerate(points) if point})
-    create_markdown_artifact(table, key="results", description=f"experiment {name}: mean ± std (n) over seeds")
-    create_table_artifact(records, key="results-table", description=f"experiment {name}, every metric")
+    key = artifact_key(name)
+    create_markdown_artifact(table, key=f"{key}-results", description=f"experiment {name}: mean ± std (n) over seeds")
+    create_table_artifact(records, key=f"{key}-results-table", description=f"experiment {name}, every metric")
     return table
+
+
+def artifact_key(name: str) -> str:
+    """The Prefect artifact key of experiment ``name``: lowercase letters, digits and dashes (Prefect's rule)."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "experiment"
 
 
 @contextlib.contextmanager

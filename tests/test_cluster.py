@@ -255,7 +255,7 @@ def test_an_experiment_on_two_local_workers_trains_at_once_with_the_keys_and_tab
     assert [cached for _, _, cached in stage_table(again.stdout)[0]] == ["yes"] * len(stages)
     seen = prefect_query(home, """
 runs = await client.read_task_runs()
-artifacts = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=['results'])))
+artifacts = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=['tiny-results'])))
 print(json.dumps({'trainings': sorted([run.name, run.state.name] for run in runs if run.name.startswith('train')),
                   'tables': [artifact.data for artifact in artifacts]}))""")
     assert seen["trainings"] == [["train simclr", "Cached"], ["train simclr", "Completed"],

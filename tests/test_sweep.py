@@ -201,7 +201,7 @@ def _mlflow_table(home, run_id: str) -> dict:
 def _prefect_artifacts(home) -> list[str]:
     """The markdown of every ``results`` artifact in the Prefect store under ``home``."""
     return prefect_query(home, """
-found = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=['results'])))
+found = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=['tiny-results'])))
 print(json.dumps([artifact.data for artifact in found]))""")
 
 
@@ -411,3 +411,14 @@ def test_the_sop_designs_base_rows_share_everything_but_the_method_and_sit_at_a_
         config["data"].pop("spec"), config["monitor"].pop("test_split"), config["optim"].pop("seed")
     for label in methods:  # the grid's rows, at one cell, on the full train split
         assert rows[label] in [config for config in cells if config["method"]["name"] == label], label
+
+
+def test_each_experiment_keeps_its_own_result_artifacts_under_a_key_prefect_accepts():
+    from prefect.artifacts import Artifact
+
+    from repsim.flows.experiment import artifact_key
+
+    keys = [artifact_key(name) for name in ("animal-mnist", "Animal MNIST_v2", "sop-grid-resnet", "...")]
+    assert keys == ["animal-mnist", "animal-mnist-v2", "sop-grid-resnet", "experiment"]
+    for key in keys:
+        Artifact(key=f"{key}-results-table", type="table", data="[]")  # Prefect's validation of the key
