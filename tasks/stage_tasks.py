@@ -119,7 +119,7 @@ def retry_if_transient(_: Task, __: Any, state: State) -> bool:
 
 
 def summary_line(output: StageOutput, name: str | None = None) -> str:
-    """``train simclr: xclr, 186 steps, loss 4.120; built in 95.2 s -> /path``: what the stage task
+    """``train simclr: xclr, 186 steps, last epoch's loss 4.120; built in 95.2 s -> /path``: what the stage task
     ``name`` (default: the stage's name) did."""
     record = read_record(output.path)
     how = "found complete in the cache" if output.cached else f"built in {record.get('seconds', 0):.1f} s"
@@ -154,7 +154,8 @@ PRODUCED: dict[str, Callable[[dict, dict], str]] = {  # one line on what a stage
         f", recall {metrics['recall_tie_aware']:.3f}" if "recall_tie_aware" in metrics else ""),
     "features": lambda config, metrics: f"{config['split']}: {metrics['samples']} x {metrics['dim']}",
     "evaluate": lambda config, _: ", ".join(config["suites"]),
-    "train": lambda config, metrics: f"{config['method']['name']}, {metrics['steps']} steps, loss {metrics['loss']:.3f}",
+    "train": lambda config, metrics: (f"{config['method']['name']}, {metrics['steps']} steps, last epoch's loss "
+                                      f"{metrics['loss']:.3f}"),
     "align": lambda _, metrics: ", ".join(f"{name} {metrics[name]:.3f}" for name in ("zeroshot_top1", "i2t_r1")
                                           if name in metrics),
 }

@@ -145,6 +145,9 @@ def test_runs_models_and_cache_hits_are_what_the_uis_show(make_image_folder, wri
     assert len(curve) > 1  # and the same curves
     assert [(point.step, point.value) for point in client.get_metric_history(cached_train.info.run_id, "loss")] == curve
     trained = Path(train.data.tags["repsim.output"])
+    summary = read_record(trained)["metrics"]  # the printed loss, the last epoch's mean, under its own name
+    assert train.data.metrics["last_epoch_loss"] == pytest.approx(summary["loss"])
+    assert train.data.metrics["loss"] == pytest.approx(summary["final_loss"])  # the curve's last step
     assert cached_train.data.tags["repsim.file.metrics.jsonl"] == str(trained / "metrics.jsonl")
     assert not client.list_artifacts(cached_train.info.run_id)
     repsim_id = client.get_experiment_by_name("repsim").experiment_id

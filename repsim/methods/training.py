@@ -265,7 +265,8 @@ def _read_lines(path: Path) -> list[str]:
 
 
 def summarise(metrics_path: Path, steps_per_epoch: int) -> dict[str, float]:
-    """Stage metrics: ``loss`` (mean of the last epoch), ``final_loss``, ``steps``, ``epochs``, last kNN accuracies."""
+    """Stage metrics: ``loss`` and ``last_epoch_loss`` (the mean of the last epoch: MLflow's ``loss`` is the curve
+    of steps), ``final_loss`` (of the last step), ``steps``, ``epochs``, the last kNN accuracies."""
     records = [json.loads(line) for line in _read_lines(metrics_path)]
     steps = [record for record in records if "loss" in record]
     last = steps[-1]["step"]
@@ -273,7 +274,8 @@ def summarise(metrics_path: Path, steps_per_epoch: int) -> dict[str, float]:
     epochs = [record for record in records if "epoch" in record]
     knn = {key: value for key, value in (epochs[-1] if epochs else {}).items()
            if key.startswith(("knn_", "teacher_knn_"))}
-    return {"loss": sum(last_epoch) / len(last_epoch), "final_loss": steps[-1]["loss"], "steps": last,
+    mean = sum(last_epoch) / len(last_epoch)
+    return {"loss": mean, "last_epoch_loss": mean, "final_loss": steps[-1]["loss"], "steps": last,
             "epochs": epochs[-1]["epoch"] if epochs else 0, **knn}
 
 
