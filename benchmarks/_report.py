@@ -108,7 +108,7 @@ def finished_run(name: str) -> FinishedRun:
     stages = client.search_runs([experiment.experiment_id], f"tags.`mlflow.parentRunId` = '{run.info.run_id}'",
                                 max_results=50000)
     return FinishedRun(name, run.info.run_id, Path(run.data.params["experiment.data"]),
-                       [dict(zip(map(_column_name, table["columns"]), row)) for row in table["data"]],
+                       [_complete(dict(zip(map(_column_name, table["columns"]), row))) for row in table["data"]],
                        shlex.join(["repsim", "run", source, *(arg for o in overrides for arg in ("--set", o))]),
                        (run.info.end_time - run.info.start_time) / 60000, source, len(stages),
                        sum(stage.data.tags.get("repsim.cached") == "true" for stage in stages),
@@ -120,6 +120,16 @@ def _column_name(logged: str) -> str:
     logged before the table's columns lost their dots (``<metric> std``) name them too."""
     metric, _, statistic = logged.partition(" ")
     return f"{metric}.{statistic}" if statistic else metric
+
+
+def _complete(row: dict) -> dict:
+    """A result-table row with the columns the reports read, which a table leaves out where they say nothing:
+    ``point`` ("" without a sweep), and ``<metric>.n`` (1) and ``<metric>.std`` (None) of a single value."""
+    complete = {"point": "", **row}
+    for name, value in row.items():
+        if name not in ("point", "encoder") and "." not in name and f"{name}.n" not in row:
+            complete |= {f"{name}.n": None if value is None else 1, f"{name}.std": None}
+    return complete
 
 
 def optional_run(name: str) -> FinishedRun | None:

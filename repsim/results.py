@@ -66,13 +66,23 @@ def column(metric: str, statistic: str = "") -> str:
 
 
 def as_records(rows: Sequence[Row], first: Iterable[str] = ()) -> list[dict]:
-    """One record per row: point, encoder, then each metric's mean, std and n (:func:`column`), the
-    metrics ``first`` (the headline ones) leading; None where a row lacks the metric."""
+    """One record per row: encoder, the grid point (with a sweep), then each metric's mean (:func:`column`), the
+    metrics ``first`` (the headline ones) leading; a metric that some row averages over several outputs also
+    has std and n columns (std None for a row of one). None where a row lacks the metric."""
     names = list(dict.fromkeys([*(name for name in first if any(name in row.mean for row in rows)),
                                 *(name for row in rows for name in row.mean)]))
-    return [{"point": row.point, "encoder": row.encoder}
-            | {column(name, statistic): values.get(name) for name in names
-               for statistic, values in (("", row.mean), ("std", row.std), ("n", row.n))}
+    swept = any(row.point for row in rows)
+    spread = {name for name in names if any(row.n.get(name, 0) > 1 for row in rows)}
+
+    def statistics_of(row: Row, name: str) -> dict:
+        if name not in spread:
+            return {column(name): row.mean.get(name)}
+        several = row.n.get(name, 0) > 1
+        return {column(name): row.mean.get(name), column(name, "std"): row.std[name] if several else None,
+                column(name, "n"): row.n.get(name)}
+
+    return [{"encoder": row.encoder} | ({"point": row.point} if swept else {})
+            | {key: value for name in names for key, value in statistics_of(row, name).items()}
             for row in rows]
 
 

@@ -76,3 +76,13 @@ def test_gera_few_pairs_chooses_per_m_on_validation_among_positive_weights_and_p
             align("pairs=20 alpha=0.0 count=50", 0.1), align("pairs=20 alpha=1000.0 count=200", 0.3, encoder="pixels")]
     named = {found["encoder"]: found["zeroshot_top1"] for found in test_rows(type("Run", (), {"rows": test})(), choice)}
     assert named == {"gera-20": 0.45, "asif-20": 0.47, "contrastive-20": 0.44, "gera-pixels-20": 0.3}
+
+
+def test_a_logged_row_gets_back_the_columns_the_table_leaves_out_where_they_say_nothing():
+    from _report import _complete
+
+    assert _complete({"encoder": "pixels", "knn_top1_k20": 0.4, "linear_top1": None}) == {
+        "point": "", "encoder": "pixels", "knn_top1_k20": 0.4, "knn_top1_k20.n": 1, "knn_top1_k20.std": None,
+        "linear_top1": None, "linear_top1.n": None, "linear_top1.std": None}
+    spread = {"point": "lr=0.1", "encoder": "sop", "knn_top1_k20": 0.6, "knn_top1_k20.std": 0.01, "knn_top1_k20.n": 3}
+    assert _complete(spread) == spread

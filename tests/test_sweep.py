@@ -113,10 +113,21 @@ def test_the_logged_table_has_no_dotted_columns_and_leads_with_the_headline_metr
                       Score("", "simclr", "b", {"linear_val_top1_wd0.01": 0.7, "knn_top1_k20": 0.8}),
                       Score("", "pixels", "p", {"knn_top1_k20": 0.4})])
     records = as_records(rows, ["knn_top1_k20", "zeroshot_top1"])  # a headline metric no row has is left out
-    assert list(records[0])[:5] == ["point", "encoder", "knn_top1_k20", "knn_top1_k20 std", "knn_top1_k20 n"]
+    assert list(records[0])[:4] == ["encoder", "knn_top1_k20", "knn_top1_k20 std", "knn_top1_k20 n"]  # no sweep
     assert not any("." in name for record in records for name in record)
     assert records[0]["linear_val_top1_wd0_01"] == pytest.approx(0.6) and records[0]["linear_val_top1_wd0_01 n"] == 2
     assert records[1]["epochs"] is None and list(records[1]) == list(records[0])
+    assert records[1]["knn_top1_k20 std"] is None and records[1]["knn_top1_k20 n"] == 1  # one value has no spread
+    assert "epochs std" not in records[0]  # no row has two values of it
+
+
+def test_a_table_of_single_values_has_their_means_alone_and_a_swept_one_names_its_points():
+    rows = aggregate([Score("", "simclr", "a", {"knn_top1_k20": 0.6, "linear_top1": 0.7}),
+                      Score("", "pixels", "p", {"knn_top1_k20": 0.4})])
+    assert as_records(rows) == [{"encoder": "simclr", "knn_top1_k20": 0.6, "linear_top1": 0.7},
+                                {"encoder": "pixels", "knn_top1_k20": 0.4, "linear_top1": None}]
+    swept = aggregate([Score("lr=0.1", "simclr", "a", {"knn_top1_k20": 0.6})])
+    assert as_records(swept) == [{"encoder": "simclr", "point": "lr=0.1", "knn_top1_k20": 0.6}]
 
 
 @pytest.fixture
