@@ -87,12 +87,14 @@ class StageKind:
     e.g. a device, do not change the output). ``artifacts``: glob patterns of the files logged with it;
     ``streams``: ``build`` also takes ``log(metrics, step)`` to stream its curves; ``split``: ``build`` also
     takes ``executor``, a :class:`concurrent.futures.Executor` to run its pieces on (:mod:`repsim.pieces`);
-    ``gpu``: those pieces want a GPU (unless its ``device`` parameter or option says ``cpu``)."""
+    ``gpu``: those pieces want a GPU (unless its ``device`` parameter or option says ``cpu``); ``facts``: the
+    metrics that are counts or settings the stage found (steps, image size), tracked as parameters."""
 
     name: str
     plan: Callable[..., Stage]
     build: Callable[..., StageOutput]
     artifacts: tuple[str, ...] = ()
+    facts: tuple[str, ...] = ()
     streams: bool = False
     split: bool = False
     gpu: bool = False

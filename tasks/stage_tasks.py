@@ -74,7 +74,7 @@ def stage_task(kind: StageKind) -> Task:
             extra = {"log": tracked.log_metrics} if kind.streams else {}
             extra |= {"executor": pieces_on} if kind.split else {}
             output = kind.build(**params, **options, out_dir=out_dir, **extra)
-            tracked.log_stage_output(output.path, output.cached, kind.artifacts)
+            tracked.log_stage_output(output.path, output.cached, kind.artifacts, kind.facts)
             if register:
                 tracked.log_encoder(output.path, register)
         key = cache_key(stage, out)
@@ -144,7 +144,7 @@ def log_stage(tracker: Tracker, parent: StageRun, kind: StageKind, path: Path, l
     record = read_record(path)
     with tracker.stage_run(parent.run_id, record["stage"], record["key"], record["config"], path, label,
                            encoder or label) as run:
-        run.log_stage_output(path, True, kind.artifacts)
+        run.log_stage_output(path, True, kind.artifacts, kind.facts)
 
 
 PRODUCED: dict[str, Callable[[dict, dict], str]] = {  # one line on what a stage produced: (config, metrics) -> line

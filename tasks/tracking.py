@@ -46,6 +46,7 @@ MODEL_WEIGHTS = Path("data") / "model.pt2"  # mlflow.pytorch's file of an export
 MODEL_URI = "models:/"
 RUNS_VIEW = "repsim-runs"  # the key of the saved view the printed links open
 RUN_NAME_COLUMN, RUN_NAME_WIDTH = "attributes.`Run Name`", 420  # px: ~45 characters of a nested run's name
+RUN_COLUMNS = ("tags.`repsim.encoder`", "tags.`repsim.cached`")  # the runs table's, after the name (MLflow's ids)
 
 
 @dataclass
@@ -69,14 +70,18 @@ class StageRun:
         self.client.log_batch(self.run_id, params=[Param(name, str(value)[:MAX_PARAM_VAL_LENGTH])
                                                    for name, value in flatten(params).items()])
 
-    def log_stage_output(self, path: Path, cached: bool, artifacts: Iterable[str] = ()) -> None:
-        """A completed stage at ``path``: its config and input keys as params, its metrics and seconds (but
-        those :attr:`streamed`), ``stage.json`` and the files matching the ``artifacts`` patterns; a ``cached``
-        one :meth:`refer_to_build`."""
+    def log_stage_output(self, path: Path, cached: bool, artifacts: Iterable[str] = (),
+                         facts: Iterable[str] = ()) -> None:
+        """A completed stage at ``path``: its config and input keys, and the ``facts`` among its metrics, as
+        params; its other metrics and seconds (but those :attr:`streamed`), ``stage.json`` and the files
+        matching the ``artifacts`` patterns; a ``cached`` one :meth:`refer_to_build`."""
         record = read_record(path)
         self.client.set_tag(self.run_id, "repsim.cached", str(cached).lower())
-        self.log_params({"config": record["config"], "inputs": record["inputs"]})
-        summary = {**record.get("metrics", {}), "seconds": record.get("seconds", 0.0)}
+        metrics = record.get("metrics", {})
+        found = {name: metrics[name] for name in facts if name in metrics}
+        self.log_params({"config": record["config"], "inputs": record["inputs"]} | ({"stage": found} if found else {}))
+        summary = {name: value for name, value in metrics.items() if name not in found} | {
+            "seconds": record.get("seconds", 0.0)}
         files = [path / STAGE_FILE, *sorted(file for pattern in artifacts for file in path.glob(pattern))]
         if cached:
             self.refer_to_build(record["key"], summary, files)
@@ -195,10 +200,11 @@ class Tracker:
                 self.client.create_experiment(EXPERIMENT, artifact_location=mlflow_artifact_location(),
                                               tags=EXPERIMENT_KIND)
             found = self.client.get_experiment_by_name(EXPERIMENT)
-        for tag, value in (EXPERIMENT_KIND | runs_view(found.creation_time)).items():  # also one made before
+        for tag, value in EXPERIMENT_KIND.items():  # also on one made before
             if found.tags.get(tag) != value:
                 self.client.set_experiment_tag(found.experiment_id, tag, value)
         self.experiment_id = found.experiment_id
+        show_in_runs_table(self.client, found.experiment_id, ())
 
     @contextlib.contextmanager
     def _run(self, name: str, tags: Mapping[str, str]) -> Iterator[StageRun]:
@@ -236,12 +242,27 @@ def runs_page(tracking_uri: str, experiment_id: str) -> str:
             f"&viewStateShareKey={RUNS_VIEW}")
 
 
-def runs_view(created_ms: int) -> dict[str, str]:
+def runs_view(created_ms: int, metrics: Iterable[str] = ()) -> dict[str, str]:
     """The experiment tag of MLflow's saved view "stage names": the Run Name column RUN_NAME_WIDTH px wide
-    (not 190), so a stage run's name shows whole."""
-    state = {"columnOrder": [RUN_NAME_COLUMN], "columnWidths": {RUN_NAME_COLUMN: RUN_NAME_WIDTH}}
+    (not 190), so a stage run's name shows whole, then each run's encoder, whether it was cached, and the
+    ``metrics`` (an evaluate run's kNN, linear and zero-shot results)."""
+    columns = [*RUN_COLUMNS, *(f"metrics.`{name}`" for name in metrics)]
+    state = {"selectedColumns": columns, "columnOrder": [RUN_NAME_COLUMN, *columns],
+             "columnWidths": {RUN_NAME_COLUMN: RUN_NAME_WIDTH}}
     envelope = {"name": "stage names", "createdAt": created_ms, "state": json.dumps(state)}
     return {f"mlflow.sharedViewState.{RUNS_VIEW}": json.dumps(envelope)}
+
+
+def show_in_runs_table(client: MlflowClient, experiment_id: str, metrics: Iterable[str]) -> None:
+    """Add the ``metrics`` to the columns of :func:`runs_view`, keeping those an earlier run added."""
+    experiment = client.get_experiment(experiment_id)
+    [(tag, _)] = runs_view(0).items()
+    shown = json.loads(json.loads(experiment.tags[tag])["state"]).get("selectedColumns", []) \
+        if tag in experiment.tags else []
+    known = [column.removeprefix("metrics.`").removesuffix("`") for column in shown if column.startswith("metrics.")]
+    value = runs_view(experiment.creation_time, dict.fromkeys([*known, *metrics]))[tag]
+    if experiment.tags.get(tag) != value:
+        client.set_experiment_tag(experiment_id, tag, value)
 
 
 def model_directory(uri: str) -> Path:

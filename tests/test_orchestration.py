@@ -135,7 +135,14 @@ def test_the_printed_runs_link_opens_a_saved_view_wide_enough_for_stage_names(tm
     envelope = json.loads(tags[f"mlflow.sharedViewState.{key}"])
     state = json.loads(envelope["state"])
     assert envelope["createdAt"] == experiment.creation_time and isinstance(envelope["name"], str)
-    assert state["columnOrder"] == ["attributes.`Run Name`"]  # MLflow applies the widths of ordered columns only
+    assert state["columnOrder"][0] == "attributes.`Run Name`"  # MLflow applies the widths of ordered columns only
+    assert state["selectedColumns"] == ["tags.`repsim.encoder`", "tags.`repsim.cached`"]
+    tracking.show_in_runs_table(tracker.client, experiment.experiment_id, ["knn_top1_k20", "linear_top1"])
+    tracking.show_in_runs_table(tracker.client, experiment.experiment_id, ["knn_top1_k3"])
+    tracking.Tracker()  # a later run keeps the columns that earlier runs added
+    envelope = json.loads(tracker.client.get_experiment(experiment.experiment_id).tags[f"mlflow.sharedViewState.{key}"])
+    assert json.loads(envelope["state"])["selectedColumns"][2:] == [
+        "metrics.`knn_top1_k20`", "metrics.`linear_top1`", "metrics.`knn_top1_k3`"]
     width = state["columnWidths"]["attributes.`Run Name`"]
     assert width >= 7 * len("features xclr-wordnet seed=1 train") + 80  # ~7 px a character, and the row's icons
 

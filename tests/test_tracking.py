@@ -148,6 +148,8 @@ def test_runs_models_and_cache_hits_are_what_the_uis_show(make_image_folder, wri
     summary = read_record(trained)["metrics"]  # the printed loss, the last epoch's mean, under its own name
     assert train.data.metrics["last_epoch_loss"] == pytest.approx(summary["loss"])
     assert train.data.metrics["loss"] == pytest.approx(summary["final_loss"])  # the curve's last step
+    assert not {"steps", "epochs", "image_size", "channels", "loader_workers"} & set(train.data.metrics)  # no bars
+    assert train.data.params["stage.steps"] == str(summary["steps"]) and train.data.params["stage.image_size"] == "16"
     assert cached_train.data.tags["repsim.file.metrics.jsonl"] == str(trained / "metrics.jsonl")
     assert not client.list_artifacts(cached_train.info.run_id)
     repsim_id = client.get_experiment_by_name("repsim").experiment_id

@@ -280,4 +280,5 @@ def summarise(metrics_path: Path, steps_per_epoch: int) -> dict[str, float]:
 
 
 TRAIN = StageKind("train", train_stage_of, launch_training, (METRICS_FILE, "*.png"),
+                  facts=("steps", "epochs", "loader_workers", "channels", "image_size"),
                   streams=True)
