@@ -330,15 +330,33 @@ HOOK_LINES = re.compile(r"Running hook '[^']*' in response to entering state|Hoo
 
 
 def _keep_log_record(record: logging.LogRecord) -> bool:
-    """Keep Prefect's console line for a RepsimError but drop its traceback; drop the records of a full
-    disk (a store's failed writes), which the CLI explains in one line, and Prefect's lines around each
-    state hook (a stage's summary line is the hook's own)."""
-    error = record.exc_info[1] if record.exc_info else None
+    """Keep Prefect's line for a RepsimError but drop its traceback (the error stays on the record as
+    ``repsim_error``); drop the records of a full disk (a store's failed writes), which the CLI explains in
+    one line, and Prefect's lines around each state hook (a stage's summary line is the hook's own)."""
+    error = record.exc_info[1] if record.exc_info else getattr(record, "repsim_error", None)
     if isinstance(error, RepsimError):
-        record.exc_info, record.exc_text = None, None
+        record.exc_info, record.exc_text, record.repsim_error = None, None, error
         return True
     message = record.getMessage()
     return not (disk_full(error) or any(text in message for text in DISK_FULL_TEXTS) or HOOK_LINES.match(message))
+
+
+class OneErrorLine(logging.Filter):
+    """On the console, after :func:`_keep_log_record`: drop the lines of a RepsimError and Prefect's later
+    lines that repeat its message (a failed task's and flow's final states), since the CLI ends with the
+    error as its one ``error:`` line. The Prefect UI still receives them."""
+
+    def __init__(self):
+        super().__init__()
+        self.errors: list[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = getattr(record, "repsim_error", None)
+        if isinstance(error, RepsimError):
+            self.errors.append(error.args[0] if error.args else str(error))
+            return False
+        message = record.getMessage()
+        return not any(text in message for text in self.errors)
 
 
 def _filled_a_disk(err: BaseException) -> DiskFull | None:
@@ -368,8 +386,11 @@ def _start_orchestration(stop_on_signals: bool = False) -> None:
     from prefect.logging.configuration import setup_logging
 
     setup_logging()
+    one_error_line = OneErrorLine()
     for handler in logging.getLogger().handlers + logging.getLogger("mlflow").handlers:
         handler.addFilter(_keep_log_record)
+        if type(handler).__name__ == "PrefectConsoleHandler":
+            handler.addFilter(one_error_line)
     if stop_on_signals:
         stopping.install()
 

@@ -112,3 +112,29 @@ def test_prefects_lines_around_a_state_hook_are_dropped_and_the_hooks_own_line_k
     assert not kept("Hook 'summarize_if_cached' finished running successfully")
     assert kept("shard: 10000 samples; found complete in the cache -> /home/artifacts/shard/b460615c")
     assert kept("Finished in state Cached(type=COMPLETED)")
+
+
+def test_a_failing_stage_leaves_the_console_its_one_error_line_not_prefects_repeats_of_it():
+    import io
+    import logging
+
+    from repsim.cli import OneErrorLine, _keep_log_record
+    from repsim.errors import StageError
+
+    console = io.StringIO()
+    handler = logging.StreamHandler(console)
+    handler.addFilter(_keep_log_record)
+    handler.addFilter(OneErrorLine())
+    error = StageError("train: the loss is nan at step 3", "lower optim.lr")
+
+    def emit(message: str, level: int = logging.ERROR, raised: BaseException | None = None) -> None:
+        exc_info = (type(raised), raised, None) if raised else None
+        handler.handle(logging.LogRecord("prefect.task_runs", level, __file__, 1, message, None, exc_info))
+    emit("shard: 16 samples; built in 0.1 s -> /home/artifacts/shard/51aeb967", logging.INFO)
+    emit(f"Task run failed with exception: {error!r} - Retries are exhausted", raised=error)
+    emit(f"Finished in state Failed('Task run encountered an exception StageError: {error.args[0]}')")
+    emit(f"Encountered exception during execution: {error!r}", raised=error)
+    emit("Task run 'features' - Finished in state Failed('Task run encountered an exception KeyError: 3')")
+    assert console.getvalue().splitlines() == [
+        "shard: 16 samples; built in 0.1 s -> /home/artifacts/shard/51aeb967",
+        "Task run 'features' - Finished in state Failed('Task run encountered an exception KeyError: 3')"]
