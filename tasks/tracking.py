@@ -35,7 +35,7 @@ from prefect.runtime import flow_run
 from repsim.errors import RepsimError
 from repsim.layering import flatten
 from repsim.models.backbones import ENCODER_FILE, EXPORTING
-from repsim.stage import STAGE_FILE, read_record, repsim_home
+from repsim.stage import STAGE_FILE, artifacts_root, read_record, repsim_home
 from repsim.tasks.settings import mlflow_artifact_location
 
 EXPERIMENT = "repsim"
@@ -57,9 +57,11 @@ class StageRun:
     run_id: str
     streamed: set[str] = field(default_factory=set)  # the metrics logged by step as the stage ran
 
-    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None, model_id: str | None = None) -> None:
+        """``metrics`` at ``step`` (None: a summary, at 0), also as results of the logged model ``model_id``."""
         timestamp = int(time.time() * 1000)
-        batch = [Metric(name, float(value), timestamp, step or 0) for name, value in flatten(metrics).items()
+        batch = [Metric(name, float(value), timestamp, step or 0, model_id=model_id)
+                 for name, value in flatten(metrics).items()
                  if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)]
         if step is not None:
             self.streamed.update(metrics)
@@ -86,8 +88,21 @@ class StageRun:
         if cached:
             self.refer_to_build(record["key"], summary, files)
             return
-        self.log_metrics({name: value for name, value in summary.items() if name not in self.streamed})
+        summary = {name: value for name, value in summary.items() if name not in self.streamed}
+        timings = {name: value for name, value in summary.items() if name.startswith("seconds")}
+        self.log_metrics(timings)
+        self.log_metrics({name: value for name, value in summary.items() if name not in timings},
+                         model_id=self.logged_model(scored_encoder(record)))  # an evaluation: the model's results
         self.log_artifacts(files)
+
+    def logged_model(self, train_key: str | None) -> str | None:
+        """The id of the logged model of the encoder that the train stage ``train_key`` trained, if any."""
+        if train_key is None:
+            return None
+        experiment = self.client.get_run(self.run_id).info.experiment_id
+        found = self.client.search_logged_models([experiment], f"tags.`repsim.stage_key` = '{train_key}'",
+                                                 max_results=1)
+        return found[0].model_id if found else None
 
     def refer_to_build(self, key: str, summary: Mapping[str, float], files: Iterable[Path]) -> None:
         """A cached stage's run: ``repsim.file.<name>`` tags with the files' paths, ``repsim.built_by`` naming the
@@ -146,7 +161,8 @@ class StageRun:
             logged = mlflow.models.Model.log(
                 None, _flavor_with_weights(train_dir / ENCODER_FILE), name=registered, run_id=self.run_id,
                 pytorch_model=encoder, serialization_format="pt2", signature=signature, input_example=example.numpy(),
-                extra_files=[str(train_dir / STAGE_FILE)],
+                extra_files=[str(train_dir / STAGE_FILE)], tags={"repsim.stage_key": record["key"]},
+                step=-1,  # a step the train run has not: its training metrics are not the model's (evaluations are)
                 pip_requirements=[f"{name}=={importlib.metadata.version(name)}" for name in ("torch", "repsim")])
         if (folder := _local_folder(logged.artifact_path)) is not None:
             share_file(train_dir / ENCODER_FILE, folder / MODEL_WEIGHTS)
@@ -154,6 +170,14 @@ class StageRun:
                    "repsim.method": record["config"]["method"]["name"], "repsim.run_id": self.run_id,
                    **{f"repsim.input.{name}": key for name, key in record["inputs"].items()}}
         return mlflow.register_model(logged.model_uri, registered, tags=lineage).version
+
+
+def scored_encoder(record: Mapping[str, Any]) -> str | None:
+    """The train stage key of the encoder an evaluate stage scored (its features' input), else None."""
+    if record["stage"] != "evaluate":
+        return None
+    features = read_record(artifacts_root() / "features" / record["inputs"]["train"])
+    return features["inputs"].get("encoder") if features else None
 
 
 def _flavor_with_weights(archive: Path) -> SimpleNamespace:

@@ -155,6 +155,8 @@ def test_runs_models_and_cache_hits_are_what_the_uis_show(make_image_folder, wri
     repsim_id = client.get_experiment_by_name("repsim").experiment_id
     [logged] = client.search_logged_models(experiment_ids=[repsim_id])
     assert logged.name == "tiny-supcon" and logged.source_run_id == train.info.run_id
+    results = {metric.key for metric in logged.metrics}  # the model's results are its evaluation's, not training's
+    assert results == {"knn_top1_k3", "knn_top5_k3"}
     assert logged.artifact_location.removeprefix("file://").startswith(str(home))
     assert not client.search_logged_models(experiment_ids=["0"])
     [version] = client.search_model_versions("name = 'tiny-supcon'")  # one version, also after the rerun

@@ -500,4 +500,5 @@ def result_rows(results: Mapping[str, Any]) -> list[tuple[str, str, float]]:
 
 
 FEATURES = StageKind("features", features_stage_of, extract_features, split=True, gpu=True)
-EVALUATE = StageKind("evaluate", evaluate_stage_of, evaluate_features, ("*.png", RESULTS_FILE), split=True, gpu=True)
+EVALUATE = StageKind("evaluate", evaluate_stage_of, evaluate_features, ("*.png", RESULTS_FILE), split=True, gpu=True,
+                     facts=("samples_train", "samples_test"))
