@@ -48,7 +48,8 @@ from repsim.stage import StageOutput, read_record, rebuilding, verifying
 from repsim.tasks.cluster import cluster_running, dask_logs_above, requested_cluster, stores
 from repsim.tasks.settings import api_for_workers
 from repsim.tasks.stage_tasks import KINDS, TASKS, current_record, from_prefect_cache, log_stage, planned, produced
-from repsim.tasks.tracking import MODEL_URI, StageRun, Tracker, model_directory, show_in_runs_table
+from repsim.tasks.tracking import (MODEL_URI, StageRun, Tracker, colour_by_encoder, model_directory,
+                                   show_in_runs_table)
 
 RESULTS_TABLE = "results.json"  # the result table's file among the parent run's artifacts
 
@@ -349,6 +350,7 @@ def publish(parent: StageRun, rows: list[Row], columns: dict[str, str], name: st
                               for metric in row.mean if row.n[metric] > 1})
     parent.log_params({f"point{index}": point for index, point in enumerate(points) if point})
     show_in_runs_table(parent.client, parent.client.get_run(parent.run_id).info.experiment_id, columns.values())
+    colour_by_encoder(parent.client, parent.run_id, dict.fromkeys(row.encoder for row in rows))
     key = artifact_key(name)
     create_markdown_artifact(table, key=f"{key}-results", description=f"experiment {name}: mean ± std (n) over seeds")
     create_table_artifact(records, key=f"{key}-results-table", description=f"experiment {name}, every metric")

@@ -46,6 +46,9 @@ MODEL_WEIGHTS = Path("data") / "model.pt2"  # mlflow.pytorch's file of an export
 MODEL_URI = "models:/"
 RUNS_VIEW = "repsim-runs"  # the key of the saved view the printed links open
 RUN_NAME_COLUMN, RUN_NAME_WIDTH = "attributes.`Run Name`", 420  # px: ~45 characters of a nested run's name
+RUN_COLOR = "mlflow.runColor"  # the tag MLflow's charts colour a run by
+ENCODER_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+                   "#bcbd22", "#17becf")  # matplotlib's tab10
 RUN_COLUMNS = ("tags.`repsim.encoder`", "tags.`repsim.cached`")  # the runs table's, after the name (MLflow's ids)
 
 
@@ -252,12 +255,27 @@ class Tracker:
     def stage_run(self, parent_run_id: str, stage: str, key: str, config: Mapping[str, Any], path: Path,
                   label: str | None = None, encoder: str | None = None) -> contextlib.AbstractContextManager[StageRun]:
         """A nested run for one stage under ``parent_run_id``, named ``<stage> <label>`` (``train simclr``), tagged
-        with ``encoder`` (the label of the encoder the stage is about) and, for a train stage, its method."""
+        with its experiment's name (``repsim.experiment``: the same names recur in every experiment), ``encoder``
+        (the label of the encoder the stage is about) and, for a train stage, its method."""
+        experiment = self.client.get_run(parent_run_id).data.params.get("experiment.name")
         tags = {MLFLOW_PARENT_RUN_ID: parent_run_id, "repsim.stage": stage, "repsim.stage_key": key,
-                "repsim.output": str(path)} | ({"repsim.label": label} if label else {})
+                "repsim.output": str(path)} | ({"repsim.label": label} if label else {}) | (
+            {"repsim.experiment": experiment} if experiment else {})
         tags |= ({"repsim.encoder": encoder} if encoder else {}) | (
             {"repsim.method": config["method"]["name"]} if stage == "train" else {})
         return self._run(f"{stage} {label}" if label else stage, tags)
+
+
+def colour_by_encoder(client: MlflowClient, parent_run_id: str, encoders: Iterable[str]) -> None:
+    """Give the stage runs under ``parent_run_id`` their encoder's chart colour (``mlflow.runColor``): the
+    ``encoders``, in order, take ENCODER_COLOURS in turn, so two encoders of one run never share one."""
+    colours = {encoder: ENCODER_COLOURS[index % len(ENCODER_COLOURS)] for index, encoder in enumerate(encoders)}
+    experiment = client.get_run(parent_run_id).info.experiment_id
+    for run in client.search_runs([experiment], f"tags.`{MLFLOW_PARENT_RUN_ID}` = '{parent_run_id}'",
+                                  max_results=50000):
+        colour = colours.get(run.data.tags.get("repsim.encoder", ""))
+        if colour is not None and run.data.tags.get(RUN_COLOR) != colour:
+            client.set_tag(run.info.run_id, RUN_COLOR, colour)
 
 
 def runs_page(tracking_uri: str, experiment_id: str) -> str:

@@ -138,7 +138,13 @@ def test_runs_models_and_cache_hits_are_what_the_uis_show(make_image_folder, wri
     [train] = [run for run in stages if run.data.tags["repsim.stage"] == "train"]
     assert first.info.run_name.startswith("tiny 20") and second.info.run_name.startswith("tiny 20")
     assert not {"supcon.steps", "supcon.epochs", "supcon.loss"} & set(first.data.metrics)  # align's bookkeeping
+    assert {run.data.tags["repsim.experiment"] for run in stages} == {"tiny"}  # a filter across experiments
+    colours = {run.data.tags.get("repsim.encoder"): run.data.tags.get("mlflow.runColor") for run in stages}
+    assert colours[None] is None and len({colours["pixels"], colours["supcon"]}) == 2  # one per encoder
+    assert {run.data.tags["mlflow.runColor"] for run in stages if run.data.tags.get("repsim.encoder") == "supcon"} == {
+        colours["supcon"]}
     [cached_train] = [run for run in flow_runs(home, "experiment")[1][1] if run.data.tags["repsim.stage"] == "train"]
+    assert cached_train.data.tags["mlflow.runColor"] == colours["supcon"]  # the same colour on the rerun
     assert cached_train.data.tags["repsim.built_by"] == train.info.run_id
     assert cached_train.data.metrics["loss"] == train.data.metrics["loss"]  # the same final values
     curve = [(point.step, point.value) for point in client.get_metric_history(train.info.run_id, "loss")]
