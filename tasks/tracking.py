@@ -28,7 +28,7 @@ from urllib.parse import urlparse
 from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
-from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
+from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NOTE
 from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
 from prefect.runtime import flow_run
 
@@ -109,13 +109,19 @@ class StageRun:
 
     def refer_to_build(self, key: str, summary: Mapping[str, float], files: Iterable[Path]) -> None:
         """A cached stage's run: ``repsim.file.<name>`` tags with the files' paths, ``repsim.built_by`` naming the
-        run that built it, and that run's metric histories (without one, ``summary``)."""
+        run that built it, and that run's metric histories (without one, ``summary``); its description (the
+        run page's overview) links that run and lists the files, which it holds no copy of."""
         experiment = self.client.get_run(self.run_id).info.experiment_id
         built = self.client.search_runs([experiment], f"tags.`repsim.stage_key` = '{key}' and tags.`repsim.cached` = "
                                         "'false' and attributes.status = 'FINISHED'",
                                         order_by=["attributes.start_time DESC"], max_results=1)
-        for file in filter(Path.is_file, files):
+        files = list(filter(Path.is_file, files))
+        for file in files:
             self.tag_path(file)
+        builder = (f"built by run [{built[0].info.run_name}](#/experiments/{experiment}/runs/{built[0].info.run_id})"
+                   if built else "built before it was tracked")
+        self.client.set_tag(self.run_id, MLFLOW_RUN_NOTE, f"Served from the cache, {builder}. Its files, not "
+                            "copied into this run:\n\n" + "\n".join(f"- `{file.resolve()}`" for file in files))
         if not built:
             self.log_metrics(summary)
             return
