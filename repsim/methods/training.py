@@ -38,8 +38,8 @@ from repsim.stage import Stage, StageKind, StageOutput, read_record, repsim_home
 VERSION = "2"  # 2: the loader reads every sample once an epoch with several workers or ranks
 CHECKPOINT_FILE = "checkpoint.pt"
 METRICS_FILE = "metrics.jsonl"
-KEY_NEUTRAL = (("optim", "threads"), ("optim", "checkpoint_every"), ("optim", "keep_checkpoint"), ("monitor", "batch_size"), ("data", "spec"),
-               ("method", "similarity", "path"), ("model", "init_encoder"))  # paths: their contents are keyed
+KEY_NEUTRAL = (("optim", "threads"), ("optim", "checkpoint_every"), ("optim", "keep_checkpoint"), ("monitor", "batch_size"),
+               ("data", "spec"), ("method", "similarity", "path"), ("model", "init_encoder"))  # paths: their contents are keyed
 MACHINE_CHOSEN = ("optim", "num_workers")  # changes the batches (a shuffle stream per worker): keyed when set only
 
 __all__ = ["file_digest", "load_encoder", "prepare", "train", "train_loader", "train_stage_of"]
