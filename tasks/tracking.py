@@ -118,7 +118,7 @@ class StageRun:
         files = list(filter(Path.is_file, files))
         for file in files:
             self.tag_path(file)
-        builder = (f"built by run [{built[0].info.run_name}](#/experiments/{experiment}/runs/{built[0].info.run_id})"
+        builder = (f"built by run [{built[0].info.run_name}]({run_link(experiment, built[0].info.run_id)})"
                    if built else "built before it was tracked")
         self.client.set_tag(self.run_id, MLFLOW_RUN_NOTE, f"Served from the cache, {builder}. Its files, not "
                             "copied into this run:\n\n" + "\n".join(f"- `{file.resolve()}`" for file in files))
@@ -282,6 +282,11 @@ def colour_by_encoder(client: MlflowClient, parent_run_id: str, encoders: Iterab
         colour = colours.get(run.data.tags.get("repsim.encoder", ""))
         if colour is not None and run.data.tags.get(RUN_COLOR) != colour:
             client.set_tag(run.info.run_id, RUN_COLOR, colour)
+
+
+def run_link(experiment_id: str, run_id: str) -> str:
+    """A run's page in the MLflow UI, relative to it, in the model-training view."""
+    return f"#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
 
 
 def runs_page(tracking_uri: str, experiment_id: str) -> str:

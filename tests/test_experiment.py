@@ -308,7 +308,7 @@ def test_torchrun_launch_trains_on_two_gloo_processes(tiny, tmp_path):
     assert [m["step"] for m in metrics if "loss" in m] == [1, 2]  # 8 train samples, global batch 4 over 2 ranks
     [(_, stages)] = flow_runs(home, "experiment")
     [train] = [run for run in stages if run.data.tags["repsim.stage"] == "train"]
-    assert train.data.tags["repsim.cached"] == "false" and train.data.metrics["steps"] == 2
+    assert train.data.tags["repsim.cached"] == "false" and train.data.params["stage.steps"] == "2"
 
 
 @pytest.mark.slow

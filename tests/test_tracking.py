@@ -147,7 +147,8 @@ def test_runs_models_and_cache_hits_are_what_the_uis_show(make_image_folder, wri
     assert cached_train.data.tags["mlflow.runColor"] == colours["supcon"]  # the same colour on the rerun
     assert cached_train.data.tags["repsim.built_by"] == train.info.run_id
     note = cached_train.data.tags["mlflow.note.content"]  # the run page's overview: a link, and the files
-    assert f"(#/experiments/{train.info.experiment_id}/runs/{train.info.run_id})" in note and "metrics.jsonl`" in note
+    link = f"(#/experiments/{train.info.experiment_id}/runs/{train.info.run_id}?workflowType=machine_learning)"
+    assert link in note and "metrics.jsonl`" in note
     assert cached_train.data.metrics["loss"] == train.data.metrics["loss"]  # the same final values
     curve = [(point.step, point.value) for point in client.get_metric_history(train.info.run_id, "loss")]
     assert len(curve) > 1  # and the same curves
