@@ -87,7 +87,9 @@ class FinishedRun:
 def finished_run(name: str) -> FinishedRun:
     """The latest finished ``repsim run`` of experiment ``name`` in the tracking store (the MLflow
     server of ``MLFLOW_TRACKING_URI``, else ``$REPSIM_HOME/mlflow.db``); SystemExit if there is none."""
-    import repsim.tasks  # noqa: F401  (the embedded tracking defaults)
+    from repsim.tasks.settings import use_embedded_defaults
+
+    use_embedded_defaults()  # the embedded tracking store, unless MLFLOW_TRACKING_URI names a server
     from mlflow.tracking import MlflowClient
     from repsim.flows.experiment import RESULTS_TABLE
 

@@ -1,3 +1,2 @@
-"""Prefect flows that chain repsim's stages. Shipped as ``repsim.flows``."""
-
-import repsim.tasks  # noqa: F401  (sets the embedded defaults before Prefect reads its settings)
+"""Prefect flows that chain repsim's stages. Shipped as ``repsim.flows``; call
+:func:`repsim.tasks.settings.use_embedded_defaults` before importing them (the command line does)."""

@@ -46,7 +46,7 @@ from repsim.similarity.targets import ClassMatrixSource, EmbeddingSource, LabelS
 from repsim.similarity.precompute import EMBEDDINGS_FILE, SIMILARITY_FILE
 from repsim.stage import StageOutput, read_record, rebuilding, verifying
 from repsim.tasks.cluster import cluster_running, dask_logs_above, requested_cluster, stores
-from repsim.tasks.settings import api_for_workers
+from repsim.tasks.settings import api_for_workers, use_embedded_defaults
 from repsim.tasks.stage_tasks import KINDS, TASKS, current_record, from_prefect_cache, log_stage, planned, produced
 from repsim.tasks.tracking import (MODEL_URI, StageRun, Tracker, colour_by_encoder, model_directory,
                                    show_in_runs_table)
@@ -403,6 +403,7 @@ def experiment_flow(experiment: Experiment, overrides: list[str] | None = None, 
     "rows": [one result row per grid point and encoder], "columns": {title: headline metric},
     "table": the rows as markdown}``; the parent MLflow run carries the table.
     """
+    use_embedded_defaults()  # in a flow run the command line did not start (a work pool's), where none are set
     stopping.install()  # SIGTERM asks the stages to stop, rather than Prefect's engine to crash the run
     source = experiment.name  # the experiment file's, before a `name=` override
     with read_once():  # each settings file is read once, also in a flow run the command line did not start

@@ -509,7 +509,9 @@ def _add_precompute_options(parser: argparse.ArgumentParser, stages: str) -> Non
 
 def main(argv: Sequence[str] | None = None) -> int:
     from repsim.layering import read_once
+    from repsim.tasks.settings import use_embedded_defaults
 
+    use_embedded_defaults()  # before any command imports Prefect or MLflow, which read their settings then
     args = build_parser().parse_args(argv)
     run: Callable[[argparse.Namespace], int | None] = args.run
     try:

@@ -30,6 +30,7 @@ from repsim.methods.training import TRAIN
 from repsim.similarity.precompute import CAPTIONS, NEIGHBORS, WORDNET
 from repsim.stage import Stage, StageKind, StageOutput, is_current, read_record
 from repsim.tasks.cluster import check_stores, executor
+from repsim.tasks.settings import use_embedded_defaults
 from repsim.tasks.tracking import StageRun, Tracker
 
 RETRY_DELAYS_S = [5, 30]  # waits before the retries of a transient failure
@@ -64,6 +65,7 @@ def stage_task(kind: StageKind) -> Task:
     def run(params: dict[str, Any], options: dict[str, Any] | None = None, out_dir: str | None = None,
             parent_run_id: str = "", label: str | None = None, encoder: str | None = None,
             register: str | None = None, stores: dict[str, str] | None = None) -> StageOutput:
+        use_embedded_defaults()  # on a cluster's worker, whose process the command line did not start
         if stores is not None:  # sent to a cluster's worker: it must keep outputs and runs where the flow does
             check_stores(stores)
         stage, out = planned(kind, params, out_dir)

@@ -12,11 +12,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.orchestration]
 PAIRS = 2  # unlocked, a pair fails 3 times in 5: two pairs catch it 84 % of the time
 FIRST_RUN = """
 import sys
-from repsim.tasks.settings import start_embedded_stores
+from repsim.tasks.settings import start_embedded_stores, use_embedded_defaults
+use_embedded_defaults()  # what every command does first, before Prefect is imported
 from repsim.experiment import single_section
 from repsim.flows.experiment import experiment_flow
 
-start_embedded_stores()  # what every command does before its flow
+start_embedded_stores()  # and before its flow
 experiment_flow(single_section("pets", sys.argv[1], {"kind": "shard"}))
 """  # a tiny spec's shards: the smallest run that uses both stores
 

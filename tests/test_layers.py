@@ -65,3 +65,4 @@ def test_imports_inside_functions_count():
     names = module_names()
     assert "repsim.flows.experiment" in imports(REPO / "repsim" / "cli.py", names)  # imported in a function only
     assert "repsim.data" in imports(REPO / "repsim" / "cli.py", names)
+

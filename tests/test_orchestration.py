@@ -103,7 +103,9 @@ def test_config_mistake_is_one_line_before_any_orchestration(tmp_path):
 
 
 def test_large_outputs_are_tagged_by_path_small_ones_logged(tmp_path, monkeypatch):
-    import repsim.tasks  # noqa: F401 (embedded defaults)
+    from repsim.tasks.settings import use_embedded_defaults
+
+    use_embedded_defaults()
     from repsim.tasks import tracking
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -120,7 +122,9 @@ def test_large_outputs_are_tagged_by_path_small_ones_logged(tmp_path, monkeypatc
 
 
 def test_the_printed_runs_link_opens_a_saved_view_wide_enough_for_stage_names(tmp_path, monkeypatch):
-    import repsim.tasks  # noqa: F401 (embedded defaults)
+    from repsim.tasks.settings import use_embedded_defaults
+
+    use_embedded_defaults()
     from repsim.tasks import tracking
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
