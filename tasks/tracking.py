@@ -297,9 +297,9 @@ def runs_page(tracking_uri: str, experiment_id: str) -> str:
 
 def runs_view(created_ms: int, metrics: Iterable[str] = ()) -> dict[str, str]:
     """The experiment tag of MLflow's saved view "stage names": the Run Name column RUN_NAME_WIDTH px wide
-    (not 190), so a stage run's name shows whole, then each run's encoder, whether it was cached, and the
-    ``metrics`` (an evaluate run's kNN, linear and zero-shot results)."""
-    columns = [*RUN_COLUMNS, *(f"metrics.`{name}`" for name in metrics)]
+    (not 190), so a stage run's name shows whole, then the ``metrics`` (an evaluate run's kNN, linear and
+    zero-shot results), each run's encoder and whether it was cached."""
+    columns = [*(f"metrics.`{name}`" for name in metrics), *RUN_COLUMNS]  # the results first: no scrolling to them
     state = {"selectedColumns": columns, "columnOrder": [RUN_NAME_COLUMN, *columns],
              "columnWidths": {RUN_NAME_COLUMN: RUN_NAME_WIDTH}}
     envelope = {"name": "stage names", "createdAt": created_ms, "state": json.dumps(state)}

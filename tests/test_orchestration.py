@@ -145,8 +145,8 @@ def test_the_printed_runs_link_opens_a_saved_view_wide_enough_for_stage_names(tm
     tracking.show_in_runs_table(tracker.client, experiment.experiment_id, ["knn_top1_k3"])
     tracking.Tracker()  # a later run keeps the columns that earlier runs added
     envelope = json.loads(tracker.client.get_experiment(experiment.experiment_id).tags[f"mlflow.sharedViewState.{key}"])
-    assert json.loads(envelope["state"])["selectedColumns"][2:] == [
-        "metrics.`knn_top1_k20`", "metrics.`linear_top1`", "metrics.`knn_top1_k3`"]
+    assert json.loads(envelope["state"])["selectedColumns"] == [
+        "metrics.`knn_top1_k20`", "metrics.`linear_top1`", "metrics.`knn_top1_k3`", *state["selectedColumns"]]
     width = state["columnWidths"]["attributes.`Run Name`"]
     assert width >= 7 * len("features xclr-wordnet seed=1 train") + 80  # ~7 px a character, and the row's icons
 

@@ -227,7 +227,7 @@ def screenshots(servers: dict[str, str], flow_run: FlowRun, parent: dict, train:
         pytest.skip("the browser check needs Debian's chromium and chromium-driver (scripts/setup.sh installs them)")
     webdriver = pytest.importorskip("selenium.webdriver", reason="the browser check needs selenium (dev extras)")
     from repsim.flows.experiment import RESULTS_TABLE
-    from repsim.tasks.tracking import runs_page
+    from repsim.tasks.tracking import run_link, runs_page
 
     folder = Path(os.environ.get("REPSIM_TEST_ARTIFACTS") or default_folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -238,12 +238,13 @@ def screenshots(servers: dict[str, str], flow_run: FlowRun, parent: dict, train:
         "artifacts": {"key": {"any_": ["tiny-results"]}, "flow_run_id": {"any_": [str(flow_run.id)]}}})
     prefect = servers["PREFECT_API_URL"].removesuffix("/api")
     run = parent["info"]
-    mlflow_run = f"{mlflow}/#/experiments/{run['experiment_id']}/runs/{run['run_id']}"
+    mlflow_run = f"{mlflow}/{run_link(run['experiment_id'], run['run_id'])}"  # as repsim links it: model training
     pages = {"prefect-flow-run.png": (f"{prefect}/runs/flow-run/{flow_run.id}", flow_run.name),
              "prefect-results-artifact.png": (f"{prefect}/artifacts/artifact/{artifact['id']}", "kNN@3"),
              "mlflow-runs.png": (runs_page(mlflow, run["experiment_id"]), "Run Name"),  # the link repsim prints
              "mlflow-run.png": (mlflow_run, run["run_id"]),
-             "mlflow-results-table.png": (f"{mlflow_run}/artifacts/{RESULTS_TABLE}", "knn_top1_k3"),
+             "mlflow-results-table.png": (f"{mlflow}/#/experiments/{run['experiment_id']}/runs/{run['run_id']}"
+                                          f"/artifacts/{RESULTS_TABLE}", "knn_top1_k3"),
              "mlflow-registered-model.png": (f"{mlflow}/#/models/{model['name']}", "Version 1")}
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
@@ -259,6 +260,9 @@ def screenshots(servers: dict[str, str], flow_run: FlowRun, parent: dict, train:
             cut_off = stage_names_cut_off(browser, deadline) if name == "mlflow-runs.png" else []
             browser.save_screenshot(str(folder / name))
             assert expected in browser.find_element("tag name", "body").text, f"{url} does not show {expected!r}"
+            if name == "mlflow-runs.png":  # the view's first column after the name: the headline result
+                shown = browser.find_element("tag name", "body").text
+                assert "knn_top1_k3" in shown, shown[:2000]
             assert not cut_off, f"{url} cuts off the run names {cut_off}"
     finally:
         browser.quit()
