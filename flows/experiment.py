@@ -349,7 +349,8 @@ def publish(parent: StageRun, rows: list[Row], columns: dict[str, str], name: st
                            | {f"{prefix}{row.encoder}.{metric}.std": row.std[metric]
                               for metric in row.mean if row.n[metric] > 1})
     parent.log_params({f"point{index}": point for index, point in enumerate(points) if point})
-    show_in_runs_table(parent.client, parent.client.get_run(parent.run_id).info.experiment_id, columns.values())
+    experiment = parent.client.get_experiment(parent.client.get_run(parent.run_id).info.experiment_id)
+    show_in_runs_table(parent.client, experiment, columns.values())
     colour_by_encoder(parent.client, parent.run_id, dict.fromkeys(row.encoder for row in rows))
     key = artifact_key(name)
     create_markdown_artifact(table, key=f"{key}-results", description=f"experiment {name}: mean ± std (n) over seeds")

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 from typing import Any
 from urllib.parse import urlparse
 
-from mlflow.entities import Metric, Param
+from mlflow.entities import Experiment, Metric, Param
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NOTE
@@ -35,6 +35,7 @@ from prefect.runtime import flow_run
 from repsim.errors import RepsimError
 from repsim.layering import flatten
 from repsim.models.backbones import ENCODER_FILE, EXPORTING
+from repsim.pieces import link_or_copy
 from repsim.stage import STAGE_FILE, artifacts_root, read_record, repsim_home
 from repsim.tasks.settings import mlflow_artifact_location
 
@@ -237,7 +238,7 @@ class Tracker:
             if found.tags.get(tag) != value:
                 self.client.set_experiment_tag(found.experiment_id, tag, value)
         self.experiment_id = found.experiment_id
-        show_in_runs_table(self.client, found.experiment_id, ())
+        show_in_runs_table(self.client, found, ())
 
     @contextlib.contextmanager
     def _run(self, name: str, tags: Mapping[str, str]) -> Iterator[StageRun]:
@@ -306,16 +307,16 @@ def runs_view(created_ms: int, metrics: Iterable[str] = ()) -> dict[str, str]:
     return {f"mlflow.sharedViewState.{RUNS_VIEW}": json.dumps(envelope)}
 
 
-def show_in_runs_table(client: MlflowClient, experiment_id: str, metrics: Iterable[str]) -> None:
-    """Add the ``metrics`` to the columns of :func:`runs_view`, keeping those an earlier run added."""
-    experiment = client.get_experiment(experiment_id)
+def show_in_runs_table(client: MlflowClient, experiment: Experiment, metrics: Iterable[str]) -> None:
+    """Add the ``metrics`` to the columns of :func:`runs_view` on ``experiment``, keeping those an earlier run
+    added."""
     [(tag, _)] = runs_view(0).items()
     shown = json.loads(json.loads(experiment.tags[tag])["state"]).get("selectedColumns", []) \
         if tag in experiment.tags else []
     known = [column.removeprefix("metrics.`").removesuffix("`") for column in shown if column.startswith("metrics.")]
     value = runs_view(experiment.creation_time, dict.fromkeys([*known, *metrics]))[tag]
     if experiment.tags.get(tag) != value:
-        client.set_experiment_tag(experiment_id, tag, value)
+        client.set_experiment_tag(experiment.experiment_id, tag, value)
 
 
 def model_directory(uri: str) -> Path:
@@ -339,8 +340,8 @@ def model_directory(uri: str) -> Path:
             staged.mkdir()
             # models registered before the weights were the stage's archive carry an encoder.pt of their own
             weights = next(chain(model.rglob(ENCODER_FILE), model.glob(str(MODEL_WEIGHTS))))
-            _link_or_copy(weights, staged / ENCODER_FILE)
-            _link_or_copy(next(model.rglob(STAGE_FILE)), staged / STAGE_FILE)
+            link_or_copy(weights, staged / ENCODER_FILE)
+            link_or_copy(next(model.rglob(STAGE_FILE)), staged / STAGE_FILE)
             shutil.rmtree(target, ignore_errors=True)
             staged.rename(target)  # whole or not at all
     except (MlflowException, StopIteration) as err:
@@ -348,9 +349,3 @@ def model_directory(uri: str) -> Path:
                           "check the model's name and version in the MLflow UI's Models page") from None
     return target
 
-
-def _link_or_copy(source: Path, target: Path) -> None:
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copyfile(source, target)

@@ -141,8 +141,10 @@ def test_the_printed_runs_link_opens_a_saved_view_wide_enough_for_stage_names(tm
     assert envelope["createdAt"] == experiment.creation_time and isinstance(envelope["name"], str)
     assert state["columnOrder"][0] == "attributes.`Run Name`"  # MLflow applies the widths of ordered columns only
     assert state["selectedColumns"] == ["tags.`repsim.encoder`", "tags.`repsim.cached`"]
-    tracking.show_in_runs_table(tracker.client, experiment.experiment_id, ["knn_top1_k20", "linear_top1"])
-    tracking.show_in_runs_table(tracker.client, experiment.experiment_id, ["knn_top1_k3"])
+    tracking.show_in_runs_table(tracker.client, tracker.client.get_experiment(experiment.experiment_id),
+                                ["knn_top1_k20", "linear_top1"])
+    tracking.show_in_runs_table(tracker.client, tracker.client.get_experiment(experiment.experiment_id),
+                                ["knn_top1_k3"])
     tracking.Tracker()  # a later run keeps the columns that earlier runs added
     envelope = json.loads(tracker.client.get_experiment(experiment.experiment_id).tags[f"mlflow.sharedViewState.{key}"])
     assert json.loads(envelope["state"])["selectedColumns"] == [
