@@ -10,6 +10,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 
 from repsim.errors import SpecError
 
@@ -106,7 +107,7 @@ def model_at(model: type[BaseModel], loc: tuple[Any, ...]) -> tuple[type[BaseMod
             continue
         field.append(str(part))
         inner = current.model_fields.get(part) if current is not None else None
-        candidates = _models_in(inner.annotation) if inner is not None else []
+        candidates = _field_models(inner) if inner is not None else []
         current = candidates[0] if len(candidates) == 1 else None
         union = candidates if len(candidates) > 1 else []
     return current, tuple(field)
@@ -122,9 +123,16 @@ def _tags_at(model: type[BaseModel], loc: tuple[Any, ...], tag_field: str) -> st
     """The tags the union at ``loc`` accepts, quoted and comma-separated."""
     parent, _ = model_at(model, loc[:-1]) if loc else (None, ())
     inner = parent.model_fields.get(loc[-1]) if parent is not None else None
-    members = _models_in(inner.annotation) if inner is not None else []
+    members = _field_models(inner) if inner is not None else []
     tags = [tag for m in members for tag in get_args(m.model_fields[tag_field].annotation)]
     return ", ".join(repr(tag) for tag in tags)
+
+
+def _field_models(field: FieldInfo) -> list[type[BaseModel]]:
+    """The models a value of ``field`` can validate into: those its annotation names, and those a validator in
+    its metadata picks from (``models()``, e.g. :class:`repsim.methods.config.MethodSettings`)."""
+    chosen = [m for meta in field.metadata if hasattr(meta, "models") for m in meta.models()]
+    return _models_in(field.annotation) + chosen
 
 
 def _models_in(annotation: Any) -> list[type[BaseModel]]:

@@ -62,18 +62,15 @@ def read_once() -> Iterator[None]:
 
 
 def load_model(schema: type[M], path: str | Path, file: SettingsFile, overrides: Sequence[str] = (),
-               explain: Explain = describe, prepare: Callable[[dict[str, Any]], object] | None = None) -> M:
+               explain: Explain = describe) -> M:
     """The ``file`` at ``path`` (or the shipped file of that name) with each override merged over it in order,
     validated as ``schema``; a SpecError in one line names the layer that set the failing field and the fix
-    (``explain``). ``prepare`` sees the merged values first (to import what they name)."""
+    (``explain``)."""
     path = locate(path, file.kind)
     layers = [read_layer(path, file.kind, file.example, file.paths)]
     layers += [override_layer(override, file.override_example, file.paths) for override in overrides]
-    values = merge_layers(layers)
-    if prepare is not None:
-        prepare(values)
     try:
-        return schema.model_validate(values)
+        return schema.model_validate(merge_layers(layers))
     except ValidationError as err:
         _, field = model_at(schema, err.errors()[0]["loc"])
         raise SpecError(*explain(err, origin(layers, field) or str(path), schema)) from None

@@ -1,12 +1,9 @@
 """Training methods, one per module (:func:`~repsim.methods.base.register`), on the shared
 :class:`~repsim.methods.train.Trainer`; the train stage is :func:`repsim.methods.training.train`.
 
-Importing the package imports every method module, so their settings are registered before any config
-is read. Other exports resolve on first use.
+Methods are found by name when a config is validated (:func:`repsim.methods.config.import_method`);
+importing the package imports none of them, and its exports resolve on first use.
 """
-
-import importlib
-import pkgutil
 
 from repsim._lazy import lazy_exports
 
@@ -19,5 +16,3 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 __getattr__ = lazy_exports(__name__, _EXPORTS)
 
-for _module in pkgutil.iter_modules(__path__):
-    importlib.import_module(f"{__name__}.{_module.name}")

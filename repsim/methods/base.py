@@ -24,7 +24,7 @@ from repsim.data.loader import Batch
 from repsim.data.sharding import ShardResult
 from repsim.data.spec import DataSpec
 from repsim.errors import SpecError
-from repsim.methods.config import Config, accept_method, accepted_methods, import_outside_method
+from repsim.methods.config import Config, accept_method, accepted_methods, import_method
 from repsim.stage import StageOutput
 
 
@@ -122,8 +122,7 @@ def register(name: str, *, upstream: Callable[[Config, TrainingData], Upstream |
 
 def method_spec(name: str) -> MethodSpec:
     """The method registered as ``name`` (an outside one imported through its entry point); else SpecError."""
-    if name not in _methods:
-        import_outside_method(name)
+    import_method(name)
     if name not in _methods:
         known = ", ".join(repr(known) for known in dict.fromkeys([*accepted_methods(), *_methods]))
         raise SpecError(f"method.name is {name!r}, which is not known", f"use one of {known}")

@@ -3,12 +3,16 @@ config's name (``xclr``), then ``a.b=value`` overrides in order (see :mod:`repsi
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from collections.abc import Sequence
+from functools import cache
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, Literal, Union, get_args
+from typing import Annotated, Any, Literal, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, GetCoreSchemaHandler, TypeAdapter, model_validator
+from pydantic_core import core_schema
 
 from repsim.data.augment import PRESETS, preset_options
 from repsim.errors import SpecError, first_line
@@ -94,13 +98,40 @@ class MonitorConfig(Strict):
     batch_size: int = Field(512, gt=0)
 
 
+def _validate_method(value: Any) -> BaseModel:
+    """``value`` (a mapping, or settings already validated) as the settings model its ``name`` registered."""
+    if isinstance(value, BaseModel) and _registered().get(getattr(value, "name", None)) is type(value):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("name"), str):
+        import_method(value["name"])
+    return _method_union(tuple(_registered().values())).validate_python(value)
+
+
+@cache
+def _method_union(models: tuple[type[BaseModel], ...]) -> TypeAdapter:
+    """The discriminated union of ``models`` by ``name``: its errors are pydantic's own (unknown or missing tag,
+    the field of the member the tag picks)."""
+    return TypeAdapter(Annotated[Union[models], Field(discriminator="name")])  # noqa: UP007 (models known at run time)
+
+
+class MethodSettings:
+    """``Config.method``'s validation: a mapping becomes the settings model registered under its ``name``
+    (:func:`accept_method`), looked up when a config is validated. :meth:`models` lists the candidates
+    (for error descriptions, :mod:`repsim.config_errors`)."""
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
+        return core_schema.no_info_plain_validator_function(_validate_method)
+
+    @staticmethod
+    def models() -> tuple[type[BaseModel], ...]:
+        return tuple(_registered().values())
+
+
 class Config(Strict):
     """One training experiment; ``method`` validates into the settings model its method registered
     (by ``method.name``, see :func:`accept_method`), so a method's settings live in its own module."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)  # built once methods registered
-
-    method: Any = Field(discriminator="name")
+    method: Annotated[Any, MethodSettings()]
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = ModelConfig()
     optim: OptimConfig = OptimConfig()
@@ -114,24 +145,24 @@ def accept_method(name: str, settings: type[BaseModel]) -> None:
     if field is None or get_args(field.annotation) != (name,):
         raise TypeError(f"the settings of method {name!r} must be a model with name: Literal[{name!r}]")
     _settings[name] = settings
-    union = Union[tuple(_settings.values())]  # noqa: UP007 (a union of models known at run time)
-    Config.model_fields["method"].annotation = union  # the field keeps its discriminator
-    Config.model_rebuild(force=True)
 
 
 def shipped() -> tuple[str, ...]:
-    """The method names the library ships (``method.name``): those registered by its own modules."""
-    return tuple(name for name, settings in _settings.items() if settings.__module__.startswith(f"{__package__}."))
+    """The method names the library ships (``method.name``): those registered by its own modules, sorted."""
+    _import_shipped()
+    return tuple(sorted(name for name, settings in _settings.items() if _is_shipped(settings)))
 
 
 def accepted_methods() -> tuple[str, ...]:
     """The method names a config accepts now: those shipped, then those accepted from outside."""
-    return tuple(_settings)
+    return tuple(_registered())
 
 
-def import_outside_method(name: str) -> None:
-    """Import the module a package names for method ``name`` under the ``repsim.methods`` entry points, so that
-    it registers itself (nothing when none does); SpecError in one line when that module does not import."""
+def import_method(name: str) -> None:
+    """Register the shipped methods, then, when none is ``name``, import the module a package names for it under
+    the ``repsim.methods`` entry points (nothing when none does); SpecError in one line when it does not import."""
+    if name in _registered():
+        return
     for point in entry_points(group=ENTRY_POINTS, name=name):
         try:
             point.load()
@@ -140,14 +171,24 @@ def import_outside_method(name: str) -> None:
                             f"does not import: {first_line(err)}", "fix or reinstall the package") from None
 
 
+def _registered() -> dict[str, type[BaseModel]]:
+    """The settings models by method name, shipped ones first (their modules imported, so registered, first)."""
+    outside = [name for name, settings in _settings.items() if not _is_shipped(settings)]
+    return {name: _settings[name] for name in (*shipped(), *outside)}
+
+
+def _is_shipped(settings: type[BaseModel]) -> bool:
+    return settings.__module__.startswith(f"{__package__}.")
+
+
+@cache
+def _import_shipped() -> None:
+    package = importlib.import_module(__package__)
+    for module in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"{__package__}.{module.name}")
+
+
 def load_config(path: str | Path, overrides: Sequence[str] = (), schema: type[BaseModel] = Config) -> Any:
     """The config at ``path`` (or the shipped config of that name) with ``overrides`` (``"optim.lr=0.01"``), as a
     ``schema`` (default: a training :class:`Config`); SpecError in one line naming file and field."""
-    return load_model(schema, path, CONFIG_FILE, overrides, prepare=_import_method if schema is Config else None)
-
-
-def _import_method(values: dict[str, Any]) -> None:
-    """Import the outside method that ``method.name`` names, if no method of that name is accepted yet."""
-    method = values.get("method")
-    if isinstance(method, dict) and method.get("name") not in accepted_methods():
-        import_outside_method(str(method.get("name")))
+    return load_model(schema, path, CONFIG_FILE, overrides)
