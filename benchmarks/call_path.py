@@ -2,7 +2,7 @@
 
 A profiler hook (``sys.setprofile``, and ``threading.setprofile`` for the Prefect task's thread)
 records every function call into a file of this repository (``repsim/``, ``tasks/``, ``flows/``)
-from ``repsim.cli.main`` on, until the first call of ``Trainer.fit``, on a tiny generated dataset
+from ``repsim.flows.cli.main`` on, until the first call of ``Trainer.fit``, on a tiny generated dataset
 (2 classes, 8 images each, one training step). It prints how many files those calls enter and the
 returns (calls that come back into a file entered before, other than the one just left), then the
 same for the call stack at ``Trainer.fit``: the path from the command line into the trainer, and how
@@ -97,7 +97,7 @@ def returns(files: list[str]) -> int:
 def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         os.environ["REPSIM_HOME"] = str(Path(folder) / "home")  # stores and outputs of its own
-        from repsim.cli import main as repsim
+        from repsim.flows.cli import main as repsim
 
         config = tiny_config(Path(folder))
         path = CallPath()

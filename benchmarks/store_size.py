@@ -82,7 +82,7 @@ def measure(home: Path) -> list[list[str]]:
 
 def run_default(home: Path, steps: int) -> float:
     started = time.time()
-    command = [sys.executable, "-m", "repsim.cli", "run", str(EXPERIMENT)]
+    command = [sys.executable, "-m", "repsim.flows.cli", "run", str(EXPERIMENT)]
     if steps:
         command += ["--set", f"train.settings.optim.max_steps={steps}"]
     env = os.environ | {"REPSIM_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}

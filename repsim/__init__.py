@@ -1,5 +1,6 @@
 """repsim: learn visual representations from relations between samples. Pure Python and torch, it never
-imports Prefect or MLflow; orchestration lives in ``repsim.tasks`` and ``repsim.flows`` (``tasks/``, ``flows/``)."""
+imports Prefect or MLflow; orchestration, the command line (``repsim.flows.cli``) included, lives in
+``repsim.tasks`` and ``repsim.flows`` (``tasks/``, ``flows/``)."""
 
 from repsim.errors import RepsimError
 

@@ -147,4 +147,4 @@ class TorchrunLaunch(Strict):
         sets = [arg for override in overrides for arg in ("--set", override)]
         return [sys.executable, "-m", "torch.distributed.run", *rendezvous,
                 f"--nproc_per_node={self.nproc_per_node}", f"--max_restarts={self.max_restarts}",
-                "-m", "repsim.cli", "train", str(config), *sets, "--direct"]
+                "-m", "repsim.flows.cli", "train", str(config), *sets, "--direct"]

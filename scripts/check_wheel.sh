@@ -63,5 +63,5 @@ config = load_config("xclr")
 assert config.data.spec.is_relative_to(site), config.data.spec
 print("check_wheel: the default experiment and the xclr config load by name")
 EOF
-REPSIM_HOME="$work/home" PYTHONPATH="$work/site" "$PY" -m repsim.cli run default --plan | tail -n 1 |
+REPSIM_HOME="$work/home" PYTHONPATH="$work/site" "$PY" -m repsim.flows.cli run default --plan | tail -n 1 |
   sed 's/^/check_wheel: repsim run default --plan: /'

@@ -20,7 +20,7 @@ from repsim.align.alignment import LOSS_PLOT_FILE, RESULTS_FILE, align, align_st
 from repsim.align import tables as tables_module
 from repsim.align.tables import class_captions, embedding_tables, hold_out, load_tables
 from repsim.align.train import PairedBatches, load_alignment
-from repsim.cli import main
+from repsim.flows.cli import main
 from repsim.data.sharding import ShardResult
 from repsim.data.spec import load_spec
 from repsim.errors import DataError, EvalError, SpecError

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from repsim.cli import main
+from repsim.flows.cli import main
 
 SPECS = Path(__file__).parent.parent / "data_specs"
 
@@ -88,7 +88,7 @@ def test_clean_refuses_anything_but_a_positive_number_and_a_unit(text, repsim_ho
 
 @pytest.mark.parametrize(("text", "seconds"), [("30m", 1800), ("1.5d", 129600), ("2w", 1209600), ("45s", 45)])
 def test_durations_are_a_number_times_its_unit(text, seconds):
-    from repsim.cli import duration
+    from repsim.flows.cli import duration
 
     assert duration(text) == seconds
 
@@ -103,7 +103,7 @@ def test_spread_without_a_server_says_how_to_start_one_for_this_repsim_home(reps
 def test_prefects_lines_around_a_state_hook_are_dropped_and_the_hooks_own_line_kept():
     import logging
 
-    from repsim.cli import _keep_log_record
+    from repsim.flows.cli import _keep_log_record
 
     def kept(message: str) -> bool:
         return _keep_log_record(logging.LogRecord("prefect.task_runs", logging.INFO, __file__, 1, message, None, None))
@@ -118,7 +118,7 @@ def test_a_failing_stage_leaves_the_console_its_one_error_line_not_prefects_repe
     import io
     import logging
 
-    from repsim.cli import OneErrorLine, _keep_log_record
+    from repsim.flows.cli import OneErrorLine, _keep_log_record
     from repsim.errors import StageError
 
     console = io.StringIO()

@@ -16,7 +16,7 @@ import torch
 from e2e import REPSIM, isolated_env
 from mlflow.exceptions import MlflowException
 
-from repsim import cli
+from repsim.flows import cli
 from repsim.errors import DiskFull, mount_point
 from repsim.methods.train import previous_of, save_atomically
 from repsim.tasks.tracking import Tracker

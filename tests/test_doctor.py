@@ -9,7 +9,7 @@ import socket
 import pytest
 
 from repsim import doctor
-from repsim.cli import main
+from repsim.flows.cli import main
 
 
 def installed_as(monkeypatch, *distributions: str) -> None:

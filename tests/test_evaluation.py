@@ -15,7 +15,7 @@ from mlflow.tracking import MlflowClient
 from PIL import Image
 from e2e import built_then_cached, logged_files, repsim
 
-from repsim.cli import build_parser, main
+from repsim.flows.cli import build_parser, main
 from repsim.data import make_loader, shard
 from repsim.errors import EvalError
 from repsim.eval import knn_accuracy, zero_shot_accuracy

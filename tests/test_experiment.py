@@ -16,7 +16,7 @@ import pytest
 from e2e import REPO, flow_runs, isolated_env, repsim, tiny_experiment, write_experiment
 from mlflow.tracking import MlflowClient
 
-from repsim.cli import main
+from repsim.flows.cli import main
 from repsim.errors import SpecError
 from repsim.device import TorchrunLaunch
 from repsim.experiment import load_deployments, load_experiment, with_overrides
@@ -79,7 +79,7 @@ def test_override_values_are_validated_like_the_file(tmp_path):
 def test_torchrun_command_trains_directly_on_every_rank():
     single = TorchrunLaunch(nproc_per_node=2).command("c.yaml", ["optim.lr=0.1"])
     assert single[1:4] == ["-m", "torch.distributed.run", "--standalone"]
-    assert single[-7:] == ["-m", "repsim.cli", "train", "c.yaml", "--set", "optim.lr=0.1", "--direct"]
+    assert single[-7:] == ["-m", "repsim.flows.cli", "train", "c.yaml", "--set", "optim.lr=0.1", "--direct"]
     several = TorchrunLaunch(nnodes=2, rdzv_endpoint="head:29400").command("c.yaml", [])
     assert {"--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=head:29400"} <= set(several)
     assert not TorchrunLaunch().distributed and TorchrunLaunch(nnodes=2, rdzv_endpoint="h:1").distributed
@@ -215,7 +215,7 @@ def closed_port() -> int:
 
 def test_unreachable_server_is_one_line_before_any_work(tmp_path):
     url = f"http://127.0.0.1:{closed_port()}/api"
-    done = subprocess.run([sys.executable, "-m", "repsim.cli", "run", str(REPO / "experiments" / "default.yaml")],
+    done = subprocess.run([sys.executable, "-m", "repsim.flows.cli", "run", str(REPO / "experiments" / "default.yaml")],
                           env=isolated_env(tmp_path / "home") | {"PREFECT_API_URL": url},
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
@@ -317,7 +317,7 @@ def test_killed_run_resumes_from_the_last_stage_and_checkpoint(tiny, tmp_path, m
     home = tmp_path / "home"
     settings = ["--set", "train.settings.optim.epochs=40", "--set", "train.settings.optim.checkpoint_every=1",
                 "--set", "evaluate.pixels=false"]
-    killed = subprocess.Popen([sys.executable, "-m", "repsim.cli", "run", str(tiny), *settings],
+    killed = subprocess.Popen([sys.executable, "-m", "repsim.flows.cli", "run", str(tiny), *settings],
                               env=isolated_env(home), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True)
     deadline = time.time() + 300

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from repsim.cli import main
+from repsim.flows.cli import main
 from repsim.methods.config import load_config
 
 COMMANDS = {  # the commands that read a file argument -> what they call it

@@ -22,7 +22,7 @@ import torch
 from animals import animal_shards
 from test_remote import Quiet, in_place_spec, one_error_line
 
-from repsim.cli import main
+from repsim.flows.cli import main
 from repsim.data import remote
 from repsim.data.loader import make_loader
 from repsim.data.manifest import MANIFEST

@@ -9,7 +9,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from repsim.cli import main
+from repsim.flows.cli import main
 
 COMMANDS = [["shard"], ["precompute", "all"], ["eval"], ["train"], ["align"], ["run", "--plan"], ["serve"]]
 FIELDS = ["name", "source", "type", "root", "path", "urls", "classes", "captions", "templates", "split",

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 import repsim
-from repsim.cli import main
+from repsim.flows.cli import main
 from repsim.errors import SpecError
 from repsim.experiment import load_experiment
 from repsim.methods.config import load_config

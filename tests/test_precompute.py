@@ -14,7 +14,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from e2e import built_then_cached, logged_files, repsim
 
-from repsim.cli import build_parser, main
+from repsim.flows.cli import build_parser, main
 from repsim.data import DataSpec, shard
 from repsim.errors import SimilarityError
 from repsim.similarity import EmbeddingSource, class_similarity, embed_captions, load_neighbors, precompute

@@ -23,7 +23,7 @@ from animals import CLASSES, animal_shards
 from conftest import AWS_SECRET
 from e2e import repsim
 
-from repsim.cli import main
+from repsim.flows.cli import main
 from repsim.data import loader as loader_module
 from repsim.data.loader import make_loader
 from repsim.data.manifest import MANIFEST

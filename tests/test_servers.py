@@ -84,7 +84,7 @@ def test_a_taken_port_stops_both_uis_before_either_starts(tmp_path, command):
 
 
 def test_serve_without_a_server_says_its_api_is_temporary(tmp_path, monkeypatch, capsys):
-    from repsim.cli import main
+    from repsim.flows.cli import main
 
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     monkeypatch.setattr("repsim.flows.serve.serve_deployments", lambda path: None)
@@ -121,7 +121,7 @@ def served(servers, tmp_path, make_image_folder, write_spec) -> Iterator[dict[st
     env = servers | {"REPSIM_HOME": str(folder / "worker-home"), "PREFECT_RUNNER_SERVER_ENABLE": "true",
                      "PREFECT_RUNNER_SERVER_PORT": str(runner_port)}
     with open(folder / "serve.log", "w") as log:
-        serve = subprocess.Popen([sys.executable, "-m", "repsim.cli", "serve", str(deployments)], env=env,
+        serve = subprocess.Popen([sys.executable, "-m", "repsim.flows.cli", "serve", str(deployments)], env=env,
                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             deadline = time.time() + 180
@@ -292,7 +292,7 @@ def test_sweep_members_run_on_the_deployments_workers_and_the_table_collects_the
     experiment = yaml.safe_load((tmp_path / "tiny.yaml").read_text()) | {"seeds": [0, 1]}
     (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(experiment))
     env = served | {"REPSIM_HOME": str(tmp_path / "worker-home")}
-    done = subprocess.run([sys.executable, "-m", "repsim.cli", "run", str(tmp_path / "sweep.yaml"),
+    done = subprocess.run([sys.executable, "-m", "repsim.flows.cli", "run", str(tmp_path / "sweep.yaml"),
                            "--spread", DEPLOYMENT], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     stages, table = done.stdout.split("\n\n")[:2]  # no MLflow "View run" lines before them
@@ -306,7 +306,7 @@ def test_sweep_members_run_on_the_deployments_workers_and_the_table_collects_the
 
 
 def test_spread_without_a_server_is_one_line(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "repsim.cli", "run", "default", "--spread", DEPLOYMENT],
+    done = subprocess.run([sys.executable, "-m", "repsim.flows.cli", "run", "default", "--spread", DEPLOYMENT],
                           env=isolated_env(tmp_path), capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--spread runs members on the workers of a Prefect server" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1

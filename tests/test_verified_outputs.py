@@ -18,7 +18,7 @@ from e2e import tiny_experiment
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from repsim.cli import main
+from repsim.flows.cli import main
 from repsim.data import load_spec, shard
 from repsim.experiment import load_experiment
 from repsim.stage import IN_USE, list_outputs, read_record, sha256_file, unreferenced_outputs, verifying
