@@ -1,8 +1,8 @@
 """The experiment flow: shard the data spec, then run the experiment's sections in order, each stage a
-cached task tracked as a nested MLflow run; the result table goes on the parent run and a Prefect
-artifact. Each step (:data:`STEPS`) submits the tasks of all members (:func:`repsim.experiment.expand`)
-before waiting on any, so independent stages run concurrently (:func:`concurrency`); a request made
-twice is submitted once and its result shared."""
+task tracked as a nested MLflow run (served from the stage store once built); the result table goes on the
+parent run and a Prefect artifact. Each step (:data:`STEPS`) submits the tasks of all members
+(:func:`repsim.experiment.expand`) before waiting on any, so independent stages run concurrently
+(:func:`concurrency`); a request made twice is submitted once and its result shared."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ from repsim.similarity.precompute import EMBEDDINGS_FILE, SIMILARITY_FILE
 from repsim.stage import StageOutput, read_record, rebuilding, verifying
 from repsim.tasks.cluster import cluster_running, dask_logs_above, requested_cluster, stores
 from repsim.tasks.settings import api_for_workers, use_embedded_defaults
-from repsim.tasks.stage_tasks import KINDS, TASKS, current_record, from_prefect_cache, log_stage, planned, produced
+from repsim.tasks.stage_tasks import KINDS, TASKS, current_record, planned, produced
 from repsim.tasks.tracking import (MODEL_URI, StageRun, Tracker, colour_by_encoder, model_directory,
                                    show_in_runs_table)
 
@@ -76,13 +76,13 @@ def _request(kind: str, params: dict[str, Any], options: dict[str, Any], out_dir
 @dataclass
 class Stages:
     """The stage tasks of one flow run: each distinct request submitted once, each finished stage tracked
-    once (a row of ``summaries`` with how many members submitted it; a nested run for a Prefect cache hit)."""
+    once (a row of ``summaries`` with how many members submitted it)."""
 
     tracker: Tracker
     parent: StageRun
     cluster: str | None = None  # the Dask scheduler split stages run their pieces on
     summaries: list[dict] = field(default_factory=list)
-    _submitted: dict[str, tuple[PrefectFuture, str, str | None, str | None]] = field(default_factory=dict)
+    _submitted: dict[str, tuple[PrefectFuture, str, str | None]] = field(default_factory=dict)
     _uses: Counter[str] = field(default_factory=Counter)
     _outputs: dict[str, StageOutput] = field(default_factory=dict)
 
@@ -99,13 +99,13 @@ class Stages:
             named = TASKS[kind].with_options(task_run_name=task_run_name(kind, label))
             future = named.submit(params, options, out_dir, self.parent.run_id, label, encoder, register,
                                   stores() if self.cluster else None)
-            self._submitted[request] = future, kind, label, encoder
+            self._submitted[request] = future, kind, label
         return request
 
     def result(self, request: str) -> StageOutput:
         """The output of a submitted request, once its task has finished; tracked the first time."""
         if request not in self._outputs:
-            future, kind, label, encoder = self._submitted[request]
+            future, kind, label = self._submitted[request]
             try:
                 output = self._outputs[request] = future.result()
             except concurrent.futures.CancelledError:  # a task runner's lost future: its cluster went away
@@ -113,12 +113,9 @@ class Stages:
                 raise StageError(f"task {task} was lost with the cluster that ran it (its scheduler stopped or is "
                                  "unreachable)", "start the scheduler again (or leave out --cluster) and rerun: the "
                                  "stages completed and the pieces done are kept") from None
-            prefect_cached = from_prefect_cache(future.state)
-            if prefect_cached:  # the task did not run: its MLflow run is logged here
-                log_stage(self.tracker, self.parent, KINDS[kind], output.path, label, encoder)
             detail = ": ".join(filter(None, [label, produced(read_record(output.path))]))
             self.summaries.append({"stage": kind, "detail": detail, "key": output.key, "path": str(output.path),
-                                   "cached": prefect_cached or output.cached, "members": self._uses[request]})
+                                   "cached": output.cached, "members": self._uses[request]})
         return self._outputs[request]
 
     def log_figures(self, draw: Callable[[Path], list[Path]]) -> None:

@@ -153,26 +153,6 @@ def test_the_printed_runs_link_opens_a_saved_view_wide_enough_for_stage_names(tm
     assert width >= 7 * len("features xclr-wordnet seed=1 train") + 80  # ~7 px a character, and the row's icons
 
 
-def test_prefect_cache_key_names_the_output_directory(make_image_folder, write_spec, tmp_path, monkeypatch):
-    """One Prefect store shared by two REPSIM_HOMEs never serves one home's output to the other."""
-    from repsim.data import load_spec, shard
-    from repsim.data.sharding import SHARD
-    from repsim.tasks.stage_tasks import stage_cache_key
-
-    spec = write_spec({"name": "pets", "source": {"type": "image_folder", "root": str(make_image_folder({"cat": 2}))},
-                       "classes": {"cat": "cat.n.01"}, "split": {"type": "random", "fractions": {"train": 1.0}}})
-    key = stage_cache_key(SHARD)
-    request = {"params": {"spec": load_spec(spec)}}
-    keys = []
-    for home in ("a", "b"):
-        monkeypatch.setenv("REPSIM_HOME", str(tmp_path / home))
-        assert key(None, request) is None  # not built in this home yet
-        shard(spec, progress=False)
-        keys.append(key(None, request))
-    assert None not in keys and keys[0] != keys[1] and keys[0].split("-")[:2] == keys[1].split("-")[:2]
-
-
-
 OUTSIDE_METHOD = '''"""A method outside repsim: SimCLR under its own name and settings."""
 from typing import Literal
 

@@ -1,11 +1,12 @@
 """What the UIs show of a run: an MLflow experiment that opens on its runs, stage runs that span the
 stage's own time, trained encoders as registered MLflow models that `repsim eval` takes back, Prefect
-task runs that are *Cached* from the first rerun on with one summary line each in their logs, and
-retries for transient failures only."""
+task runs that are *Cached* from the first rerun on with one summary line each in their logs (and built
+again once the stage store lost their output), and retries for transient failures only."""
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import mlflow
@@ -202,3 +203,11 @@ def test_runs_models_and_cache_hits_are_what_the_uis_show(make_image_folder, wri
     assert evaluated.returncode == 0, evaluated.stderr
     knn = [line.split()[-1] for line in evaluated.stdout.splitlines() if "knn_top1_k3" in line]
     assert knn == [f"{first.data.metrics['supcon.knn_top1_k3']:.4g}"]  # the registered encoder is the trained one
+
+    shutil.rmtree(trained)  # the store is the one truth for "done": what Prefect remembers does not serve it
+    again = repsim(home, "run", experiment)
+    assert again.returncode == 0, again.stderr
+    third = flow_runs(home, "experiment")[-1][0].data.tags["prefect.flow_run_id"]
+    states = {task["name"]: task["state"] for task in prefect_task_runs(home) if task["flow_run"] == third}
+    assert states["train supcon"] == "Completed" and states["shard"] == "Cached", states
+    assert read_record(trained)["key"] == train.data.tags["repsim.stage_key"]
