@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 import yaml
 
-from repsim.data.sharding import ShardResult
+from repsim.data.stage import ShardResult
 from repsim.data.spec import load_spec
-from repsim.eval.evaluation import evaluate, read_results
+from repsim.eval.stage import evaluate, read_results
 from repsim.stage import repsim_home
 
 REPO = Path(__file__).resolve().parents[1]

@@ -66,7 +66,7 @@ class CallPath:
             self.files.append(name)
         if frame.f_code.co_name == "read_yaml_mapping" and name == "repsim/config_errors.py":
             self.reads[Path(frame.f_locals["path"]).name] += 1
-        if frame.f_code.co_name == "fit" and name == "repsim/methods/train.py":
+        if frame.f_code.co_name == "fit" and name == "repsim/methods/trainer.py":
             main = sys._current_frames()[threading.main_thread().ident]
             threads = [main] if main is frame else [main, frame]
             self.stack = [file for top in threads for file in _stack_files(top)]

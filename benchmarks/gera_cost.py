@@ -23,9 +23,9 @@ import torch
 from _report import markdown, write_report
 
 from repsim.align.config import AlignConfig
-from repsim.align.train import AlignmentMethod, PairedBatches
+from repsim.align.method import AlignmentMethod, PairedBatches
 from repsim.align.asif import relative_representation
-from repsim.methods.train import Trainer
+from repsim.methods.trainer import Trainer
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gera_cost.md"
 IMAGE_DIM, TEXT_DIM = 512, 384

@@ -29,11 +29,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from loader import artifact_home, throughput
 from repsim.data.loader import ShardLoader, make_loader
-from repsim.data.sharding import shard
+from repsim.data.stage import shard
 from repsim.methods.config import ModelConfig, OptimConfig
 from repsim.methods.contrastive import TwoViewMethod, backbone_and_projection
 from repsim.methods.simclr import SimCLR
-from repsim.methods.train import Batch, autocast, make_optimizer
+from repsim.methods.trainer import Batch, autocast, make_optimizer
 from repsim.methods.xclr import XCLR
 from repsim.similarity.targets import LabelSource
 

@@ -56,7 +56,7 @@ from repsim.data.loader import (
 )
 from repsim.data.manifest import MANIFEST
 from repsim.data.remote import upload
-from repsim.data.sharding import ShardResult, shard
+from repsim.data.stage import ShardResult, shard
 
 RESULTS = Path(__file__).parent / "results" / "loader.md"
 S3_RESULTS = Path(__file__).parent / "results" / "loader_s3.md"

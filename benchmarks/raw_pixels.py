@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from repsim.data import shard
-from repsim.eval.evaluation import KNN_K, evaluate, read_results
+from repsim.eval.stage import KNN_K, evaluate, read_results
 from _report import markdown, write_report
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -262,12 +262,12 @@ def detail(stage: str, records: list[dict]) -> str:
 def stage_calls(stage: str, folder: Path, train_steps: int, executor=None):
     """(build the stage's inputs, run the stage on them -> its outputs) for ``stage`` (its pieces on ``executor``)."""
     from repsim.align.config import load_align_config
-    from repsim.align.alignment import align
+    from repsim.align.stage import align
     from repsim.data import load_spec, shard
-    from repsim.eval.evaluation import evaluate_features, extract_features
+    from repsim.eval.stage import evaluate_features, extract_features
     from repsim.methods.config import load_config
-    from repsim.methods.training import train
-    from repsim.similarity.precompute import embed_captions_stage, neighbors_stage
+    from repsim.methods.stage import train
+    from repsim.similarity.stage import embed_captions_stage, neighbors_stage
 
     spec = folder / "spec.yaml"
     config = load_config("simclr", [f"data.spec={spec}", "model.backbone=vit_tiny", "model.depth=2",
@@ -377,11 +377,11 @@ def report(rows: list[dict], args: argparse.Namespace, minutes: float, codec: di
 
 def codec_seconds(sides: tuple[int, ...] = CODEC_SIDES, count: int = 40) -> dict[int, float]:
     """Seconds per image to decode a JPEG of each side and encode it again as the shard stage does
-    (:func:`repsim.data.sharding.encode_image`, JPEG quality 95): the part of sharding that grows with
+    (:func:`repsim.data.stage.encode_image`, JPEG quality 95): the part of sharding that grows with
     pixels, which 16 px images leave out. The images are smooth colour gradients with noise, like photos."""
     from PIL import Image
 
-    from repsim.data.sharding import encode_image
+    from repsim.data.stage import encode_image
 
     rng, seconds = np.random.default_rng(0), {}
     for side in sides:

@@ -6,7 +6,7 @@ run times, alternating between them round by round:
 - (a) **bare**: ``method.training_step`` + backward + AdamW step in a plain loop, on batches held
   in memory (no loader); inside it, the loss's forward + backward on that step's projections, for
   X-CLR and for NT-Xent, as a share of the whole step;
-- (b) **trainer**: :class:`~repsim.methods.train.Trainer` on the same in-memory batches (learning-rate
+- (b) **trainer**: :class:`~repsim.methods.trainer.Trainer` on the same in-memory batches (learning-rate
   schedule, scalars, the stage's ``metrics.jsonl`` logger, progress bar);
 - (c) **loader-fed**: the Trainer on the train stage's real shard loader, with the time spent
   waiting for each batch measured apart.
@@ -44,8 +44,8 @@ from repsim.experiment import load_experiment
 from repsim.losses import NTXentLoss, XCLRLoss
 from repsim.methods.config import Config, load_config
 from repsim.methods.base import Method, method_spec
-from repsim.methods.training import JsonlMetrics, prepare, train_loader
-from repsim.methods.train import Batch, Trainer, autocast, autocast_dtype, to_device
+from repsim.methods.stage import JsonlMetrics, prepare, train_loader
+from repsim.methods.trainer import Batch, Trainer, autocast, autocast_dtype, to_device
 
 REPO = Path(__file__).resolve().parents[1]
 EXPERIMENT = REPO / "experiments" / "default.yaml"

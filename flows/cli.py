@@ -71,7 +71,7 @@ PRECOMPUTE_STAGES = {  # subcommand: (captions, wordnet, neighbors), what it com
 
 def cmd_precompute(args: argparse.Namespace) -> None:
     from repsim.data import load_spec
-    from repsim.similarity.precompute import spec_classes
+    from repsim.similarity.stage import spec_classes
 
     (captions, wordnet, neighbors), _ = PRECOMPUTE_STAGES[args.stages]
     spec = load_spec(args.spec)  # validate before starting any orchestration
@@ -86,7 +86,7 @@ def cmd_precompute(args: argparse.Namespace) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> None:
     from repsim.data import load_spec
-    from repsim.eval.evaluation import (DEFAULT_SUITES, KNN_K, PIXELS, RESULTS_FILE, check_evaluation, encoder_source,
+    from repsim.eval.stage import (DEFAULT_SUITES, KNN_K, PIXELS, RESULTS_FILE, check_evaluation, encoder_source,
                                         read_results, result_rows)
 
     spec = load_spec(args.spec)  # validate before starting any orchestration
@@ -130,7 +130,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     # task launches torchrun) every rank trains directly.
     rank = int(os.environ.get("RANK", "0"))
     if args.direct or rank > 0:
-        from repsim.methods.training import train
+        from repsim.methods.stage import train
 
         train(config, progress=args.direct and rank == 0)
         return

@@ -31,11 +31,11 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from repsim import stopping
 from repsim.align.config import load_align_config
-from repsim.align.alignment import align_scores
+from repsim.align.stage import align_scores
 from repsim.data.manifest import MANIFEST, manifest_labels
 from repsim.data.spec import load_spec
 from repsim.errors import RepsimError, StageError
-from repsim.eval.evaluation import PIXELS, read_results
+from repsim.eval.stage import PIXELS, read_results
 from repsim.experiment import (AS_CONFIGURED, AlignSection, EvaluateSection, Experiment, Member, check_experiment,
                                with_overrides)
 from repsim.layering import read_once
@@ -43,7 +43,7 @@ from repsim.methods.config import load_config
 from repsim.methods.xclr import target_histogram
 from repsim.results import Row, Score, aggregate, as_records, headline_metrics, markdown
 from repsim.similarity.targets import ClassMatrixSource, EmbeddingSource, LabelSource, SimilaritySource
-from repsim.similarity.precompute import EMBEDDINGS_FILE, SIMILARITY_FILE
+from repsim.similarity.stage import EMBEDDINGS_FILE, SIMILARITY_FILE
 from repsim.stage import StageOutput, read_record, rebuilding, verifying
 from repsim.tasks.cluster import cluster_running, dask_logs_above, requested_cluster, stores
 from repsim.tasks.settings import api_for_workers, use_embedded_defaults

@@ -36,7 +36,7 @@ DEPLOYMENT_PATH_FIELDS = ("deployments.*.experiment",)  # relative to the deploy
 EXPERIMENT_FILE = SettingsFile("experiment", "experiments/default.yaml", "train.settings.optim.lr=0.01", PATH_FIELDS)
 DEPLOYMENTS_FILE = SettingsFile("deployments file", "experiments/deployments.yaml", paths=DEPLOYMENT_PATH_FIELDS)
 Settings = dict[str, Any]
-PIXELS = "pixels"  # the image side that is the raw pixels (repsim.eval.evaluation.PIXELS)
+PIXELS = "pixels"  # the image side that is the raw pixels (repsim.eval.stage.PIXELS)
 AS_CONFIGURED = "config"  # the image side that an alignment config names itself
 
 

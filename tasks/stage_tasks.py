@@ -17,12 +17,12 @@ from prefect.logging import get_run_logger
 from prefect.runtime import task_run
 from prefect.states import Completed, State
 
-from repsim.align.alignment import ALIGN
-from repsim.data.sharding import SHARD
+from repsim.align.stage import ALIGN
+from repsim.data.stage import SHARD
 from repsim.errors import RepsimError
-from repsim.eval.evaluation import EVALUATE, FEATURES
-from repsim.methods.training import TRAIN
-from repsim.similarity.precompute import CAPTIONS, NEIGHBORS, WORDNET
+from repsim.eval.stage import EVALUATE, FEATURES
+from repsim.methods.stage import TRAIN
+from repsim.similarity.stage import CAPTIONS, NEIGHBORS, WORDNET
 from repsim.stage import Stage, StageKind, StageOutput, is_current, read_record
 from repsim.tasks.cluster import check_stores, executor
 from repsim.tasks.settings import use_embedded_defaults

@@ -8,7 +8,7 @@ import numpy as np
 import yaml
 from PIL import Image
 
-from repsim.data.sharding import ShardResult, shard
+from repsim.data.stage import ShardResult, shard
 from repsim.data.sources import animal_mnist_root, load_numpy_pickle
 
 CLASSES = {"bear": "bear.n.01", "cat": "cat.n.01", "dog": "dog.n.01", "horse": "horse.n.01"}

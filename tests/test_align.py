@@ -16,12 +16,12 @@ import torch
 
 from repsim.align.config import AlignConfig, load_align_config
 from repsim.align.pairing import NEIGHBOUR_FILES, Pairing, draw_pairing, neighbor_lists
-from repsim.align.alignment import LOSS_PLOT_FILE, RESULTS_FILE, align, align_stage_of
+from repsim.align.stage import LOSS_PLOT_FILE, RESULTS_FILE, align, align_stage_of
 from repsim.align import tables as tables_module
 from repsim.align.tables import class_captions, embedding_tables, hold_out, load_tables
-from repsim.align.train import PairedBatches, load_alignment
+from repsim.align.method import PairedBatches, load_alignment
 from repsim.flows.cli import main
-from repsim.data.sharding import ShardResult
+from repsim.data.stage import ShardResult
 from repsim.data.spec import load_spec
 from repsim.errors import DataError, EvalError, SpecError
 

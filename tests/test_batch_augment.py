@@ -13,7 +13,7 @@ from torchvision.transforms.v2 import functional as TF
 from repsim.data.augment import make_views
 from repsim.data.batch_augment import ColorJitter, make_batch_views
 from repsim.data.loader import make_loader, stack_images
-from repsim.data.sharding import ShardResult, shard
+from repsim.data.stage import ShardResult, shard
 from repsim.errors import SpecError
 
 SAMPLES = 2000  # views per statistic

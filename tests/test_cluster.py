@@ -21,7 +21,7 @@ from PIL import Image
 
 from e2e import REPO, REPSIM, isolated_env, prefect_query, repsim, tiny_experiment
 from repsim.data import load_spec
-from repsim.data.sharding import shard_stage
+from repsim.data.stage import shard_stage
 from repsim.errors import SpecError
 from repsim.pieces import PIECE_FILE
 from repsim.tasks.cluster import requested_cluster

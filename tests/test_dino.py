@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from repsim.data.sharding import shard
+from repsim.data.stage import shard
 from repsim.data.masking import BlockMasking
 from repsim.losses.dino import DINOLoss, cross_view_cross_entropy
 from repsim.losses.ibot import IBOTPatchLoss
@@ -18,7 +18,7 @@ from repsim.losses.koleo import KoLeoLoss
 from repsim.methods.config import ModelConfig, load_config
 from repsim.methods.dino import Dino, Prototypes
 from repsim.methods.self_distillation import projection_head
-from repsim.methods.training import train
+from repsim.methods.stage import train
 from repsim.errors import SpecError
 from repsim.models import load_encoder, vit
 

@@ -18,7 +18,7 @@ from mlflow.exceptions import MlflowException
 
 from repsim.flows import cli
 from repsim.errors import DiskFull, mount_point
-from repsim.methods.train import previous_of, save_atomically
+from repsim.methods.trainer import previous_of, save_atomically
 from repsim.tasks.tracking import Tracker
 
 FULL_STORE = MlflowException("(raised as a result of Query-invoked autoflush)\n(sqlite3.OperationalError) database or "

@@ -19,9 +19,9 @@ from repsim.flows.cli import build_parser, main
 from repsim.data import make_loader, shard
 from repsim.errors import EvalError
 from repsim.eval import knn_accuracy, zero_shot_accuracy
-from repsim.eval import evaluation as evaluation_module
+from repsim.eval import stage as evaluation_module
 from repsim.plots import matrix_plot
-from repsim.eval.evaluation import (CONFUSION_FILE, FEATURES_FILE, HISTOGRAM_FILE, INDICES_FILE, LABELS_FILE,
+from repsim.eval.stage import (CONFUSION_FILE, FEATURES_FILE, HISTOGRAM_FILE, INDICES_FILE, LABELS_FILE,
                                     RESULTS_FILE, SUITES, TSNE_FILE, TextEncoder, evaluate, evaluate_features,
                                     extract_features, features_stage_of, load_features)
 from repsim.models import resnet, save_encoder

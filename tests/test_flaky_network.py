@@ -26,7 +26,7 @@ from repsim.flows.cli import main
 from repsim.data import remote
 from repsim.data.loader import make_loader
 from repsim.data.manifest import MANIFEST
-from repsim.data.sharding import ShardResult, shard, shard_stage
+from repsim.data.stage import ShardResult, shard, shard_stage
 from repsim.data.spec import load_spec
 from repsim.errors import DataError
 from repsim.stage import STAGE_FILE, artifacts_root

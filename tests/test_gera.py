@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from repsim.align.train import sample_neighbors
+from repsim.align.method import sample_neighbors
 from repsim.losses import ClipLoss, GeometricLoss, GeRALoss
 from repsim.losses.gera import KERNEL_FLOOR, neighborhood_kernel
 from repsim.models import AlignmentNetwork

@@ -15,7 +15,7 @@ from PIL import Image
 
 from repsim.data.augment import make_views
 from repsim.data.loader import make_loader, read_samples
-from repsim.data.sharding import ShardResult, shard
+from repsim.data.stage import ShardResult, shard
 from repsim.errors import DataError
 
 CLASSES = {"cat": "cat.n.01", "dog": "dog.n.01"}

@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 import yaml
 
 from repsim.data.loader import make_loader
-from repsim.data.sharding import ShardResult
+from repsim.data.stage import ShardResult
 from repsim.data.spec import load_spec
 from repsim.errors import SpecError
 from repsim.losses import NTXentLoss, XCLRLoss
@@ -31,13 +31,13 @@ from repsim.methods import config as method_config
 from repsim.methods.config import Config, load_config
 from repsim.methods.xclr import LabelsSimilarity
 from repsim.methods.base import Method, TrainingData, Upstream, method_spec, register
-from repsim.methods.training import file_digest, prepare, train, train_stage_of, training_data
-from repsim.methods.train import init_distributed
+from repsim.methods.stage import file_digest, prepare, train, train_stage_of, training_data
+from repsim.methods.trainer import init_distributed
 from repsim.methods.xclr import similarity_source, upstream
 from repsim.models import MaskableViT, backbone, load_encoder, save_encoder
 from repsim.models.backbones import read_encoder
 from repsim.stage import repsim_home
-from repsim.similarity.precompute import EMBEDDINGS_FILE
+from repsim.similarity.stage import EMBEDDINGS_FILE
 
 REPO = Path(__file__).resolve().parents[1]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

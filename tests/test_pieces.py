@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from repsim.data import load_spec, shard
-from repsim.data import sharding as shard_module
-from repsim.data.sharding import shard_stage
+from repsim.data import stage as shard_module
+from repsim.data.stage import shard_stage
 from repsim.errors import StageError
-from repsim.eval import evaluation as evaluation_module
-from repsim.eval.evaluation import evaluate_features, extract_features, read_results
+from repsim.eval import stage as evaluation_module
+from repsim.eval.stage import evaluate_features, extract_features, read_results
 from repsim.eval.knn import knn_metrics, knn_rankings
 from repsim.models import resnet, save_encoder
 from repsim.pieces import PIECE_FILE, Piece, run_pieces

@@ -17,9 +17,10 @@ from e2e import built_then_cached, logged_files, repsim
 from repsim.flows.cli import build_parser, main
 from repsim.data import DataSpec, shard
 from repsim.errors import SimilarityError
-from repsim.similarity import EmbeddingSource, class_similarity, embed_captions, load_neighbors, precompute
+from repsim.similarity import EmbeddingSource, class_similarity, embed_captions, load_neighbors
+from repsim.similarity import stage as precompute
 from repsim.similarity.neighbors import METRICS, STAGE_INDEXES, auto_index
-from repsim.similarity.precompute import (CLASSES_FILE, EMBEDDINGS_FILE, HEAT_MAP_FILE, KEYS_FILE, SIMILARITY_FILE,
+from repsim.similarity.stage import (CLASSES_FILE, EMBEDDINGS_FILE, HEAT_MAP_FILE, KEYS_FILE, SIMILARITY_FILE,
                                           embed_captions_stage, embed_captions_stage_of, neighbors_stage,
                                           neighbors_stage_of, wordnet_similarity_stage, wordnet_similarity_stage_of)
 from repsim.similarity.wordnet import MEASURES, prepare_wordnet

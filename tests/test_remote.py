@@ -28,12 +28,12 @@ from repsim.data import loader as loader_module
 from repsim.data.loader import make_loader
 from repsim.data.manifest import MANIFEST
 from repsim.data.remote import s3_etag, upload
-from repsim.data.sharding import ERRORS, INDEX, ShardResult, shard, shard_stage
+from repsim.data.stage import ERRORS, INDEX, ShardResult, shard, shard_stage
 from repsim.data.spec import load_spec
 from repsim.errors import DataError, RepsimError
-from repsim.eval.evaluation import evaluate
+from repsim.eval.stage import evaluate
 from repsim.methods.config import Config
-from repsim.methods.training import train, train_stage_of
+from repsim.methods.stage import train, train_stage_of
 from repsim.models import load_encoder
 from repsim.stage import artifacts_root
 

@@ -25,7 +25,7 @@ from PIL import Image
 
 from bounded import peak_traced
 from repsim.data import ShardResult, load_spec, shard
-from repsim.data import sharding as shard_module
+from repsim.data import stage as shard_module
 from repsim.data.sources import open_source
 from repsim.errors import DataError, StageError
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from repsim.data.loader import make_loader
 from repsim.data.masking import BlockMasking
-from repsim.data.sharding import ShardResult, shard
+from repsim.data.stage import ShardResult, shard
 from repsim.errors import SpecError
 from repsim.losses import KoLeoLoss
 from repsim.losses.sop import (MaskedSOPLoss, SOPLoss, SOPs, build_sops, cross_entropy, mean_assignment_entropy,
@@ -22,8 +22,8 @@ from repsim.losses.sop import (MaskedSOPLoss, SOPLoss, SOPs, build_sops, cross_e
 from repsim.methods.config import Config, ModelConfig, OptimConfig, load_config
 from repsim.methods.self_distillation import Memory, projection_head, teacher_momentum
 from repsim.methods.sop import SOP, SOPBank
-from repsim.methods.training import train
-from repsim.methods.train import Trainer, seed_everything
+from repsim.methods.stage import train
+from repsim.methods.trainer import Trainer, seed_everything
 from repsim.models import load_encoder, resnet, vit
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,12 +15,12 @@ import pytest
 
 from repsim.data import shard
 from repsim.pieces import PIECE_FILE
-from repsim.similarity import precompute
+from repsim.similarity import stage as precompute
 from repsim.similarity import neighbors as neighbors_module
 from repsim.similarity.captions import embed_captions
 from repsim.similarity.neighbors import (INDEX_FILE, knn, load_neighbors, open_lists, require_faiss, search_queries,
                                          searcher)
-from repsim.similarity.precompute import (EMBEDDINGS_FILE, embed_captions_stage, embed_captions_stage_of, neighbors_stage,
+from repsim.similarity.stage import (EMBEDDINGS_FILE, embed_captions_stage, embed_captions_stage_of, neighbors_stage,
                                           neighbors_stage_of)
 
 CLASSES = {"cat": "cat.n.01", "dog": "dog.n.01", "bear": "bear.n.01"}

@@ -17,10 +17,10 @@ from torch import nn
 
 from repsim import stopping
 from repsim.data.loader import make_loader
-from repsim.data.sharding import ShardResult, shard
+from repsim.data.stage import ShardResult, shard
 from repsim.methods.config import OptimConfig
 from repsim.methods.simclr import SimCLR
-from repsim.methods.train import (LARS, KnnMonitor, Trainer, TrainingError, autocast_dtype, embed_batches,
+from repsim.methods.trainer import (LARS, KnnMonitor, Trainer, TrainingError, autocast_dtype, embed_batches,
                                   parameter_groups, previous_of, seed_everything, warmup_cosine)
 from repsim.models import ProjectionMLP
 
@@ -234,7 +234,7 @@ def _ddp_rank(rank: int, world: int, port: int, shards_path: str, out: str) -> N
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    from repsim.methods.train import init_distributed
+    from repsim.methods.trainer import init_distributed
 
     assert init_distributed("gloo") == (rank, world)
     try:
@@ -294,7 +294,7 @@ def test_an_unreadable_checkpoint_is_set_aside_and_training_resumes_from_the_one
     assert torch.load(previous_of(checkpoint), weights_only=True)["step"] == 4
     data = checkpoint.read_bytes()
     checkpoint.write_bytes({"truncated": data[:len(data) // 2], "empty": b"", "not a torch file": b"text"}[damage])
-    with caplog.at_level(logging.WARNING, logger="repsim.methods.train"):
+    with caplog.at_level(logging.WARNING, logger="repsim.methods.trainer"):
         resumed, _, recovered = run(tiny_shards, checkpoint)
     assert crashed[:4] + resumed == full  # from step 4, to the same losses and weights as without the cut
     for (name, a), (_, b) in zip(finished.state_dict().items(), recovered.state_dict().items()):
@@ -310,7 +310,7 @@ def test_without_a_readable_checkpoint_training_starts_over(tiny_shards, tmp_pat
     full, _, finished = run(tiny_shards, tmp_path / "full.pt")
     checkpoint = tmp_path / "cut.pt"
     checkpoint.write_bytes(b"")
-    with caplog.at_level(logging.WARNING, logger="repsim.methods.train"):
+    with caplog.at_level(logging.WARNING, logger="repsim.methods.trainer"):
         again, _, recovered = run(tiny_shards, checkpoint)
     assert again == full
     assert caplog.records[0].getMessage().endswith("training resumes from the start")

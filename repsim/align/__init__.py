@@ -1,2 +1,2 @@
 """Aligning frozen image and text embedding spaces: GeRA, contrastive alignment alone, and ASIF; the
-align stage is :mod:`repsim.align.alignment`."""
+align stage is :mod:`repsim.align.stage`."""

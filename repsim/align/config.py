@@ -85,7 +85,7 @@ class NeighborConfig(Strict):
 
 class GeometryConfig(Strict):
     """The geometric regulariser (:mod:`repsim.losses.gera`): weight ``alpha``, ``samples`` (n) neighbors
-    drawn per paired point and step by ``strategy`` (:func:`repsim.align.train.sample_neighbors`), and
+    drawn per paired point and step by ``strategy`` (:func:`repsim.align.method.sample_neighbors`), and
     the ``kernel`` with its ``sigma`` or ``knn_k`` (binary kNN passes no gradient, so needs alpha 0)."""
 
     alpha: float = Field(1000.0, ge=0)

@@ -17,13 +17,13 @@ import pyarrow.parquet as pq
 import torch
 
 from repsim.align.config import AlignText, ImageSource, TableImages
-from repsim.data.sharding import ShardResult
+from repsim.data.stage import ShardResult
 from repsim.data.spec import DataSpec
 from repsim.errors import DataError, EvalError, SpecError
-from repsim.eval.evaluation import CLASSES_FILE, extract_features, features_stage_of, load_features, split_rows
-from repsim.methods.training import file_digest
+from repsim.eval.stage import CLASSES_FILE, extract_features, features_stage_of, load_features, split_rows
+from repsim.methods.stage import file_digest
 from repsim.similarity.captions import embed_captions, load_text_model
-from repsim.similarity.precompute import text_model_identity
+from repsim.similarity.stage import text_model_identity
 from repsim.similarity.wordnet import lookup
 from repsim.stage import Stage, StageOutput, completed_output, run_stage
 

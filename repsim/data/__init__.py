@@ -7,7 +7,7 @@ from repsim._lazy import lazy_exports
 
 _EXPORTS = {
     "DataSpec": "spec", "load_spec": "spec",
-    "ShardResult": "sharding", "shard": "sharding", "shard_stage": "sharding",
+    "ShardResult": "stage", "shard": "stage", "shard_stage": "stage",
     "PRESETS": "augment", "Views": "augment", "make_views": "augment",
     "BatchViews": "batch_augment", "make_batch_views": "batch_augment",
     "ShardLoader": "loader", "make_loader": "loader",

@@ -41,7 +41,7 @@ from repsim.data.augment import Views, make_views
 from repsim.data.batch_augment import BatchViews, forked_rng, make_batch_views
 from repsim.data.remote import beside, exists, is_url, open_stream, reaching
 from repsim.data.manifest import MANIFEST, shard_sizes
-from repsim.data.sharding import INDEX, ShardResult
+from repsim.data.stage import INDEX, ShardResult
 from repsim.device import rank_and_world, torch_threads
 from repsim.errors import DataError, RepsimError, SpecError
 

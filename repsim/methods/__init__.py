@@ -1,5 +1,5 @@
 """Training methods, one per module (:func:`~repsim.methods.base.register`), on the shared
-:class:`~repsim.methods.train.Trainer`; the train stage is :func:`repsim.methods.training.train`.
+:class:`~repsim.methods.trainer.Trainer`; the train stage is :func:`repsim.methods.stage.train`.
 
 Methods are found by name when a config is validated (:func:`repsim.methods.config.import_method`);
 importing the package imports none of them, and its exports resolve on first use.
@@ -9,8 +9,8 @@ from repsim._lazy import lazy_exports
 
 _EXPORTS = {
     "Config": "config", "load_config": "config",
-    "Method": "base", "Trainer": "train", "KnnMonitor": "train", "LARS": "train", "init_distributed": "train",
-    "train_stage_of": "training", "load_encoder": "training",
+    "Method": "base", "Trainer": "trainer", "KnnMonitor": "trainer", "LARS": "trainer", "init_distributed": "trainer",
+    "train_stage_of": "stage", "load_encoder": "stage",
     "MethodSpec": "base", "register": "base", "method_spec": "base", "TrainingData": "base", "Upstream": "base",
 }
 __all__ = sorted(_EXPORTS)

@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from torch import nn
 
 from repsim.data.loader import Batch
-from repsim.data.sharding import ShardResult
+from repsim.data.stage import ShardResult
 from repsim.data.spec import DataSpec
 from repsim.errors import SpecError
 from repsim.methods.config import Config, accept_method, accepted_methods, import_method

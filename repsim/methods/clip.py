@@ -19,9 +19,9 @@ from repsim.layering import Strict
 from repsim.methods.config import Config
 from repsim.methods.contrastive import backbone_and_projection
 from repsim.methods.base import Method, TrainingData, Upstream, register
-from repsim.methods.train import Batch
+from repsim.methods.trainer import Batch
 from repsim.models import ProjectionMLP
-from repsim.similarity.precompute import EMBEDDINGS_FILE, embed_captions_stage, embed_captions_stage_of
+from repsim.similarity.stage import EMBEDDINGS_FILE, embed_captions_stage, embed_captions_stage_of
 
 
 class ClipConfig(Strict):

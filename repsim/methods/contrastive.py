@@ -8,7 +8,7 @@ from torch import nn
 from repsim.errors import SpecError
 from repsim.methods.config import ModelConfig
 from repsim.methods.base import Method
-from repsim.methods.train import Batch
+from repsim.methods.trainer import Batch
 from repsim.models import ProjectionMLP, backbone
 
 

@@ -21,7 +21,7 @@ from repsim.methods.config import Config
 from repsim.methods.base import TrainingData, register
 from repsim.methods.self_distillation import (Memory, SelfDistillation, SelfDistillationSettings, projection_head,
                                              token_backbone)
-from repsim.methods.train import Batch
+from repsim.methods.trainer import Batch
 
 DIAGNOSTIC_MEMORY = 4096
 

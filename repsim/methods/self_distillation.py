@@ -24,7 +24,7 @@ from repsim.losses.sop import mean_assignment_entropy, mean_sample_entropy
 from repsim.layering import Strict
 from repsim.methods.config import Config, ModelConfig
 from repsim.methods.base import Method, TrainingData
-from repsim.methods.train import Batch
+from repsim.methods.trainer import Batch
 from repsim.models import VITS, MaskableViT, backbone
 
 

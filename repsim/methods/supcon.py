@@ -13,7 +13,7 @@ from repsim.layering import Strict
 from repsim.methods.config import Config
 from repsim.methods.contrastive import TwoViewMethod, backbone_and_projection, require_labels
 from repsim.methods.base import TrainingData, register
-from repsim.methods.train import Batch
+from repsim.methods.trainer import Batch
 
 
 class SupConConfig(Strict):

@@ -24,12 +24,12 @@ from repsim.layering import Strict
 from repsim.methods.config import Config
 from repsim.methods.contrastive import TwoViewMethod, backbone_and_projection, require_labels
 from repsim.methods.base import TrainingData, Upstream, register
-from repsim.methods.training import file_digest
-from repsim.methods.train import Batch
+from repsim.methods.stage import file_digest
+from repsim.methods.trainer import Batch
 from repsim.plots import histogram_plot
 from repsim.similarity.targets import (ClassMatrixSource, EmbeddingSource, GraphSource, IdentitySource,
                                        LabelSource, SimilaritySource, load_class_matrix)
-from repsim.similarity.precompute import (EMBEDDINGS_FILE, SIMILARITY_FILE, embed_captions_stage,
+from repsim.similarity.stage import (EMBEDDINGS_FILE, SIMILARITY_FILE, embed_captions_stage,
                                           embed_captions_stage_of, wordnet_similarity_stage, wordnet_similarity_stage_of)
 
 RESIDENT_EMBEDDING_BYTES = 1 << 30  # caption tables up to 1 GiB are copied to the device once

@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from repsim.data.manifest import read_manifest
-from repsim.data.sharding import ShardResult
+from repsim.data.stage import ShardResult
 from repsim.data.spec import DataSpec, load_spec
 from repsim.errors import SimilarityError
 from repsim.pieces import Piece, run_pieces

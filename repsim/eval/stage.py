@@ -26,7 +26,7 @@ import torch
 
 from repsim.data.loader import make_loader
 from repsim.data.manifest import read_manifest
-from repsim.data.sharding import ShardResult
+from repsim.data.stage import ShardResult
 from repsim.errors import EvalError, StageError, first_line
 from repsim._checks import ArrayLike, as_ks, resolve_device
 from repsim.eval.diagnostics import embedding_diagnostics
@@ -37,7 +37,7 @@ from repsim.eval.zeroshot import zero_shot_accuracy, zero_shot_classifier
 from repsim.models.backbones import ENCODER_FILE, UNREADABLE_FIX, encoder_file, load_encoder
 from repsim.pieces import Piece, run_pieces
 from repsim.similarity.neighbors import QUERY_CHUNK
-from repsim.similarity.precompute import CLASSES_FILE, EMBEDDINGS_FILE
+from repsim.similarity.stage import CLASSES_FILE, EMBEDDINGS_FILE
 from repsim.stage import (Stage, StageKind, StageLike, StageOutput, completed_output, fingerprint_files, output_dir, read_record,
                           repsim_home, run_stage)
 

@@ -1,4 +1,4 @@
-"""Training the alignment networks with the shared :class:`~repsim.methods.train.Trainer`, which
+"""Training the alignment networks with the shared :class:`~repsim.methods.trainer.Trainer`, which
 :class:`PairedBatches` feeds: per modality, B paired points each followed by n neighbors sampled
 afresh every step from its L nearest unpaired points, ``x`` (B, n + 1, D_a) and ``y`` (B, n + 1, D_b).
 """

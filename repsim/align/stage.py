@@ -1,6 +1,6 @@
 """The align stage: GeRA (or contrastive alignment alone, alpha = 0) between frozen image and text
 embeddings of the cached embedding tables, with ASIF as the training-free baseline. It writes the
-pairing and neighbors, ``alignment.pt`` (:func:`repsim.align.train.load_alignment`), ``metrics.jsonl``,
+pairing and neighbors, ``alignment.pt`` (:func:`repsim.align.method.load_alignment`), ``metrics.jsonl``,
 ``loss.png`` and ``results.json`` on the test split (or the ``data.holdout`` part of the train split),
 and resumes an interrupted run from ``$REPSIM_HOME/scratch/align/<key>/``.
 """
@@ -20,13 +20,13 @@ from repsim.align.config import AlignConfig
 from repsim.align.evaluate import Map, network_map, score_space
 from repsim.align.pairing import NEIGHBOUR_FILES, draw_pairing, neighbor_lists
 from repsim.align.tables import EmbeddingTables, embedding_tables, embedding_tables_stage_of, hold_out, load_tables
-from repsim.align.train import ALIGNMENT_FILE, AlignmentMethod, PairedBatches, save_alignment
+from repsim.align.method import ALIGNMENT_FILE, AlignmentMethod, PairedBatches, save_alignment
 from repsim.align.asif import ASIF
-from repsim.data.sharding import ShardResult, sharded, sharded_already
+from repsim.data.stage import ShardResult, sharded, sharded_already
 from repsim.data.spec import DataSpec, load_spec
 from repsim.device import resolve_device
-from repsim.methods.training import CHECKPOINT_FILE, METRICS_FILE, JsonlMetrics, _tee, summarise
-from repsim.methods.train import LogFn, Trainer, seed_everything
+from repsim.methods.stage import CHECKPOINT_FILE, METRICS_FILE, JsonlMetrics, _tee, summarise
+from repsim.methods.trainer import LogFn, Trainer, seed_everything
 from repsim.stage import Stage, StageKind, StageOutput, repsim_home, run_stage
 
 VERSION = "1"

@@ -24,13 +24,13 @@ import torch
 import torch.distributed as dist
 
 from repsim.data.loader import ShardLoader, make_loader, peek_image
-from repsim.data.sharding import ShardResult, sharded, sharded_already
+from repsim.data.stage import ShardResult, sharded, sharded_already
 from repsim.data.spec import DataSpec, load_spec
 from repsim.device import TorchrunLaunch, cpu_plan, distributed, gpu_slot, resolve_device, torch_threads
 from repsim.errors import SpecError
 from repsim.methods.config import Config
 from repsim.methods.base import Method, TrainingData, Upstream, method_spec
-from repsim.methods.train import (KnnMonitor, LogFn, Trainer, TrainingError, init_distributed, is_main_process,
+from repsim.methods.trainer import (KnnMonitor, LogFn, Trainer, TrainingError, init_distributed, is_main_process,
                                   seed_everything)
 from repsim.models.backbones import ENCODER_FILE, encoder_file, load_encoder, save_encoder
 from repsim.stage import Stage, StageKind, StageOutput, read_record, repsim_home, run_stage, sha256_file
