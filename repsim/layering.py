@@ -33,6 +33,21 @@ class Strict(BaseModel):
 
 
 M = TypeVar("M", bound=BaseModel)
+NOT_KEYED = {"key": False}  # a field's json_schema_extra: kept out of stage keys (e.g. threads, or a path whose
+KEYED_WHEN_SET = {"key": "when set"}  # contents the key holds otherwise); kept out while None (a machine's choice)
+
+
+def keyed_values(config: BaseModel) -> dict[str, Any]:
+    """``config`` as JSON values without the fields marked :data:`NOT_KEYED` (and :data:`KEYED_WHEN_SET` ones
+    while None), at any depth: what a stage key holds of it."""
+    values = config.model_dump(mode="json")
+    for name, field in type(config).model_fields.items():
+        mark, value = (field.json_schema_extra or {}).get("key"), getattr(config, name)
+        if mark is False or (mark == KEYED_WHEN_SET["key"] and value is None):
+            del values[name]
+        elif isinstance(value, BaseModel):
+            values[name] = keyed_values(value)
+    return values
 
 
 @dataclass(frozen=True)

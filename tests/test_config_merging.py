@@ -179,3 +179,23 @@ def test_inside_read_once_a_file_is_read_once_until_it_changes(tmp_path, monkeyp
     load_config(config)
     load_config(config)
     assert len(reads) == 4  # outside the block every call reads the file
+
+
+def test_keyed_values_leave_out_the_fields_marked_at_any_depth_and_when_set_ones_only_while_none():
+    from pydantic import BaseModel, Field
+
+    from repsim.layering import KEYED_WHEN_SET, NOT_KEYED, keyed_values
+
+    class Inner(BaseModel):
+        kept: int = 1
+        path: str = Field("a.csv", json_schema_extra=NOT_KEYED)
+
+    class Outer(BaseModel):
+        inner: Inner = Inner()
+        threads: int = Field(4, json_schema_extra=NOT_KEYED)
+        workers: int | None = Field(None, json_schema_extra=KEYED_WHEN_SET)
+        lr: float = 0.1
+
+    assert keyed_values(Outer()) == {"inner": {"kept": 1}, "lr": 0.1}
+    assert keyed_values(Outer(workers=2, threads=1, inner=Inner(path="b.csv"))) == {
+        "inner": {"kept": 1}, "workers": 2, "lr": 0.1}

@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 
 from repsim.align.asif import BACKENDS
 from repsim.losses.gera import KERNELS
-from repsim.layering import Strict
+from repsim.layering import NOT_KEYED, Strict
 from repsim.methods.config import OptimConfig, load_config
 from repsim.similarity.neighbors import INDEX_KINDS
 
@@ -20,9 +20,9 @@ class AlignData(Strict):
     """The data spec, the split pairs are drawn from and the split scored; ``holdout`` > 0 scores that
     seeded fraction of ``train_split`` instead of ``test_split`` (a validation split, whatever the pairing seed)."""
 
-    spec: Path
-    train_split: str = "train"
-    test_split: str = "test"
+    spec: Path = Field(json_schema_extra=NOT_KEYED)  # the splits' embedding tables are the stage's inputs
+    train_split: str = Field("train", json_schema_extra=NOT_KEYED)
+    test_split: str = Field("test", json_schema_extra=NOT_KEYED)
     holdout: float = Field(0.0, ge=0, lt=1)
 
 
@@ -136,18 +136,25 @@ class AlignEval(Strict):
     retrieval_k: tuple[int, ...] = (1, 5, 10)
 
 
+class AlignOptim(OptimConfig):
+    """Optimisation of the alignment networks, whose batches come from embedding tables in memory: no loader
+    worker changes them, so their number is kept out of the stage key whether set or not."""
+
+    num_workers: int | None = Field(None, ge=0, json_schema_extra=NOT_KEYED, description="unused by the alignment")
+
+
 class AlignConfig(Strict):
     """One alignment experiment: GeRA (alpha > 0) or contrastive alignment alone (alpha = 0)."""
 
     data: AlignData
-    image: ImageSource
-    text: AlignText = AlignText()
+    image: ImageSource = Field(json_schema_extra=NOT_KEYED)  # both sides: keyed through the tables
+    text: AlignText = Field(AlignText(), json_schema_extra=NOT_KEYED)
     pairing: PairingConfig = PairingConfig()
     neighbors: NeighborConfig = NeighborConfig()
     geometry: GeometryConfig = GeometryConfig()
     model: AlignModel = AlignModel()
     loss: AlignLoss = AlignLoss()
-    optim: OptimConfig = OptimConfig(epochs=100, batch_size=256, warmup_epochs=5)
+    optim: AlignOptim = AlignOptim(epochs=100, batch_size=256, warmup_epochs=5)
     asif: ASIFConfig = ASIFConfig()
     evaluation: AlignEval = AlignEval()
 

@@ -27,13 +27,12 @@ from repsim.data.spec import DataSpec, load_spec
 from repsim.device import resolve_device
 from repsim.methods.stage import CHECKPOINT_FILE, METRICS_FILE, JsonlMetrics, _tee, summarise
 from repsim.methods.trainer import LogFn, Trainer, seed_everything
+from repsim.layering import keyed_values
 from repsim.stage import Stage, StageKind, StageOutput, repsim_home, run_stage
 
 VERSION = "1"
 RESULTS_FILE = "results.json"
 LOSS_PLOT_FILE = "loss.png"
-KEY_NEUTRAL = {"data": {"spec", "train_split", "test_split"}, "image": True, "text": True,
-               "optim": {"num_workers", "checkpoint_every"}}
 CURVES = ("loss", "contrastive", "geo_a", "geo_b")
 
 __all__ = ["align", "align_scores", "align_stage_of"]
@@ -51,7 +50,7 @@ def align_stage_of(config: AlignConfig, shards: ShardResult | str | Path | None 
 
 
 def _stage(config: AlignConfig, train_key: str, test_key: str) -> Stage:
-    return Stage("align", VERSION, config.model_dump(mode="json", exclude=KEY_NEUTRAL),
+    return Stage("align", VERSION, keyed_values(config),
                  {"train_tables": train_key, "test_tables": test_key})
 
 

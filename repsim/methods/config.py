@@ -16,7 +16,7 @@ from pydantic_core import core_schema
 
 from repsim.data.augment import PRESETS, preset_options
 from repsim.errors import SpecError, first_line
-from repsim.layering import SettingsFile, Strict, load_model
+from repsim.layering import KEYED_WHEN_SET, NOT_KEYED, SettingsFile, Strict, load_model
 from repsim.models.backbones import RESNETS
 from repsim.models.vit import VITS
 from repsim.shipped import packaged
@@ -31,7 +31,7 @@ _settings: dict[str, type[BaseModel]] = {}  # method name -> the settings model 
 class DataConfig(Strict):
     """What to train on: a data spec, its training split and the augmentation preset."""
 
-    spec: Path = Field(default_factory=lambda: packaged("data spec", DEFAULT_SPEC),
+    spec: Path = Field(default_factory=lambda: packaged("data spec", DEFAULT_SPEC), json_schema_extra=NOT_KEYED,
                        description="data spec YAML; default: the shipped animal-mnist (28×28 silhouettes, 10 classes)")
     split: str = "train"
     preset: Literal[tuple(PRESETS)] = "simclr"
@@ -60,7 +60,8 @@ class ModelConfig(Strict):
     projection_hidden_dim: int = Field(512, gt=0)
     projection_dim: int = Field(128, gt=0)
     projection_layers: int = Field(2, ge=1)
-    init_encoder: Path | None = Field(None, description="a saved encoder (a train stage's encoder.pt or its "
+    init_encoder: Path | None = Field(None, json_schema_extra=NOT_KEYED,  # its weights' digest is an input
+                                      description="a saved encoder (a train stage's encoder.pt or its "
                                       "directory) whose weights start the backbone; None: random weights")
 
 
@@ -82,10 +83,14 @@ class OptimConfig(Strict):
     channels_last: bool = False
     compile: bool = False
     seed: int = 0
-    num_workers: int | None = Field(None, ge=0, description="DataLoader workers; default: repsim.device.cpu_plan")
-    threads: int | None = Field(None, gt=0, description="torch intra-op threads; default: the cores the workers leave")
-    checkpoint_every: int = Field(50, ge=0, description="steps between checkpoints; 0: only at the end")
-    keep_checkpoint: bool = Field(False, description="keep the final checkpoint (optimizer, queues, step) in the "
+    num_workers: int | None = Field(None, ge=0, json_schema_extra=KEYED_WHEN_SET,  # a shuffle stream per worker
+                                    description="DataLoader workers; default: repsim.device.cpu_plan")
+    threads: int | None = Field(None, gt=0, json_schema_extra=NOT_KEYED,
+                                description="torch intra-op threads; default: the cores the workers leave")
+    checkpoint_every: int = Field(50, ge=0, json_schema_extra=NOT_KEYED,
+                                  description="steps between checkpoints; 0: only at the end")
+    keep_checkpoint: bool = Field(False, json_schema_extra=NOT_KEYED,
+                                  description="keep the final checkpoint (optimizer, queues, step) in the "
                                   "stage output; by default it is removed once the stage completes")
 
 
@@ -95,7 +100,7 @@ class MonitorConfig(Strict):
     knn: bool = True
     k: int = Field(20, gt=0)
     test_split: str = "test"
-    batch_size: int = Field(512, gt=0)
+    batch_size: int = Field(512, gt=0, json_schema_extra=NOT_KEYED)
 
 
 def _validate_method(value: Any) -> BaseModel:

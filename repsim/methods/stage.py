@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,14 +32,12 @@ from repsim.methods.base import Method, TrainingData, Upstream, method_spec
 from repsim.methods.trainer import (KnnMonitor, LogFn, Trainer, TrainingError, init_distributed, is_main_process,
                                   seed_everything)
 from repsim.models.backbones import ENCODER_FILE, encoder_file, load_encoder, save_encoder
+from repsim.layering import keyed_values
 from repsim.stage import Stage, StageKind, StageOutput, read_record, repsim_home, run_stage, sha256_file
 
 VERSION = "2"  # 2: the loader reads every sample once an epoch with several workers or ranks
 CHECKPOINT_FILE = "checkpoint.pt"
 METRICS_FILE = "metrics.jsonl"
-KEY_NEUTRAL = (("optim", "threads"), ("optim", "checkpoint_every"), ("optim", "keep_checkpoint"), ("monitor", "batch_size"),
-               ("data", "spec"), ("method", "similarity", "path"), ("model", "init_encoder"))  # paths: their contents are keyed
-MACHINE_CHOSEN = ("optim", "num_workers")  # changes the batches (a shuffle stream per worker): keyed when set only
 
 __all__ = ["file_digest", "load_encoder", "prepare", "train", "train_loader", "train_stage_of"]
 
@@ -66,20 +63,7 @@ def _stage(config: Config, shards: ShardResult, upstream: Upstream | None) -> St
     inputs = {"shards": shards.key} | ({"upstream": upstream.key} if upstream is not None else {})
     if config.model.init_encoder is not None:
         inputs["init_encoder"] = file_digest(encoder_file(config.model.init_encoder), "model.init_encoder")
-    neutral = KEY_NEUTRAL + ((MACHINE_CHOSEN,) if config.optim.num_workers is None else ())  # its count: in the metrics
-    return Stage("train", VERSION, _without(config.model_dump(mode="json"), neutral), inputs)
-
-
-def _without(values: dict[str, Any], fields: tuple[tuple[str, ...], ...]) -> dict[str, Any]:
-    """A copy of nested ``values`` without the dotted ``fields`` (those absent are ignored)."""
-    values = json.loads(json.dumps(values))
-    for path in fields:
-        parent = values
-        for key in path[:-1]:
-            parent = parent.get(key) if isinstance(parent, dict) else None
-        if isinstance(parent, dict):
-            parent.pop(path[-1], None)
-    return values
+    return Stage("train", VERSION, keyed_values(config), inputs)
 
 
 def training_data(config: Config, spec: DataSpec, shards: ShardResult) -> TrainingData:

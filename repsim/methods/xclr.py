@@ -20,7 +20,7 @@ from repsim.losses import XCLRLoss
 from repsim.errors import SimilarityError
 from repsim.losses._pairs import gather_no_grad
 from repsim.losses.xclr import target_mass
-from repsim.layering import Strict
+from repsim.layering import NOT_KEYED, Strict
 from repsim.methods.config import Config
 from repsim.methods.contrastive import TwoViewMethod, backbone_and_projection, require_labels
 from repsim.methods.base import TrainingData, Upstream, register
@@ -69,14 +69,14 @@ class MatrixSimilarity(Strict):
     """A user's (C, C) class similarity, CSV or Parquet (see ``load_class_matrix``)."""
 
     type: Literal["matrix"]
-    path: Path
+    path: Path = Field(json_schema_extra=NOT_KEYED)  # its contents' digest is the stage's upstream input
 
 
 class GraphSimilarity(Strict):
     """A user's sparse sample graph with columns key_i, key_j, s (manifest keys), CSV or Parquet."""
 
     type: Literal["graph"]
-    path: Path
+    path: Path = Field(json_schema_extra=NOT_KEYED)
 
 
 Similarity = Annotated[CaptionsSimilarity | WordnetSimilarity | LabelsSimilarity | IdentitySimilarity |
