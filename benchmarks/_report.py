@@ -280,6 +280,13 @@ def verdict_table(claims: list[Claim], rows: list[dict], names: Callable[[str], 
 
 
 METRIC_NAMES = {"knn_top1_k20": "kNN top-1 (k = 20)", "linear_top1": "linear top-1"}
+VERDICT_RULE = ("A difference within one pooled standard deviation is not shown, whichever way it points; a row "
+                "with fewer than 3 seeds shows nothing.")
+
+
+def on_both(text: str, source: str, better: str, worse: str) -> tuple[Claim, Claim]:
+    """The claim on the kNN and on the linear probe."""
+    return Claim(text, source, better, worse, "knn_top1_k20"), Claim(text, source, better, worse, "linear_top1")
 
 
 def mean_std_n(row: dict | None, metric: str) -> str:

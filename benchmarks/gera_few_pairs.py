@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import statistics
 
-from _report import (HERE, Claim, FinishedRun, finished_run, markdown, mean_std, stage_runs, verdict_table,
-                     write_report)
+from _report import HERE, FinishedRun, finished_run, markdown, mean_std, stage_runs, verdict_table, write_report
+from reproduce_gera import ASIF, ZERO_SHOT, gera_claims, label
 
 TUNING, TEST = "tune-gera-few-pairs", "gera-few-pairs"
-ZERO_SHOT, ASIF = "zeroshot_top1", "asif_zeroshot_top1"
 PAIRS = (20, 50)
 
 
@@ -91,21 +90,6 @@ def paired_gains(run: FinishedRun, choice: dict[int, tuple[float, float]]) -> di
                f"({sum(gain > 0 for gain in found)}/{len(found)})" for m, found in sorted(gains.items())}
 
 
-def label(encoder: str) -> str:
-    method, _, m = encoder.rpartition("-")
-    return {"gera": "GeRA", "contrastive": "contrastive alone", "asif": "ASIF",
-            "gera-pixels": "GeRA on raw pixels"}[method] + f" (M = {m})"
-
-
-def claims() -> list[Claim]:
-    return [claim for m in PAIRS for claim in (
-        Claim(f"GeRA beats contrastive alignment alone at M = {m}", "paper", f"gera-{m}", f"contrastive-{m}",
-              ZERO_SHOT),
-        Claim(f"GeRA beats ASIF at M = {m}", "paper", f"gera-{m}", f"asif-{m}", ZERO_SHOT),
-        Claim(f"GeRA on SimCLR features beats GeRA on raw pixels at M = {m}", "floor", f"gera-{m}",
-              f"gera-pixels-{m}", ZERO_SHOT))]
-
-
 def report() -> str:
     tuning, run = finished_run(TUNING), finished_run(TEST)
     choice = chosen(tuning)
@@ -117,7 +101,7 @@ def report() -> str:
         "## Verdicts", "",
         "Zero-shot top-1 (%) on the test split, read once per row; mean ± sample std (n seeds). A difference "
         "within one pooled standard deviation is not shown, whichever way it points.", "",
-        verdict_table(claims(), rows, label), "",
+        verdict_table(gera_claims(list(PAIRS)), rows, label), "",
         "GeRA − contrastive alone, paired by seed (the same pairs, pools and initialisation): "
         + "; ".join(f"M = {m}: {gain}" for m, gain in gains.items()) + ".", "",
         "## α and L, chosen on validation", "",

@@ -22,8 +22,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
-from _report import (FinishedRun, below_floor, encoder_of, epochs_by_encoder, markdown, mean_over_seeds,  # noqa: E402
-                     mean_std, render_finished)
+from _report import (VERDICT_RULE, Claim, FinishedRun, below_floor, encoder_of, epochs_by_encoder,  # noqa: E402
+                     markdown, mean_over_seeds, mean_std, on_both, render_finished, verdict_table)
 
 from repsim.data.spec import load_spec  # noqa: E402
 from repsim.similarity.wordnet import class_similarity  # noqa: E402
@@ -34,6 +34,17 @@ NAMES = {"pixels": "raw pixels (floor)", "simclr": "SimCLR", "supcon": "SupCon",
 SWEPT, DEFAULT_TAU = "xclr-wordnet", 0.1  # the encoder whose τ_s the sweep varies, and the config's τ_s
 METRICS = {"kNN top-1 (k = 20)": "knn_top1_k20", "linear top-1": "linear_top1"}
 Curve = list[float]  # kNN top-1 after each epoch, mean over seeds
+CLAIMS = (
+    *on_both("X-CLR's soft targets beat SimCLR's (captions graph)", "paper", "xclr-captions", "simclr"),
+    *on_both("X-CLR beats SimCLR with a WordNet graph", "paper", "xclr-wordnet", "simclr"),
+    *on_both("X-CLR beats CLIP trained on the same captions", "paper", "xclr-captions", "clip"),
+    *on_both("the graph is what helps: X-CLR (WordNet) beats X-CLR with identity targets", "control",
+             "xclr-wordnet", "xclr-identity"),
+    *on_both("X-CLR (captions) beats SupCon, which is given the labels", "label baseline", "xclr-captions", "supcon"),
+    *(Claim(f"{title} beats the raw pixels", "floor", encoder, "pixels")
+      for encoder, title in (("simclr", "SimCLR"), ("xclr-wordnet", "X-CLR (WordNet)"),
+                             ("xclr-captions", "X-CLR (captions)"))),
+)
 
 
 def tau(row: dict) -> float:
@@ -132,6 +143,10 @@ def report(run: FinishedRun, image: Path) -> str:
         "# Contrastive methods compared", "",
         f"Command: `{run.command}` ({run.wall_time}), then `python benchmarks/reproduce_contrastive.py "
         f"--experiment {run.name}`.", "",
+        "## Verdicts", "",
+        f"Top-1 accuracy (%) on the test split; mean ± sample std (n seeds). {VERDICT_RULE}", "",
+        verdict_table(list(CLAIMS), table, name), "",
+        "## Scores", "",
         (f"What every method shares (one backbone, budget, augmentation and contrastive temperature) is in "
          f"`experiments/{run.source}.yaml`. Scores: top-1 accuracy (%) on the test split of a weighted cosine "
          f"kNN and of a linear probe on frozen features of the train split; mean ± sample standard deviation "

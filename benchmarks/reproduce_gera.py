@@ -24,12 +24,13 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from _report import FinishedRun, encoder_of, markdown, mean_std, render_finished, stage_runs  # noqa: E402
+from _report import (VERDICT_RULE, Claim, FinishedRun, encoder_of, markdown, mean_std, render_finished,  # noqa: E402
+                     stage_runs, verdict_table)
 
 from repsim.align.config import load_align_config  # noqa: E402
 
-METHODS = {"GeRA": "zeroshot_top1", "contrastive alone (α = 0)": "zeroshot_top1", "ASIF": "asif_zeroshot_top1"}
-ZERO_SHOT = "zeroshot_top1"
+ZERO_SHOT, ASIF = "zeroshot_top1", "asif_zeroshot_top1"
+METHODS = {"GeRA": ZERO_SHOT, "contrastive alone (α = 0)": ZERO_SHOT, "ASIF": ASIF}
 FLOOR = {"pixels": "raw pixels (floor)"}
 
 
@@ -52,6 +53,40 @@ def by_pairs(rows: list[dict]) -> dict[tuple[int, str], dict[str, dict]]:
         if method == "GeRA":
             cell["ASIF"] = row
     return dict(sorted(table.items(), key=lambda item: (item[0][0], item[0][1] == "pixels")))
+
+
+def named_rows(table: dict[tuple[int, str], dict[str, dict]]) -> list[dict]:
+    """The rows of :func:`by_pairs`'s table named for the verdicts: ``gera-M``, ``contrastive-M`` and ``asif-M``
+    (ASIF's scores under ``zeroshot_top1``) on the encoder's features, ``gera-pixels-M`` on the raw pixels."""
+    named = []
+    for (m, encoder), methods in table.items():
+        if encoder == "pixels":
+            named += [methods["GeRA"] | {"encoder": f"gera-pixels-{m}"}] if "GeRA" in methods else []
+            continue
+        for method, prefix in (("GeRA", "gera"), ("contrastive alone (α = 0)", "contrastive")):
+            named += [methods[method] | {"encoder": f"{prefix}-{m}"}] if method in methods else []
+        if "ASIF" in methods:
+            asif = methods["ASIF"]
+            named.append(asif | {"encoder": f"asif-{m}", ZERO_SHOT: asif[ASIF], f"{ZERO_SHOT}.std": asif[f"{ASIF}.std"],
+                                 f"{ZERO_SHOT}.n": asif[f"{ASIF}.n"]})
+    return named
+
+
+def gera_claims(pairs: list[int]) -> list[Claim]:
+    """The paper's claims at each M, and the floor's."""
+    return [claim for m in pairs for claim in (
+        Claim(f"GeRA beats contrastive alignment alone at M = {m}", "paper", f"gera-{m}", f"contrastive-{m}",
+              ZERO_SHOT),
+        Claim(f"GeRA beats ASIF at M = {m}", "paper", f"gera-{m}", f"asif-{m}", ZERO_SHOT),
+        Claim(f"GeRA on the encoder's features beats GeRA on raw pixels at M = {m}", "floor", f"gera-{m}",
+              f"gera-pixels-{m}", ZERO_SHOT))]
+
+
+def label(encoder: str) -> str:
+    """``GeRA (M = 20)`` of a named row's encoder."""
+    method, _, m = encoder.rpartition("-")
+    return {"gera": "GeRA", "contrastive": "contrastive alone", "asif": "ASIF",
+            "gera-pixels": "GeRA on raw pixels"}[method] + f" (M = {m})"
 
 
 def samples(row: dict) -> str:
@@ -147,6 +182,10 @@ def report(run: FinishedRun, tuning: FinishedRun | None, image: Path) -> str:
         "# GeRA: few-pairs alignment of frozen image and text embeddings", "",
         f"Command: `{run.command}` ({run.wall_time}), then `python benchmarks/reproduce_gera.py "
         f"--experiment {run.name}{'' if tuning else ' --tuning none'}`.", "",
+        "## Verdicts", "",
+        f"Zero-shot top-1 (%) on the test split; mean ± sample std (n seeds). {VERDICT_RULE}", "",
+        verdict_table(gera_claims(sorted({m for m, _ in table})), named_rows(table), label), "",
+        "## Scores", "",
         *encoder_lines(run),
         ("Evaluation: zero-shot top-1 (%) on the test split from class-prompt captions, in which the M pairs "
          f"carry M labels; mean ± sample standard deviation over {seeds} seeds; chance is 10 %. GeRA runs "

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-from _report import HERE, Claim, FinishedRun, markdown, optional_run, verdict_table, write_report
+from _report import HERE, Claim, FinishedRun, markdown, on_both, optional_run, verdict_table, write_report
 from reproduce_sop import curve_table, monitor_table, name, plot, scores_table, sop_epochs
 
 @dataclass(frozen=True)
@@ -39,14 +39,7 @@ class Design:
     claims: tuple[Claim, ...]
 
 
-KNN, LINEAR = "knn_top1_k20", "linear_top1"
-
-
-def on_both(text: str, source: str, better: str, worse: str) -> tuple[Claim, Claim]:
-    """The claim on the kNN and on the linear probe."""
-    return Claim(text, source, better, worse, KNN), Claim(text, source, better, worse, LINEAR)
-
-
+KNN = "knn_top1_k20"  # what the grid chooses on
 RESNET_CLAIMS = (
     *on_both("SOP beats learned prototypes (DINO-style) at equal compute", "paper", "sop", "dino"),
     *on_both("with KoLeo on both, SOP still beats DINO-style", "factorial", "sop-koleo", "dino-koleo"),

@@ -86,3 +86,35 @@ def test_a_logged_row_gets_back_the_columns_the_table_leaves_out_where_they_say_
         "linear_top1": None, "linear_top1.n": None, "linear_top1.std": None}
     spread = {"point": "lr=0.1", "encoder": "sop", "knn_top1_k20": 0.6, "knn_top1_k20.std": 0.01, "knn_top1_k20.n": 3}
     assert _complete(spread) == spread
+
+
+def test_the_contrastive_report_opens_with_a_verdict_per_claim_on_the_rows_it_compares():
+    from reproduce_contrastive import CLAIMS, name
+
+    rows = [row("pixels", 0.88, 0.0, n=1), row("simclr", 0.89, 0.004), row("xclr-captions", 0.976, 0.002),
+            row("clip", 0.965, 0.003)]
+    table = verdict_table(list(CLAIMS), rows, name)
+    assert "| X-CLR's soft targets beat SimCLR's (captions graph) | paper | kNN top-1 (k = 20) | X-CLR (captions) " \
+           "97.60 ± 0.20 (3) vs SimCLR 89.00 ± 0.40 (3) | ✔ |" in table
+    assert "| SimCLR beats the raw pixels | floor | kNN top-1 (k = 20) | SimCLR 89.00 ± 0.40 (3) vs raw pixels (floor) " \
+           "88.00 ± 0.00 (1) | ✔ |" in table
+    linear = [line for line in table.splitlines() if "| linear top-1 |" in line]
+    assert linear and all(line.endswith("| not shown | not run |") for line in linear)  # no linear scores given
+
+
+def test_the_gera_rows_are_named_per_m_and_asif_is_scored_on_geras_row():
+    from reproduce_gera import ZERO_SHOT, by_pairs, gera_claims, label, named_rows
+
+    def aligned(encoder, point, score, asif=None):
+        found = {"encoder": encoder, "point": point, ZERO_SHOT: score, f"{ZERO_SHOT}.std": 0.01, f"{ZERO_SHOT}.n": 10}
+        return found | ({"asif_zeroshot_top1": asif, "asif_zeroshot_top1.std": 0.02, "asif_zeroshot_top1.n": 10}
+                        if asif is not None else {})
+
+    rows = [aligned("simclr", "pairs=20 alpha=0.0", 0.49), aligned("simclr", "pairs=20 alpha=1000.0", 0.47, 0.40),
+            aligned("pixels", "pairs=20 alpha=1000.0", 0.30, 0.25)]
+    named = {found["encoder"]: found[ZERO_SHOT] for found in named_rows(by_pairs(rows))}
+    assert named == {"gera-20": 0.47, "contrastive-20": 0.49, "asif-20": 0.40, "gera-pixels-20": 0.30}
+    table = verdict_table(gera_claims([20]), named_rows(by_pairs(rows)), label).splitlines()
+    assert table[2].startswith("| GeRA beats contrastive alignment alone at M = 20 |")
+    assert table[2].endswith("| ✗ | -2.00 points, pooled std 1.00 |")
+    assert "| ✔ |" in table[3] and "ASIF (M = 20) 40.00 ± 2.00 (10)" in table[3]
