@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.futures import PrefectFuture
@@ -42,8 +41,7 @@ from repsim.layering import read_once
 from repsim.methods.config import load_config
 from repsim.methods.xclr import target_histogram
 from repsim.results import Row, Score, aggregate, as_records, headline_metrics, markdown
-from repsim.similarity.targets import ClassMatrixSource, EmbeddingSource, LabelSource, SimilaritySource
-from repsim.similarity.stage import EMBEDDINGS_FILE, SIMILARITY_FILE
+from repsim.similarity.stage import precomputed_sources
 from repsim.stage import StageOutput, read_record, rebuilding, verifying
 from repsim.tasks.cluster import cluster_running, dask_logs_above, requested_cluster, stores
 from repsim.tasks.settings import api_for_workers, use_embedded_defaults
@@ -224,11 +222,8 @@ def target_histograms(run: MemberRun, wordnet: dict[str, StageOutput], target_te
     """``target_similarity_<source>.png`` in ``folder`` for each source the precompute section prepared (and
     labels, if labelled): the histogram of X-CLR's targets on random batches at ``target_temperature``."""
     labels = manifest_labels(run.shards.path / MANIFEST)
-    sources: dict[str, SimilaritySource] = {"labels": LabelSource()} if (labels >= 0).all() else {}
-    if run.captions is not None:
-        sources["captions"] = EmbeddingSource.from_npy(run.captions.path / EMBEDDINGS_FILE)
-    for measure, output in wordnet.items():
-        sources[f"wordnet_{measure}"] = ClassMatrixSource(np.load(output.path / SIMILARITY_FILE))
+    sources = precomputed_sources(labels, run.captions.path if run.captions is not None else None,
+                                  {measure: output.path for measure, output in wordnet.items()})
     return [target_histogram(source, labels, folder / f"target_similarity_{name}.png", name, target_temperature)
             for name, source in sources.items()]
 

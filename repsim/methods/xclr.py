@@ -27,12 +27,11 @@ from repsim.methods.base import TrainingData, Upstream, register
 from repsim.methods.stage import file_digest
 from repsim.methods.trainer import Batch
 from repsim.plots import histogram_plot
-from repsim.similarity.targets import (ClassMatrixSource, EmbeddingSource, GraphSource, IdentitySource,
-                                       LabelSource, SimilaritySource, load_class_matrix)
-from repsim.similarity.stage import (EMBEDDINGS_FILE, SIMILARITY_FILE, embed_captions_stage,
-                                          embed_captions_stage_of, wordnet_similarity_stage, wordnet_similarity_stage_of)
+from repsim.similarity.targets import (ClassMatrixSource, GraphSource, IdentitySource, LabelSource, SimilaritySource,
+                                       load_class_matrix)
+from repsim.similarity.stage import (caption_similarity, embed_captions_stage, embed_captions_stage_of, wordnet_similarity,
+                                     wordnet_similarity_stage, wordnet_similarity_stage_of)
 
-RESIDENT_EMBEDDING_BYTES = 1 << 30  # caption tables up to 1 GiB are copied to the device once
 CLASS_LEVEL = ("wordnet", "labels", "matrix")
 TARGET_HISTOGRAM_FILE = "target_similarity.png"
 TARGET_HISTOGRAM_BATCHES = 10
@@ -148,11 +147,9 @@ def similarity_source(similarity: Similarity, data: TrainingData) -> SimilarityS
     if similarity.type in CLASS_LEVEL:
         require_labels(data.labelled, f"the {similarity.type} similarity")
     if similarity.type == "captions":
-        path = data.upstream.path / EMBEDDINGS_FILE
-        table = np.load(path, mmap_mode="r")
-        return EmbeddingSource.from_npy(path, resident=table.nbytes <= RESIDENT_EMBEDDING_BYTES)
+        return caption_similarity(data.upstream.path)
     if similarity.type == "wordnet":
-        return ClassMatrixSource(np.load(data.upstream.path / SIMILARITY_FILE), data.spec.class_names)
+        return wordnet_similarity(data.upstream.path, data.spec.class_names)
     if similarity.type == "matrix":
         return ClassMatrixSource(load_class_matrix(similarity.path, data.spec.class_names), data.spec.class_names)
     if similarity.type == "graph":

@@ -36,6 +36,7 @@ from repsim.data.spec import DataSpec, load_spec
 from repsim.errors import SimilarityError
 from repsim.pieces import Piece, run_pieces
 from repsim.similarity.captions import default_text_model, distinct_texts, embed_captions, load_text_model, rows_by_place
+from repsim.similarity.targets import ClassMatrixSource, EmbeddingSource, LabelSource, SimilaritySource
 from repsim.similarity.neighbors import (CHUNK_ROWS, EXACT_LIMIT, STAGE_INDEXES, auto_index, descending, drop_self, knn,
                                         load_neighbors, open_lists, recall_at_k, search_queries, self_search_index,
                                         self_searcher)
@@ -310,6 +311,30 @@ def _tie_aware_recall(ids: np.ndarray, scores: np.ndarray, kth: np.ndarray, metr
     tolerance = 1e-4 * np.maximum(np.abs(kth), 1.0)[:, None]
     near = scores >= kth[:, None] - tolerance if descending(metric) else scores <= kth[:, None] + tolerance
     return float((near & (ids >= 0)).mean())
+
+
+RESIDENT_EMBEDDING_BYTES = 1 << 30  # caption tables up to 1 GiB are copied to the device once
+
+
+def caption_similarity(captions: Path) -> EmbeddingSource:
+    """The cosine similarity of the caption embeddings in the captions stage output ``captions``."""
+    path = captions / EMBEDDINGS_FILE
+    return EmbeddingSource.from_npy(path, resident=np.load(path, mmap_mode="r").nbytes <= RESIDENT_EMBEDDING_BYTES)
+
+
+def wordnet_similarity(wordnet: Path, class_names: list[str] | None = None) -> ClassMatrixSource:
+    """The (C, C) class similarity in the wordnet stage output ``wordnet`` (rows named ``class_names``)."""
+    return ClassMatrixSource(np.load(wordnet / SIMILARITY_FILE), class_names)
+
+
+def precomputed_sources(labels: np.ndarray, captions: Path | None,
+                        wordnet: Mapping[str, Path]) -> dict[str, SimilaritySource]:
+    """What the precompute stages give, by name: ``labels`` (when every sample of ``labels`` (N,) has one),
+    ``captions`` (its stage output) and ``wordnet_<measure>`` (each measure's stage output)."""
+    sources: dict[str, SimilaritySource] = {"labels": LabelSource()} if (labels >= 0).all() else {}
+    if captions is not None:
+        sources["captions"] = caption_similarity(captions)
+    return sources | {f"wordnet_{measure}": wordnet_similarity(path) for measure, path in wordnet.items()}
 
 
 CAPTIONS = StageKind("captions", embed_captions_stage_of, embed_captions_stage, split=True, gpu=True)
