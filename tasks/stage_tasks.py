@@ -54,7 +54,8 @@ def stage_task(kind: StageKind) -> Task:
         stage, out = planned(kind, params, out_dir)
         options = dict(options or {})
         cluster, gpu = options.pop("cluster", None), wants_gpu(kind, {**params, **options}.get("device"))
-        cluster = cluster if current_record(stage, out) is None else None  # a complete output needs no workers
+        if cluster is not None and current_record(stage, out) is not None:  # a complete output needs no workers
+            cluster = None
         with Tracker().stage_run(parent_run_id, kind.name, stage.key, stage.config, out, label,
                                  encoder or label) as tracked, executor(cluster, gpu) as pieces_on:
             extra = {"log": tracked.log_metrics} if kind.streams else {}

@@ -105,11 +105,13 @@ class MonitorConfig(Strict):
 
 def _validate_method(value: Any) -> BaseModel:
     """``value`` (a mapping, or settings already validated) as the settings model its ``name`` registered."""
-    if isinstance(value, BaseModel) and _registered().get(getattr(value, "name", None)) is type(value):
+    name = value.get("name") if isinstance(value, dict) else getattr(value, "name", None)
+    if isinstance(name, str):
+        import_method(name)
+    registered = _registered()
+    if isinstance(value, BaseModel) and registered.get(name) is type(value):
         return value
-    if isinstance(value, dict) and isinstance(value.get("name"), str):
-        import_method(value["name"])
-    return _method_union(tuple(_registered().values())).validate_python(value)
+    return _method_union(tuple(registered.values())).validate_python(value)
 
 
 @cache
