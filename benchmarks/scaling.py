@@ -220,15 +220,15 @@ def piece_overhead(executor) -> float:
 
 def _measure_child(stage: str, folder: Path, train_steps: int, result: Path, executor) -> None:
     started = time.perf_counter()
-    from repsim.stage import artifacts_root, read_record, rebuilding
+    from repsim.stage import Reuse, artifacts_root, read_record
 
-    inputs, measured = stage_calls(stage, folder, train_steps, executor)
+    rebuild = Reuse.forcing([stage, *(["embedding_tables"] if stage == "align" else [])])
+    inputs, measured = stage_calls(stage, folder, train_steps, executor, rebuild)
     upstream = inputs()
     stop, peak = peak_anonymous_memory()
-    with rebuilding([stage, *(["embedding_tables"] if stage == "align" else [])]):
-        began = time.perf_counter()
-        outputs = measured(upstream)
-        seconds = time.perf_counter() - began
+    began = time.perf_counter()
+    outputs = measured(upstream)
+    seconds = time.perf_counter() - began
     stop.set()
     folders = [output.path for output in outputs]
     records = [read_record(folder) for folder in folders]
@@ -259,8 +259,9 @@ def detail(stage: str, records: list[dict]) -> str:
     return ""
 
 
-def stage_calls(stage: str, folder: Path, train_steps: int, executor=None):
-    """(build the stage's inputs, run the stage on them -> its outputs) for ``stage`` (its pieces on ``executor``)."""
+def stage_calls(stage: str, folder: Path, train_steps: int, executor=None, reuse=None):
+    """(build the stage's inputs, run the stage on them -> its outputs) for ``stage`` (its pieces on ``executor``;
+    what it may serve complete: ``reuse``, default all)."""
     from repsim.align.config import load_align_config
     from repsim.align.stage import align
     from repsim.data import load_spec, shard
@@ -268,6 +269,9 @@ def stage_calls(stage: str, folder: Path, train_steps: int, executor=None):
     from repsim.methods.config import load_config
     from repsim.methods.stage import train
     from repsim.similarity.stage import embed_captions_stage, neighbors_stage
+    from repsim.stage import SERVE_COMPLETE
+
+    reuse = reuse or SERVE_COMPLETE
 
     spec = folder / "spec.yaml"
     config = load_config("simclr", [f"data.spec={spec}", "model.backbone=vit_tiny", "model.depth=2",
@@ -275,14 +279,14 @@ def stage_calls(stage: str, folder: Path, train_steps: int, executor=None):
                                     f"optim.max_steps={train_steps}", "monitor.knn=false",
                                     "model.projection_hidden_dim=512"])
 
-    def shards(pieces_on=None):
-        return shard(load_spec(spec), progress=False, executor=pieces_on)
+    def shards(pieces_on=None, served=SERVE_COMPLETE):
+        return shard(load_spec(spec), progress=False, executor=pieces_on, reuse=served)
 
     def encoder():
         return train(config, shards=shards(), progress=False).path
 
-    def features(pieces_on=None):
-        return [extract_features(shards(), encoder(), split, progress=False, executor=pieces_on)
+    def features(pieces_on=None, served=SERVE_COMPLETE):
+        return [extract_features(shards(), encoder(), split, progress=False, executor=pieces_on, reuse=served)
                 for split in ("train", "test")]
 
     def align_config():
@@ -290,14 +294,14 @@ def stage_calls(stage: str, folder: Path, train_steps: int, executor=None):
                                           "text.source=manifest", "optim.epochs=5", "neighbors.count=50"])
 
     calls = {
-        "shard": (lambda: None, lambda _: [shards(executor)]),
-        "captions": (shards, lambda built: [embed_captions_stage(built, progress=False)]),
-        "neighbors": (lambda: folder / "points.npy",
-                      lambda points: [neighbors_stage(points, NEIGHBORS_K, index="auto", progress=False)]),
-        "train": (shards, lambda built: [train(config, shards=built, progress=False)]),
-        "features": (encoder, lambda _: features(executor)),
-        "evaluate": (features, lambda built: [evaluate_features(*built, ("knn", "linear"))]),
-        "align": (align_config, lambda built: [align(built, progress=False)]),
+        "shard": (lambda: None, lambda _: [shards(executor, reuse)]),
+        "captions": (shards, lambda built: [embed_captions_stage(built, progress=False, reuse=reuse)]),
+        "neighbors": (lambda: folder / "points.npy", lambda points: [
+            neighbors_stage(points, NEIGHBORS_K, index="auto", progress=False, reuse=reuse)]),
+        "train": (shards, lambda built: [train(config, shards=built, progress=False, reuse=reuse)]),
+        "features": (encoder, lambda _: features(executor, reuse)),
+        "evaluate": (features, lambda built: [evaluate_features(*built, ("knn", "linear"), reuse=reuse)]),
+        "align": (align_config, lambda built: [align(built, progress=False, reuse=reuse)]),
     }
     return calls[stage]
 

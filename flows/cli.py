@@ -132,7 +132,9 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.direct or rank > 0:
         from repsim.methods.stage import train
 
-        train(config, progress=args.direct and rank == 0)
+        from repsim.stage import Reuse
+
+        train(config, progress=args.direct and rank == 0, reuse=Reuse.forcing(["train"] if args.rebuild else []))
         return
     method = {"config": args.config, "settings": as_settings(args.overrides, "optim.lr=0.01")}
     _run_configured(config.data.spec, {"kind": "train", "methods": [method]}, "trained", args.cluster)
@@ -439,6 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", metavar="CONFIG", help="experiment config YAML or shipped name, e.g. xclr")
     add_overrides(train, "a config", "optim.lr=0.1")
     train.add_argument("--direct", action="store_true", help=argparse.SUPPRESS)
+    train.add_argument("--rebuild", action="store_true", help=argparse.SUPPRESS)  # a rank's: the output is stale
     align = command("align", cmd_align, help="align frozen image and text embeddings from few pairs: GeRA, "
                     "contrastive alone (alpha=0) and ASIF, scored zero-shot and by retrieval (cached)")
     align.add_argument("config", metavar="CONFIG", help="alignment config YAML or shipped name, e.g. gera")

@@ -42,7 +42,7 @@ from repsim.methods.config import load_config
 from repsim.methods.xclr import target_histogram
 from repsim.results import Row, Score, aggregate, as_records, headline_metrics, markdown
 from repsim.similarity.stage import precomputed_sources
-from repsim.stage import StageOutput, read_record, rebuilding, verifying
+from repsim.stage import SERVE_COMPLETE, Reuse, StageOutput, read_record
 from repsim.tasks.cluster import cluster_running, dask_logs_above, requested_cluster, stores
 from repsim.tasks.settings import api_for_workers, use_embedded_defaults
 from repsim.tasks.stage_tasks import KINDS, TASKS, current_record, planned, produced
@@ -79,6 +79,7 @@ class Stages:
     tracker: Tracker
     parent: StageRun
     cluster: str | None = None  # the Dask scheduler split stages run their pieces on
+    reuse: Reuse = SERVE_COMPLETE  # which complete outputs are served
     summaries: list[dict] = field(default_factory=list)
     _submitted: dict[str, tuple[PrefectFuture, str, str | None]] = field(default_factory=dict)
     _uses: Counter[str] = field(default_factory=Counter)
@@ -96,7 +97,7 @@ class Stages:
         if request not in self._submitted:
             named = TASKS[kind].with_options(task_run_name=task_run_name(kind, label))
             future = named.submit(params, options, out_dir, self.parent.run_id, label, encoder, register,
-                                  stores() if self.cluster else None)
+                                  stores() if self.cluster else None, self.reuse)
             self._submitted[request] = future, kind, label
         return request
 
@@ -127,6 +128,7 @@ class Planner:
     """Stands in for :class:`Stages` to plan a run without running it: each distinct request planned and
     found cached or not (a stage whose inputs are not built yet has no key, but is counted)."""
 
+    reuse: Reuse = SERVE_COMPLETE
     summaries: list[dict] = field(default_factory=list)
     _outputs: dict[str, tuple[StageOutput, dict]] = field(default_factory=dict)
 
@@ -138,7 +140,7 @@ class Planner:
                 stage, out = planned(KINDS[kind], params, out_dir)
             except (RepsimError, OSError):  # an input is not built yet
                 stage, out = None, None
-            record = current_record(stage, out) if stage is not None else None
+            record = current_record(stage, out, self.reuse) if stage is not None else None
             summary = {"stage": kind, "detail": label or "", "key": stage.key if stage else "", "members": 0,
                        "status": "cached" if record else "runs" if stage else "runs after its inputs"}
             self.summaries.append(summary)
@@ -299,9 +301,8 @@ def plan_experiment(experiment: Experiment, force: Sequence[str] = ()) -> dict[s
     """What :func:`experiment_flow` would run, without running it: ``{"members": [labels], "stages":
     [one summary per distinct stage: stage, detail, key, status (cached, runs, runs after its inputs)]}``."""
     members = check_experiment(experiment)
-    planner = Planner()
-    with rebuilding(force), verifying(experiment.verify):
-        run_steps(planner, experiment, members)
+    planner = Planner(Reuse.forcing(force, experiment.verify))
+    run_steps(planner, experiment, members)
     return {"members": [member.label for member in members], "stages": planner.summaries}
 
 
@@ -406,11 +407,11 @@ def experiment_flow(experiment: Experiment, overrides: list[str] | None = None, 
         params = {"experiment": experiment.model_dump(mode="json"), "source": source, "overrides": list(overrides or []),
                   "force": list(force or []), "members": len(members), "spread": spread or "", "cluster": cluster or ""}
         parent_run = tracker.flow_run("experiment", params, prefect_flow_run.get_name())
-        with rebuilding(force or []), verifying(experiment.verify), parent_run as parent, \
-                cluster_running(requested_cluster(cluster or experiment.cluster)) as address:
+        reuse = Reuse.forcing(force or [], experiment.verify)
+        with parent_run as parent, cluster_running(requested_cluster(cluster or experiment.cluster)) as address:
             if spread:
                 run_members_on(spread, members, force or [])
-            stages = Stages(tracker, parent, address)
+            stages = Stages(tracker, parent, address, reuse)
             runs = run_steps(stages, experiment, members)
             rows = aggregate(score for run in runs for score in run.scores)
             evaluate = experiment.section("evaluate")

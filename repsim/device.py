@@ -137,8 +137,9 @@ class TorchrunLaunch(Strict):
         joins later (started again after it was lost) waits for it until it times out."""
         return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if self.nnodes > 1 else {}
 
-    def command(self, config: str | Path, overrides: Sequence[str]) -> list[str]:
-        """The torchrun command that trains ``config`` with ``overrides`` directly on every rank."""
+    def command(self, config: str | Path, overrides: Sequence[str] = (), options: Sequence[str] = ()) -> list[str]:
+        """The torchrun command that trains ``config`` with ``overrides`` directly on every rank, with the
+        command line's ``options`` (``--rebuild``)."""
         if self.nnodes == 1:
             rendezvous = ["--standalone"]
         else:
@@ -147,4 +148,4 @@ class TorchrunLaunch(Strict):
         sets = [arg for override in overrides for arg in ("--set", override)]
         return [sys.executable, "-m", "torch.distributed.run", *rendezvous,
                 f"--nproc_per_node={self.nproc_per_node}", f"--max_restarts={self.max_restarts}",
-                "-m", "repsim.flows.cli", "train", str(config), *sets, "--direct"]
+                "-m", "repsim.flows.cli", "train", str(config), *sets, "--direct", *options]

@@ -145,45 +145,31 @@ def library_versions() -> dict[str, str]:
     return versions
 
 
-@contextlib.contextmanager
-def _environment(name: str, value: str | None) -> Iterator[None]:
-    """Environment variable ``name`` set to ``value`` for the block (unchanged when ``value`` is None)."""
-    previous = os.environ.get(name)
-    if value is not None:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = previous
+@dataclass(frozen=True)
+class Reuse:
+    """Which complete outputs a stage serves instead of building: all that match their records, but those of
+    the ``rebuild`` stages completed before ``since`` (a ``--force`` run's start); with ``verify``, matching
+    also compares every file's sha256 (always: its size)."""
+
+    rebuild: frozenset[str] = frozenset()
+    since: float = 0.0
+    verify: bool = False
+
+    @classmethod
+    def forcing(cls, stages: Iterable[str] = (), verify: bool = False) -> Reuse:
+        """Rebuild the outputs of ``stages`` completed before now (those built from now on are served)."""
+        return cls(frozenset(stages), time.time(), verify)
+
+    def stale(self, record: Mapping[str, Any]) -> bool:
+        """Whether a complete output's ``stage.json`` record is to be rebuilt."""
+        return record.get("stage") in self.rebuild and record.get("started", 0) < self.since
+
+    def serves(self, path: Path, record: Mapping[str, Any]) -> bool:
+        """Whether the complete output at ``path`` is served: not to be rebuilt, and its files match ``record``."""
+        return not self.stale(record) and damage(path, record, self.verify) is None
 
 
-REBUILD_ENV = "REPSIM_REBUILD"
-VERIFY_ENV = "REPSIM_VERIFY"
-
-
-def rebuilding(stages: Iterable[str]) -> contextlib.AbstractContextManager[None]:
-    """Within the block, outputs of the named stages completed before it began are built again; those built
-    inside it are reused. Set in ``REPSIM_REBUILD``, so subprocesses (e.g. torchrun ranks) see it too."""
-    names = sorted(set(stages))
-    return _environment(REBUILD_ENV, f"{','.join(names)}@{time.time()!r}" if names else None)
-
-
-def verifying(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
-    """Within the block (if ``enabled``), cache hits also check sha256 (via ``REPSIM_VERIFY``: subprocesses too)."""
-    return _environment(VERIFY_ENV, "1" if enabled else None)
-
-
-def verification_requested() -> bool:
-    return os.environ.get(VERIFY_ENV) == "1"
-
-
-def is_stale(record: Mapping[str, Any]) -> bool:
-    """Whether a completed output's ``stage.json`` record is to be rebuilt (see :func:`rebuilding`)."""
-    names, _, since = os.environ.get(REBUILD_ENV, "").rpartition("@")
-    return bool(since) and record.get("stage") in names.split(",") and record.get("started", 0) < float(since)
+SERVE_COMPLETE = Reuse()  # every complete output whose files' sizes match its record is served
 
 
 def sha256_file(path: Path) -> str:
@@ -215,11 +201,6 @@ def damage(path: Path, record: Mapping[str, Any], hashes: bool = False) -> str |
         if sha256_file(path / name) != expected["sha256"]:
             return f"{name}: sha256 differs from its record"
     return None
-
-
-def is_current(path: Path, record: Mapping[str, Any]) -> bool:
-    """Whether the complete output at ``path`` is to be served: not being rebuilt, and its files match ``record``."""
-    return not is_stale(record) and damage(path, record, verification_requested()) is None
 
 
 def _completed(stage: Stage, out: Path) -> StageOutput | None:
@@ -292,19 +273,19 @@ FileDetails = Callable[[Path], Mapping[str, Mapping[str, Any]]]
 
 
 def run_stage(stage: Stage, build: Build, out_dir: str | Path | None = None,
-              file_details: FileDetails | None = None) -> StageOutput:
-    """Build ``stage`` into its output directory unless it is complete and intact (a damaged one is logged
-    and built again). ``build(tmp_dir)`` writes every output file and may return metrics, stored in
+              file_details: FileDetails | None = None, reuse: Reuse = SERVE_COMPLETE) -> StageOutput:
+    """Build ``stage`` into its output directory unless ``reuse`` serves it (a damaged one is logged and
+    built again). ``build(tmp_dir)`` writes every output file and may return metrics, stored in
     ``stage.json`` with every file's size, sha256 and entry of ``file_details(tmp_dir)``; the inputs' locks
     are held shared meanwhile."""
     out = stage.output_dir(out_dir)
     done = _completed(stage, out)
-    if done is not None and is_current(out, done.record):
+    if done is not None and reuse.serves(out, done.record):
         return done
     with OutputLock(out).held():
         done = _completed(stage, out)  # another process may have finished (or rebuilt) it meanwhile
-        if done is not None and not is_stale(done.record):
-            found = damage(out, done.record, verification_requested())
+        if done is not None and not reuse.stale(done.record):
+            found = damage(out, done.record, reuse.verify)
             if found is None:
                 return done
             log.warning("%s output %s at %s is damaged (%s); building it again", stage.name, stage.key, out, found)

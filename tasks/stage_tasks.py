@@ -23,7 +23,7 @@ from repsim.errors import RepsimError
 from repsim.eval.stage import EVALUATE, FEATURES
 from repsim.methods.stage import TRAIN
 from repsim.similarity.stage import CAPTIONS, NEIGHBORS, WORDNET
-from repsim.stage import Stage, StageKind, StageOutput, is_current, read_record
+from repsim.stage import SERVE_COMPLETE, Reuse, Stage, StageKind, StageOutput, read_record
 from repsim.tasks.cluster import check_stores, executor
 from repsim.tasks.settings import use_embedded_defaults
 from repsim.tasks.tracking import Tracker
@@ -44,23 +44,24 @@ def stage_task(kind: StageKind) -> Task:
     ``out_dir`` (default: its own) in a nested run under ``parent_run_id`` named ``<stage> <label>``, tagged
     with ``encoder`` (default ``label``); with ``register``, registers the encoder as that MLflow model. A split
     stage runs its pieces on the Dask scheduler at the option ``cluster`` (:mod:`repsim.tasks.cluster`). An
-    output the store holds complete is not built again, and the task run ends *Cached*."""
+    output the store holds complete and ``reuse`` serves is not built again, and the task run ends *Cached*."""
     def run(params: dict[str, Any], options: dict[str, Any] | None = None, out_dir: str | None = None,
             parent_run_id: str = "", label: str | None = None, encoder: str | None = None,
-            register: str | None = None, stores: dict[str, str] | None = None) -> StageOutput | State:
+            register: str | None = None, stores: dict[str, str] | None = None,
+            reuse: Reuse = SERVE_COMPLETE) -> StageOutput | State:
         use_embedded_defaults()  # on a cluster's worker, whose process the command line did not start
         if stores is not None:  # sent to a cluster's worker: it must keep outputs and runs where the flow does
             check_stores(stores)
         stage, out = planned(kind, params, out_dir)
         options = dict(options or {})
         cluster, gpu = options.pop("cluster", None), wants_gpu(kind, {**params, **options}.get("device"))
-        if cluster is not None and current_record(stage, out) is not None:  # a complete output needs no workers
+        if cluster is not None and current_record(stage, out, reuse) is not None:  # a complete output needs no workers
             cluster = None
         with Tracker().stage_run(parent_run_id, kind.name, stage.key, stage.config, out, label,
                                  encoder or label) as tracked, executor(cluster, gpu) as pieces_on:
             extra = {"log": tracked.log_metrics} if kind.streams else {}
             extra |= {"executor": pieces_on} if kind.split else {}
-            output = kind.build(**params, **options, out_dir=out_dir, **extra)
+            output = kind.build(**params, **options, out_dir=out_dir, reuse=reuse, **extra)
             tracked.log_stage_output(output.path, output.cached, kind.artifacts, kind.facts)
             if register:
                 tracked.log_encoder(output.path, register)
@@ -102,11 +103,10 @@ def summary_line(output: StageOutput, name: str | None = None) -> str:
     return f"{name or record['stage']}: {produced(record)}; {how} -> {output.path}"
 
 
-def current_record(stage: Stage, out: Path) -> dict[str, Any] | None:
-    """The ``stage.json`` record of ``out`` if it is a complete output of ``stage`` not to be rebuilt:
-    its files match the record (their hashes too, inside :func:`repsim.stage.verifying`)."""
+def current_record(stage: Stage, out: Path, reuse: Reuse) -> dict[str, Any] | None:
+    """The ``stage.json`` record of ``out`` if it is a complete output of ``stage`` that ``reuse`` serves."""
     record = read_record(out) if out.is_dir() else None
-    return record if record is not None and record.get("key") == stage.key and is_current(out, record) else None
+    return record if record is not None and record.get("key") == stage.key and reuse.serves(out, record) else None
 
 
 PRODUCED: dict[str, Callable[[dict, dict], str]] = {  # one line on what a stage produced: (config, metrics) -> line

@@ -261,3 +261,7 @@ print(json.dumps({'trainings': sorted([run.name, run.state.name] for run in runs
     assert seen["trainings"] == [["train simclr", "Cached"], ["train simclr", "Completed"],
                                  ["train supcon", "Cached"], ["train supcon", "Completed"]]
     assert len(seen["tables"]) == 2 and all("simclr" in table and "supcon" in table for table in seen["tables"])
+    forced = repsim(home, "run", str(two_method_experiment), "--cluster", "local:2", "--force", "train")
+    assert forced.returncode == 0, forced.stderr[-3000:]  # the workers rebuild what the command line forces
+    rows = {(stage, cached) for stage, _, cached in stage_table(forced.stdout)[0] if stage in ("shard", "train")}
+    assert rows == {("shard", "yes"), ("train", "no")}

@@ -20,7 +20,7 @@ from repsim.flows.cli import main
 from repsim.errors import SpecError
 from repsim.device import TorchrunLaunch
 from repsim.experiment import load_deployments, load_experiment, with_overrides
-from repsim.stage import (COMPLETE, INCOMPLETE, LOCKED, Stage, list_outputs, read_record, rebuilding, remove_output,
+from repsim.stage import (COMPLETE, INCOMPLETE, LOCKED, Stage, list_outputs, read_record, Reuse, remove_output,
                           run_stage, unreferenced_outputs)
 
 DAY = 86400
@@ -100,21 +100,20 @@ def test_forced_stage_is_rebuilt_once_and_replaces_its_output_only_when_complete
     stage = Stage("s", "1", {})
     first = run_stage(stage, build_writing(1))
     seen: list[str] = []
-    with rebuilding(["s"]):
-        second = run_stage(stage, build_writing(2, seen))
-        third = run_stage(stage, build_writing(3))
+    forced = Reuse.forcing(["s"])
+    second = run_stage(stage, build_writing(2, seen), reuse=forced)
+    third = run_stage(stage, build_writing(3), reuse=forced)
     assert seen == ["1"]  # the old output stayed in place while the new one was built
     assert not second.cached and third.cached and second.path == first.path
     assert (first.path / "value.txt").read_text() == "2"
-    assert run_stage(stage, build_writing(4)).cached and "REPSIM_REBUILD" not in os.environ
+    assert run_stage(stage, build_writing(4)).cached
     assert sorted(path.name for path in first.path.parent.iterdir()) == [f".{first.path.name}.lock", first.path.name]
 
 
 def test_a_rebuild_of_another_stage_leaves_this_one_cached():
     stage = Stage("s", "1", {})
     run_stage(stage, build_writing(1))
-    with rebuilding(["t"]):
-        assert run_stage(stage, build_writing(2)).cached
+    assert run_stage(stage, build_writing(2), reuse=Reuse.forcing(["t"])).cached
 
 
 def _build_slowly_in_process(home: str, counter: str) -> str:
@@ -298,10 +297,10 @@ def test_experiment_reruns_only_what_a_change_reaches(make_image_folder, write_s
 
 @pytest.mark.slow
 @pytest.mark.orchestration
-def test_torchrun_launch_trains_on_two_gloo_processes(tiny, tmp_path):
+def test_torchrun_launch_trains_on_two_gloo_processes_and_its_ranks_rebuild_a_forced_output(tiny, tmp_path):
     home = tmp_path / "home"
-    done = repsim(home, "run", str(tiny), "--set", "train.launch.nproc_per_node=2",
-                  "--set", "evaluate.pixels=false")
+    launch = ["--set", "train.launch.nproc_per_node=2", "--set", "evaluate.pixels=false"]
+    done = repsim(home, "run", str(tiny), *launch)
     assert done.returncode == 0, done.stderr
     [trained] = [p for p in (home / "artifacts" / "train").iterdir() if not p.name.startswith(".")]
     metrics = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
@@ -309,6 +308,11 @@ def test_torchrun_launch_trains_on_two_gloo_processes(tiny, tmp_path):
     [(_, stages)] = flow_runs(home, "experiment")
     [train] = [run for run in stages if run.data.tags["repsim.stage"] == "train"]
     assert train.data.tags["repsim.cached"] == "false" and train.data.params["stage.steps"] == "2"
+    started = read_record(trained)["started"]
+    assert repsim(home, "run", str(tiny), *launch).returncode == 0 and read_record(trained)["started"] == started
+    forced = repsim(home, "run", str(tiny), *launch, "--force", "train")
+    assert forced.returncode == 0, forced.stderr
+    assert read_record(trained)["started"] > started
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from repsim.flows.cli import main
 from repsim.data import load_spec, shard
 from repsim.experiment import load_experiment
-from repsim.stage import IN_USE, list_outputs, read_record, sha256_file, unreferenced_outputs, verifying
+from repsim.stage import IN_USE, list_outputs, read_record, Reuse, sha256_file, unreferenced_outputs
 
 DAY = 86400
 
@@ -104,9 +104,9 @@ def test_verify_finds_a_same_size_corruption_that_sizes_cannot(sharded, capsys):
     assert shard(spec, progress=False).cached  # sizes alone cannot tell
     assert stages_status(capsys, "--verify") == "damaged (train-00000.tar: sha256 differs from its record)"
 
-    with verifying():
-        assert not shard(spec, progress=False).cached
-        assert shard(spec, progress=False).cached
+    verified = Reuse(verify=True)
+    assert not shard(spec, progress=False, reuse=verified).cached
+    assert shard(spec, progress=False, reuse=verified).cached
     assert digests(result.path) == before
 
 

@@ -28,7 +28,7 @@ from repsim.device import resolve_device
 from repsim.methods.stage import CHECKPOINT_FILE, METRICS_FILE, JsonlMetrics, _tee, summarise
 from repsim.methods.trainer import LogFn, Trainer, seed_everything
 from repsim.layering import keyed_values
-from repsim.stage import Stage, StageKind, StageOutput, repsim_home, run_stage
+from repsim.stage import SERVE_COMPLETE, Reuse, Stage, StageKind, StageOutput, repsim_home, run_stage
 
 VERSION = "1"
 RESULTS_FILE = "results.json"
@@ -56,13 +56,14 @@ def _stage(config: AlignConfig, train_key: str, test_key: str) -> Stage:
 
 def align(config: AlignConfig, out_dir: str | Path | None = None, log: LogFn | None = None,
           shards: ShardResult | str | Path | None = None, device: str | torch.device | None = None,
-          progress: bool = True) -> StageOutput:
+          progress: bool = True, reuse: Reuse = SERVE_COMPLETE) -> StageOutput:
     """Align ``config`` into its stage directory (f and g trained on ``device``, default the GPU when
-    present), or return the cached output at once; ``log(metrics, step)`` receives the per-step curves."""
+    present), or return the cached output at once; ``log(metrics, step)`` receives the per-step curves.
+    ``reuse`` serves complete outputs, of its embedding tables too."""
     spec = load_spec(config.data.spec)
     shards = sharded(spec, shards, progress)
     train_tables, test_tables = (embedding_tables(shards, spec, config.image, config.text, split, device,
-                                                  progress=progress)
+                                                  progress=progress, reuse=reuse)
                                  for split in (config.data.train_split, config.data.test_split))
     stage = _stage(config, train_tables.key, test_tables.key)
     scratch = repsim_home() / "scratch" / "align" / stage.key
@@ -70,7 +71,7 @@ def align(config: AlignConfig, out_dir: str | Path | None = None, log: LogFn | N
     if config.data.holdout:
         train, test = hold_out(train, config.data.holdout)
     build = functools.partial(_build, config, spec, train, test, scratch, log, resolve_device(device), progress)
-    output = run_stage(stage, build, out_dir)
+    output = run_stage(stage, build, out_dir, reuse=reuse)
     shutil.rmtree(scratch, ignore_errors=True)
     return output
 

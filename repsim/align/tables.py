@@ -25,7 +25,7 @@ from repsim.methods.stage import file_digest
 from repsim.similarity.captions import embed_captions, load_text_model
 from repsim.similarity.stage import text_model_identity
 from repsim.similarity.wordnet import lookup
-from repsim.stage import Stage, StageOutput, completed_output, run_stage
+from repsim.stage import SERVE_COMPLETE, Reuse, Stage, StageOutput, completed_output, run_stage
 
 STAGE_VERSION = "2"  # 2: the hypernym caption uses the first hypernym by name
 COPY_ROWS = 65536  # table rows copied at a time
@@ -67,13 +67,14 @@ def hold_out(tables: EmbeddingTables, fraction: float, seed: int = 0) -> tuple[E
 
 def embedding_tables(shards: ShardResult, spec: DataSpec, image: ImageSource, text: AlignText, split: str,
                      device: str | torch.device | None = None, out_dir: str | Path | None = None,
-                     progress: bool = True) -> StageOutput:
-    """The image and text embeddings of ``split``, or the cached output at once."""
+                     progress: bool = True, reuse: Reuse = SERVE_COMPLETE) -> StageOutput:
+    """The image and text embeddings of ``split``, or the cached output at once (its features too)."""
     features = (None if image.type == "table"
-                else extract_features(shards, _encoder(image), split, image.batch_size, device, progress=progress))
+                else extract_features(shards, _encoder(image), split, image.batch_size, device, progress=progress,
+                                     reuse=reuse))
     stage = embedding_tables_stage_of(shards, image, text, split, device)
     return run_stage(stage, lambda tmp: _write(shards, spec, image, text, split, features, device, progress, tmp),
-                     out_dir)
+                     out_dir, reuse=reuse)
 
 
 def embedding_tables_stage_of(shards: ShardResult, image: ImageSource, text: AlignText, split: str,

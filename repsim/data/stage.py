@@ -46,7 +46,7 @@ from repsim.data.sources import Entry, Listing, Reader, assign_splits, open_sour
 from repsim.data.spec import DataSpec, load_spec
 from repsim.errors import DataError, StageError
 from repsim.pieces import Piece, link_or_copy, run_pieces
-from repsim.stage import Stage, StageKind, completed_output, repsim_home, run_stage
+from repsim.stage import SERVE_COMPLETE, Reuse, Stage, StageKind, completed_output, repsim_home, run_stage
 
 SHARD_VERSION = "3"
 INDEX = "shards.json"
@@ -99,22 +99,22 @@ def sharded_already(spec: DataSpec, shards: ShardResult | str | Path | None = No
 
 
 def shard(spec: DataSpec | str | Path, out_dir: str | Path | None = None, progress: bool = True,
-          executor: Executor | None = None) -> ShardResult:
+          executor: Executor | None = None, reuse: Reuse = SERVE_COMPLETE) -> ShardResult:
     """Write ``spec``'s samples as WebDataset shards (keyed by the spec and a fingerprint of the source
     files), or return the cached output at once, once each tar's first header shows it was not swapped since
     (:func:`check_tars`). Each tar is a piece run on ``executor`` (default: here), kept in
     ``$REPSIM_HOME/scratch/shard/<key>/`` until the output is complete, so a stopped stage resumes with the
     tars left. DataError for an unreadable source, and under ``on_error: fail`` for the first unreadable image,
-    repeated manifest row or damaged source tar (``skip``: counted)."""
+    repeated manifest row or damaged source tar (``skip``: counted). ``reuse``: which complete output is served."""
     spec = spec if isinstance(spec, DataSpec) else load_spec(spec)
     reader = open_source(spec)
     stage = shard_stage(spec, reader)
     scratch = repsim_home() / "scratch" / "shard" / stage.key
     if getattr(spec.source, "manifest", None):
-        output = run_stage(stage, lambda tmp: _in_place(spec, reader, tmp), out_dir, file_details=_tar_samples)
+        output = run_stage(stage, lambda tmp: _in_place(spec, reader, tmp), out_dir, _tar_samples, reuse)
         return ShardResult.from_dir(output.path, cached=output.cached)
     output = run_stage(stage, lambda tmp: _build(spec, reader, tmp, progress, executor, scratch), out_dir,
-                       file_details=_tar_samples)
+                       _tar_samples, reuse)
     shutil.rmtree(scratch, ignore_errors=True)
     result = ShardResult.from_dir(output.path, cached=output.cached)
     if output.cached:  # the tars were right when built: a cache hit checks that none was swapped since

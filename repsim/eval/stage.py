@@ -38,8 +38,8 @@ from repsim.models.backbones import ENCODER_FILE, UNREADABLE_FIX, encoder_file, 
 from repsim.pieces import Piece, run_pieces
 from repsim.similarity.neighbors import QUERY_CHUNK
 from repsim.similarity.stage import CLASSES_FILE, EMBEDDINGS_FILE
-from repsim.stage import (Stage, StageKind, StageLike, StageOutput, completed_output, fingerprint_files, output_dir, read_record,
-                          repsim_home, run_stage)
+from repsim.stage import (SERVE_COMPLETE, Reuse, Stage, StageKind, StageLike, StageOutput, completed_output,
+                          fingerprint_files, output_dir, read_record, repsim_home, run_stage)
 
 STAGE_VERSION = "1"
 FEATURES_VERSION = "2"  # 2: encoded a piece of FEATURES_PIECE_TARS tars at a time
@@ -112,7 +112,7 @@ def extract_features(shards: ShardsLike, encoder: str | Path = PIXELS, split: st
                      device: str | torch.device | None = None, *, image_size: int | None = None,
                      preset_options: Mapping[str, Any] | None = None, num_workers: int = 0,
                      out_dir: str | Path | None = None, progress: bool = True,
-                     executor: Executor | None = None) -> StageOutput:
+                     executor: Executor | None = None, reuse: Reuse = SERVE_COMPLETE) -> StageOutput:
     """Features (N, F) of every ``split`` sample of ``shards`` under ``encoder``, or the cached output: the
     ``eval`` preset's view (``image_size`` and ``preset_options`` override the encoder's training), encoded
     without gradients on ``device`` (default: the GPU when there is one). Every :data:`FEATURES_PIECE_TARS`
@@ -123,7 +123,8 @@ def extract_features(shards: ShardsLike, encoder: str | Path = PIXELS, split: st
     pieces = [Piece(f"{split}-{start:05d}", FeaturesPiece(tuple(map(str, tars)), str(shards.manifest), source,
                                                           stage.config, batch_size, str(device), num_workers))
               for start, tars in _tar_chunks(shards.shards[split])]
-    output = run_stage(stage, lambda tmp: _write_features(shards, pieces, executor, progress, scratch, tmp), out_dir)
+    output = run_stage(stage, lambda tmp: _write_features(shards, pieces, executor, progress, scratch, tmp), out_dir,
+                       reuse=reuse)
     shutil.rmtree(scratch, ignore_errors=True)
     return output
 
@@ -338,7 +339,7 @@ def evaluate_features(train: StageLike, test: StageLike, suites: Iterable[str] =
                       knn_k: int | Iterable[int] = KNN_K, *, linear_options: Mapping[str, Any] | None = None,
                       text_encoder: TextEncoder | None = None, captions: StageLike | None = None,
                       device: str | torch.device | None = None, out_dir: str | Path | None = None,
-                      executor: Executor | None = None) -> StageOutput:
+                      executor: Executor | None = None, reuse: Reuse = SERVE_COMPLETE) -> StageOutput:
     """Run ``suites`` on two features outputs (train: the kNN memory and the probe's training set;
     test: what is scored), or return the cached output. ``linear_options`` go to :func:`linear_probe`. The kNN's
     queries are pieces of :data:`KNN_PIECE_QUERIES` test rows, run on ``executor`` (default: here)."""
@@ -348,7 +349,7 @@ def evaluate_features(train: StageLike, test: StageLike, suites: Iterable[str] =
     scratch = repsim_home() / "scratch" / "evaluate" / stage.key
     run = _SuiteRun(train, test, stage.config, resolve_device(device), text_encoder,
                     _caption_embeddings(captions)[0] if captions is not None else None, executor, scratch)
-    output = run_stage(stage, run.write, out_dir)
+    output = run_stage(stage, run.write, out_dir, reuse=reuse)
     shutil.rmtree(scratch, ignore_errors=True)
     return output
 

@@ -33,7 +33,8 @@ from repsim.methods.trainer import (KnnMonitor, LogFn, Trainer, TrainingError, i
                                   seed_everything)
 from repsim.models.backbones import ENCODER_FILE, encoder_file, load_encoder, save_encoder
 from repsim.layering import keyed_values
-from repsim.stage import Stage, StageKind, StageOutput, read_record, repsim_home, run_stage, sha256_file
+from repsim.stage import (SERVE_COMPLETE, Reuse, Stage, StageKind, StageOutput, read_record, repsim_home, run_stage,
+                          sha256_file)
 
 VERSION = "2"  # 2: the loader reads every sample once an epoch with several workers or ranks
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -81,17 +82,18 @@ def training_data(config: Config, spec: DataSpec, shards: ShardResult) -> Traini
 
 def train(config: Config, out_dir: str | Path | None = None, log: LogFn | None = None,
           shards: ShardResult | str | Path | None = None, device: str | torch.device | None = None,
-          progress: bool = True) -> StageOutput:
+          progress: bool = True, reuse: Reuse = SERVE_COMPLETE) -> StageOutput:
     """Train ``config`` into its stage directory (its shards and upstream stage first, all cached) on ``device``
-    (default: this rank's GPU, else the CPU), resuming an interrupted run; ``log(metrics, step)`` on rank 0."""
+    (default: this rank's GPU, else the CPU), resuming an interrupted run, unless ``reuse`` serves a complete
+    output; ``log(metrics, step)`` on rank 0."""
     init_distributed()
     data, upstream = prepare(config, shards, progress and is_main_process())
     stage = _stage(config, data.shards, upstream)
     scratch = repsim_home() / "scratch" / "train" / stage.key
     build = _builder(config, data, scratch, log, resolve_device(device), progress)
     if distributed():
-        return _train_distributed(stage, build, out_dir, scratch)
-    output = run_stage(stage, build, out_dir)
+        return _train_distributed(stage, build, out_dir, scratch, reuse)
+    output = run_stage(stage, build, out_dir, reuse=reuse)
     shutil.rmtree(scratch, ignore_errors=True)
     return output
 
@@ -108,18 +110,24 @@ def prepare(config: Config, shards: ShardResult | str | Path | None = None,
 
 
 def launch_training(config: Config, out_dir: str | Path | None = None, log: LogFn | None = None,
-                    launch: TorchrunLaunch | None = None) -> StageOutput:
+                    launch: TorchrunLaunch | None = None, reuse: Reuse = SERVE_COMPLETE) -> StageOutput:
     """:func:`train` as the pipeline runs it: on a GPU of its own, or with a distributed ``launch`` through
-    torchrun (``repsim train --direct`` on every rank), its curves reaching ``log`` from ``metrics.jsonl``."""
+    torchrun (``repsim train --direct`` on every rank, told to ``--rebuild`` an output ``reuse`` does not
+    serve), its curves reaching ``log`` from ``metrics.jsonl``."""
     if launch is None or not launch.distributed:
         with gpu_slot() as device:
-            return train(config, out_dir, log=log, device=device)
+            return train(config, out_dir, log=log, device=device, reuse=reuse)
+    stage = train_stage_of(config)
+    record = read_record(stage.output_dir(out_dir))
+    if record is not None and reuse.serves(stage.output_dir(out_dir), record):
+        return train(config, out_dir, progress=False)
     started = time.time()
-    resolved = repsim_home() / "scratch" / "launch" / f"{train_stage_of(config).key}.json"
+    resolved = repsim_home() / "scratch" / "launch" / f"{stage.key}.json"
     resolved.parent.mkdir(parents=True, exist_ok=True)
     resolved.write_text(config.model_dump_json())  # JSON is YAML: the ranks read the config as resolved here
     try:
-        exit_code = subprocess.run(launch.command(resolved, []), env=os.environ | launch.environment,
+        rebuild = ["--rebuild"] if record is not None else []
+        exit_code = subprocess.run(launch.command(resolved, options=rebuild), env=os.environ | launch.environment,
                                    check=False).returncode
     finally:
         resolved.unlink()
@@ -135,14 +143,14 @@ def launch_training(config: Config, out_dir: str | Path | None = None, log: LogF
 
 
 def _train_distributed(stage: Stage, build: Callable[[Path | None], Mapping[str, float]],
-                       out_dir: str | Path | None, scratch: Path) -> StageOutput:
+                       out_dir: str | Path | None, scratch: Path, reuse: Reuse) -> StageOutput:
     """Rank 0 runs the stage and tells the others whether it trains; they train alongside, unwritten."""
     out = stage.output_dir(out_dir)
     if is_main_process():
         def announce_and_build(tmp: Path) -> Mapping[str, float]:
             _announce(True)
             return build(tmp)
-        output = run_stage(stage, announce_and_build, out)
+        output = run_stage(stage, announce_and_build, out, reuse=reuse)
         if output.cached:
             _announce(False)
         shutil.rmtree(scratch, ignore_errors=True)

@@ -41,8 +41,8 @@ from repsim.similarity.neighbors import (CHUNK_ROWS, EXACT_LIMIT, STAGE_INDEXES,
                                         load_neighbors, open_lists, recall_at_k, search_queries, self_search_index,
                                         self_searcher)
 from repsim.similarity.wordnet import class_similarity
-from repsim.stage import (Stage, StageKind, StageOutput, fingerprint_files, output_dir, read_record, repsim_home,
-                          run_stage)
+from repsim.stage import (SERVE_COMPLETE, Reuse, Stage, StageKind, StageOutput, fingerprint_files, output_dir,
+                          read_record, repsim_home, run_stage)
 
 STAGE_VERSION = "1"
 NEIGHBORS_VERSION = "2"  # 2: knn(), scores named for what they are, cosine by default
@@ -64,7 +64,7 @@ QUERY_PIECE_ROWS = CHUNK_ROWS  # rows a neighbor piece searches: knn's query chu
 def embed_captions_stage(shards: ShardResult | str | Path, model: str | Path | None = None,
                          batch_size: int = 256, device: str | None = None,
                          out_dir: str | Path | None = None, progress: bool = True,
-                         executor: Executor | None = None) -> StageOutput:
+                         executor: Executor | None = None, reuse: Reuse = SERVE_COMPLETE) -> StageOutput:
     """Embed the caption of every manifest row of ``shards`` (a ShardResult or shard directory) into
     ``embeddings.npy`` (N, D) float16 unit rows, or return the cached output at once. ``model``: a local
     sentence-transformers folder or cached model name (default all-MiniLM-L6-v2). Each piece embeds
@@ -74,7 +74,7 @@ def embed_captions_stage(shards: ShardResult | str | Path, model: str | Path | N
     stage = embed_captions_stage_of(shards, model)
     scratch = repsim_home() / "scratch" / stage.name / stage.key
     output = run_stage(stage, lambda tmp: _write_embeddings(shards.manifest, model, batch_size, device, progress,
-                                                            executor, scratch, tmp), out_dir)
+                                                            executor, scratch, tmp), out_dir, reuse=reuse)
     shutil.rmtree(scratch, ignore_errors=True)
     return output
 
@@ -152,13 +152,13 @@ ClassesLike = DataSpec | str | Path | Mapping[str, str]
 
 
 def wordnet_similarity_stage(classes: ClassesLike, measure: str = "wup", out_dir: str | Path | None = None,
-                             progress: bool = True) -> StageOutput:
+                             progress: bool = True, reuse: Reuse = SERVE_COMPLETE) -> StageOutput:
     """The (C, C) WordNet ``measure`` similarity of the classes of a data spec (object or YAML path) or of a
     ``{class name: synset}`` mapping, in label order; or the cached output at once. An unknown synset or
     measure raises SimilarityError and leaves no output."""
     named = spec_classes(classes)
     return run_stage(wordnet_similarity_stage_of(named, measure),
-                     lambda tmp: _write_class_similarity(named, measure, progress, tmp), out_dir)
+                     lambda tmp: _write_class_similarity(named, measure, progress, tmp), out_dir, reuse=reuse)
 
 
 def wordnet_similarity_stage_of(classes: ClassesLike, measure: str = "wup") -> Stage:
@@ -200,7 +200,8 @@ EmbeddingsLike = StageOutput | str | Path
 
 def neighbors_stage(embeddings: EmbeddingsLike, k: int = 10, index: str = "auto", metric: str = "cosine",
                     recall_queries: int = RECALL_QUERIES, seed: int = 0, out_dir: str | Path | None = None,
-                    progress: bool = True, executor: Executor | None = None) -> StageOutput:
+                    progress: bool = True, executor: Executor | None = None,
+                    reuse: Reuse = SERVE_COMPLETE) -> StageOutput:
     """The k nearest other rows of every row of (N, D) ``embeddings`` (a caption stage output or directory,
     or a ``.npy``, memory-mapped) with a FAISS ``index`` (``auto``: :func:`~repsim.similarity.neighbors.auto_index`),
     or the cached output at once. ``flat`` over more than :data:`~repsim.similarity.neighbors.EXACT_LIMIT` rows
@@ -211,7 +212,7 @@ def neighbors_stage(embeddings: EmbeddingsLike, k: int = 10, index: str = "auto"
     path, _ = _embeddings_input(embeddings)
     scratch = repsim_home() / "scratch" / stage.name / stage.key
     output = run_stage(stage, lambda tmp: _write_neighbors(path, stage.config, progress, executor, scratch, tmp),
-                       out_dir)
+                       out_dir, reuse=reuse)
     shutil.rmtree(scratch, ignore_errors=True)
     return output
 
