@@ -22,9 +22,6 @@ from repsim.stopping import Stopped
 EXIT_USER_ERROR = 2
 MIN_FREE_BYTES = int(float(os.environ.get("REPSIM_MIN_FREE_MB", "100")) * 2**20)  # refused below: a run's records alone
 NEARLY_FULL_BYTES = 2**20  # an error with less free under $REPSIM_HOME is taken for a full disk
-FORCEABLE = ("shard", "captions", "wordnet", "neighbors", "train", "features", "evaluate", "align")
-
-
 def cmd_shard(args: argparse.Namespace) -> None:
     from repsim.data import ShardResult, load_spec
     from repsim.data.remote import check_destination, is_url, upload
@@ -167,8 +164,11 @@ def cmd_run(args: argparse.Namespace) -> None:
     from repsim.experiment import check_experiment, load_experiment
     from repsim.results import table
 
+    from repsim.sections import check_stage_names
+
     experiment = load_experiment(args.experiment, args.overrides)
     check_experiment(experiment)  # validate before orchestration
+    check_stage_names(args.force)
     from repsim.tasks.cluster import requested_cluster
 
     requested_cluster(args.cluster or experiment.cluster)
@@ -450,8 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
                   "(every stage cached)")
     run.add_argument("experiment", metavar="EXPERIMENT", help="experiment YAML or shipped name, e.g. default")
     add_overrides(run, "an experiment", "train.settings.optim.lr=0.01")
-    run.add_argument("--force", action="append", default=[], metavar="STAGE", choices=FORCEABLE,
-                     help=f"rebuild this stage's outputs even if cached, repeatable ({', '.join(FORCEABLE)})")
+    run.add_argument("--force", action="append", default=[], metavar="STAGE",
+                     help="rebuild this stage's outputs even if cached, repeatable (shard, captions, wordnet, "
+                          "neighbors, train, features, evaluate, align, or a stage a package adds)")
     run.add_argument("--plan", action="store_true",
                      help="print the stages (each member's, shared ones once), which are cached, and their count; run nothing")
     run.add_argument("--concurrency", type=_positive_int, metavar="N",

@@ -1,6 +1,6 @@
 """The experiment flow: shard the data spec, then run the experiment's sections in order, each stage a
 task tracked as a nested MLflow run (served from the stage store once built); the result table goes on the
-parent run and a Prefect artifact. Each step (:data:`STEPS`) submits the tasks of all members
+parent run and a Prefect artifact. Each section (:mod:`repsim.sections`) submits the tasks of all members
 (:func:`repsim.experiment.expand`) before waiting on any, so independent stages run concurrently
 (:func:`concurrency`); a request made twice is submitted once and its result shared."""
 
@@ -29,25 +29,18 @@ from prefect.runtime import flow_run as prefect_flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from repsim import stopping
-from repsim.align.config import load_align_config
 from repsim.align.stage import align_scores
-from repsim.data.manifest import MANIFEST, manifest_labels
-from repsim.data.spec import load_spec
 from repsim.errors import RepsimError, StageError
-from repsim.eval.stage import PIXELS, read_results
-from repsim.experiment import (AS_CONFIGURED, AlignSection, EvaluateSection, Experiment, Member, check_experiment,
-                               with_overrides)
+from repsim.eval.stage import read_results
+from repsim.experiment import Experiment, Member, check_experiment, with_overrides
 from repsim.layering import read_once
-from repsim.methods.config import load_config
-from repsim.methods.xclr import target_histogram
 from repsim.results import Row, Score, aggregate, as_records, headline_metrics, markdown
-from repsim.similarity.stage import precomputed_sources
+from repsim.sections import ShardSection, check_stage_names, stage_kinds
 from repsim.stage import SERVE_COMPLETE, Reuse, StageOutput, read_record
 from repsim.tasks.cluster import cluster_running, dask_logs_above, requested_cluster, stores
 from repsim.tasks.settings import api_for_workers, use_embedded_defaults
-from repsim.tasks.stage_tasks import KINDS, TASKS, current_record, planned, produced
-from repsim.tasks.tracking import (MODEL_URI, StageRun, Tracker, colour_by_encoder, model_directory,
-                                   show_in_runs_table)
+from repsim.tasks.stage_tasks import current_record, planned, produced, task_of
+from repsim.tasks.tracking import StageRun, Tracker, colour_by_encoder, model_directory, show_in_runs_table
 
 RESULTS_TABLE = "results.json"  # the result table's file among the parent run's artifacts
 
@@ -91,11 +84,11 @@ class Stages:
         """Submit the stage task of ``kind`` for ``params`` (:func:`repsim.tasks.stage_tasks.stage_task`) unless
         the same request was made before; the request, for :meth:`result`. ``label``: what the stage is for, in
         the summary and its run's name; ``encoder``: the encoder it trains, reads or scores, tagged on its run."""
-        options = (options or {}) | ({"cluster": self.cluster} if self.cluster and KINDS[kind].split else {})
+        options = (options or {}) | ({"cluster": self.cluster} if self.cluster and stage_kinds()[kind].split else {})
         request = _request(kind, params, options, out_dir)
         self._uses[request] += 1
         if request not in self._submitted:
-            named = TASKS[kind].with_options(task_run_name=task_run_name(kind, label))
+            named = task_of(kind).with_options(task_run_name=task_run_name(kind, label))
             future = named.submit(params, options, out_dir, self.parent.run_id, label, encoder, register,
                                   stores() if self.cluster else None, self.reuse)
             self._submitted[request] = future, kind, label
@@ -122,6 +115,8 @@ class Stages:
         with tempfile.TemporaryDirectory() as folder:
             self.parent.log_artifacts(draw(Path(folder)))
 
+    model_directory = staticmethod(model_directory)
+
 
 @dataclass
 class Planner:
@@ -137,7 +132,7 @@ class Planner:
         request = _request(kind, params, options or {}, out_dir)
         if request not in self._outputs:
             try:
-                stage, out = planned(KINDS[kind], params, out_dir)
+                stage, out = planned(stage_kinds()[kind], params, out_dir)
             except (RepsimError, OSError):  # an input is not built yet
                 stage, out = None, None
             record = current_record(stage, out, self.reuse) if stage is not None else None
@@ -155,6 +150,8 @@ class Planner:
     def log_figures(self, draw: Callable[[Path], list[Path]]) -> None:
         """Nothing: a plan draws no figures."""
 
+    model_directory = staticmethod(model_directory)
+
 
 @dataclass(eq=False)
 class MemberRun:
@@ -169,6 +166,14 @@ class MemberRun:
     @property
     def experiment(self) -> Experiment:
         return self.member.experiment
+
+    @property
+    def data(self) -> Path:
+        return self.experiment.data
+
+    @property
+    def name(self) -> str:
+        return self.experiment.name
 
     def tag(self, label: str, kind: str) -> str:
         """``label`` of a ``kind`` stage with what of the member can change it (its seed and grid
@@ -186,114 +191,13 @@ class MemberRun:
             self.scores.append(Score(self.member.point_label, encoder, output.key, metrics))
 
 
-Members = list[tuple[MemberRun, Any]]  # each member with its section of the step's kind
-
-
-def shard_step(stages: Stages, runs: list[MemberRun]) -> None:
-    requests = [stages.submit("shard", {"spec": load_spec(run.experiment.data)}, out_dir=_shard_out(run.experiment))
-               for run in runs]
-    for run, request in zip(runs, requests):
-        run.shards = stages.result(request)
-
-
-def _shard_out(experiment: Experiment) -> str | None:
-    section = experiment.section("shard")
-    return str(section.out) if section is not None and section.out is not None else None
-
-
-def precompute_step(stages: Stages, members: Members) -> None:
-    captions = {run: stages.submit("captions", {"shards": str(run.shards.path), "model": section.model})
-                for run, section in members if section.captions}
-    wordnet = {(run, measure): stages.submit("wordnet", {"classes": load_spec(run.experiment.data), "measure": measure})
-               for run, section in members for measure in section.wordnet}
-    for run, request in captions.items():
-        run.captions = stages.result(request)
-    neighbors = [stages.submit("neighbors", {"embeddings": str(run.captions.path), "k": section.neighbors,
-                                             "index": section.index, "metric": section.metric})
-                 for run, section in members if section.neighbors]
-    similarities = {key: stages.result(request) for key, request in wordnet.items()}
-    for request in neighbors:
-        stages.result(request)
-    for run, section in dict(members).items():
-        measures = {measure: similarities[run, measure] for measure in section.wordnet}
-        stages.log_figures(functools.partial(target_histograms, run, measures, section.target_temperature))
-
-
-def target_histograms(run: MemberRun, wordnet: dict[str, StageOutput], target_temperature: float,
-                      folder: Path) -> list[Path]:
-    """``target_similarity_<source>.png`` in ``folder`` for each source the precompute section prepared (and
-    labels, if labelled): the histogram of X-CLR's targets on random batches at ``target_temperature``."""
-    labels = manifest_labels(run.shards.path / MANIFEST)
-    sources = precomputed_sources(labels, run.captions.path if run.captions is not None else None,
-                                  {measure: output.path for measure, output in wordnet.items()})
-    return [target_histogram(source, labels, folder / f"target_similarity_{name}.png", name, target_temperature)
-            for name, source in sources.items()]
-
-
-def train_step(stages: Stages, members: Members) -> None:
-    requests = [(run, method.label, stages.submit(
-        "train", {"config": load_config(method.config, section.overrides(method, run.experiment.data))},
-        {"launch": section.launch}, label=run.tag(method.label, "train"), encoder=method.label,
-        register=f"{run.experiment.name}-{method.label}"))  # the registered model, e.g. animal-mnist-xclr
-        for run, section in members for method in section.methods]
-    for run, label, request in requests:
-        run.encoders[label] = stages.result(request)
-
-
-def evaluate_step(stages: Stages, members: Members) -> None:
-    encoders = [(run, section, label, tag, encoder) for run, section in members
-                for label, tag, encoder in _encoders(run, section)]
-    features = [[stages.submit("features", {"shards": str(run.shards.path), "encoder": encoder, "split": split,
-                                            "device": section.device},
-                               {"batch_size": section.batch_size}, label=f"{tag} {split}", encoder=label)
-                 for split in (section.train_split, section.test_split)]
-                for run, section, label, tag, encoder in encoders]
-    evaluations = [stages.submit(
-        "evaluate", {"train": str(stages.result(train).path), "test": str(stages.result(test).path),
-                     "suites": list(section.suites), "knn_k": list(section.knn_k),
-                     "linear_options": section.linear.model_dump(exclude_defaults=True)},
-        {"device": section.device}, label=tag, encoder=label)
-        for (run, section, label, tag, _), (train, test) in zip(encoders, features)]
-    for (run, _, label, _, _), request in zip(encoders, evaluations):
-        run.score(label, stages.result(request))
-
-
-def _encoders(run: MemberRun, section: EvaluateSection) -> list[tuple[str, str, str]]:
-    """(label, label shown with the member, encoder) of each encoder to evaluate: the raw pixels, those the
-    section names (``models:/`` ones fetched), then those trained (the only ones whose label shows the member)."""
-    named = {label: str(model_directory(encoder)) if encoder.startswith(MODEL_URI) else encoder
-             for label, encoder in (({PIXELS: PIXELS} if section.pixels else {}) | section.encoders).items()}
-    trained = [(label, run.tag(label, "evaluate"), str(output.path)) for label, output in run.encoders.items()]
-    return [(label, label, encoder) for label, encoder in named.items()] + trained
-
-
-def align_step(stages: Stages, members: Members) -> None:
-    requests = [(run, label, stages.submit(
-        "align", {"config": load_align_config(section.config, section.overrides(image, run.experiment.data))},
-        label=run.tag(label, "align"), encoder=label))
-        for run, section in members for label, image in _image_sides(run, section)]
-    for run, label, request in requests:
-        run.score(label, stages.result(request))
-
-
-def _image_sides(run: MemberRun, section: AlignSection) -> list[tuple[str, str]]:
-    """(label, image side: ``pixels``, ``config`` or a train stage directory) of each image side to align."""
-    own = [(section.config.stem, AS_CONFIGURED)] * section.as_configured
-    pixels = [(PIXELS, PIXELS)] * section.pixels
-    return own + pixels + [(label, str(output.path)) for label, output in run.encoders.items()]
-
-
-STEPS: dict[str, Callable[[Stages, Members], None]] = {
-    "shard": lambda stages, members: None,  # the shard step runs first, whatever the experiment lists
-    "precompute": precompute_step, "train": train_step, "evaluate": evaluate_step, "align": align_step}
-
-
 def run_steps(stages: Stages | Planner, experiment: Experiment, members: list[Member]) -> list[MemberRun]:
-    """Every member through the shard step and the experiment's section steps, section by section."""
+    """Every member's data sharded, then each of the experiment's sections run for every member, in order."""
     runs = [MemberRun(member) for member in members]
-    shard_step(stages, runs)
+    ShardSection.run(stages, [(run, run.experiment.section("shard")) for run in runs])
     for position, section in enumerate(experiment.stages):
-        STEPS[section.kind](stages, [(run, run.experiment.stages[position]) for run in runs])
+        if section.kind != "shard":
+            type(section).run(stages, [(run, run.experiment.stages[position]) for run in runs])
     return runs
 
 
@@ -301,6 +205,7 @@ def plan_experiment(experiment: Experiment, force: Sequence[str] = ()) -> dict[s
     """What :func:`experiment_flow` would run, without running it: ``{"members": [labels], "stages":
     [one summary per distinct stage: stage, detail, key, status (cached, runs, runs after its inputs)]}``."""
     members = check_experiment(experiment)
+    check_stage_names(force)
     planner = Planner(Reuse.forcing(force, experiment.verify))
     run_steps(planner, experiment, members)
     return {"members": [member.label for member in members], "stages": planner.summaries}
@@ -403,6 +308,7 @@ def experiment_flow(experiment: Experiment, overrides: list[str] | None = None, 
     with read_once():  # each settings file is read once, also in a flow run the command line did not start
         experiment = with_overrides(experiment, overrides or [])
         members = check_experiment(experiment)
+        check_stage_names(force or [])
         tracker = Tracker()
         params = {"experiment": experiment.model_dump(mode="json"), "source": source, "overrides": list(overrides or []),
                   "force": list(force or []), "members": len(members), "spread": spread or "", "cluster": cluster or ""}

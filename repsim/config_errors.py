@@ -130,12 +130,13 @@ def _tags_at(model: type[BaseModel], loc: tuple[Any, ...], tag_field: str) -> st
 
 def _field_models(field: FieldInfo) -> list[type[BaseModel]]:
     """The models a value of ``field`` can validate into: those its annotation names, and those a validator in
-    its metadata picks from (``models()``, e.g. :class:`repsim.methods.config.MethodSettings`)."""
-    chosen = [m for meta in field.metadata if hasattr(meta, "models") for m in meta.models()]
-    return _models_in(field.annotation) + chosen
+    its metadata picks from (``models()``, e.g. :class:`repsim.registry.Registry`)."""
+    return [m for part in (field.annotation, *field.metadata) for m in _models_in(part)]
 
 
 def _models_in(annotation: Any) -> list[type[BaseModel]]:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return [annotation]
+    if hasattr(annotation, "models"):
+        return list(annotation.models())
     return [m for arg in get_args(annotation) for m in _models_in(arg)]

@@ -1,5 +1,5 @@
 """Experiments: one YAML file naming a data spec and the stage sections to run on it, in order
-(:data:`Section`; the data is always sharded first). ``seeds`` and a ``sweep`` grid expand it into
+(:mod:`repsim.sections`; the data is always sharded first). ``seeds`` and a ``sweep`` grid expand it into
 members (:func:`expand`). Overrides (``--set``) address a top-level field (``name=...``), a section by
 its kind (``train.settings.optim.lr=0.01``) or a train method by its label
 (``train.methods.xclr.settings.method.target_temperature=0.05``); values parse as YAML. Relative
@@ -14,173 +14,21 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from repsim.config_errors import describe
-from repsim.data.remote import is_url
-from repsim.device import TorchrunLaunch
 from repsim.errors import SpecError
-from repsim.eval.linear import DEFAULT_WEIGHT_DECAYS
-from repsim.layering import (SettingsFile, Strict, as_overrides, inline, load_model, parse_override, resolve_paths,
-                             set_dotted)
+from repsim.layering import SettingsFile, Strict, inline, load_model, parse_override, resolve_paths, set_dotted
+from repsim.sections import SECTIONS, Section, distinct
 from repsim.shipped import locate
-from repsim.similarity.neighbors import METRICS, STAGE_INDEXES
 
-MEASURES = ("wup", "path", "lch", "hops")
-SUITES = ("knn", "linear", "map", "diagnostics", "plots")  # those of repsim.eval that need only image features
 PATH_FIELDS = ("data", "stages.*.methods.*.config", "stages.*.config", "stages.*.out")  # relative to the experiment's folder
 DEPLOYMENT_PATH_FIELDS = ("deployments.*.experiment",)  # relative to the deployments file's folder
 EXPERIMENT_FILE = SettingsFile("experiment", "experiments/default.yaml", "train.settings.optim.lr=0.01", PATH_FIELDS)
 DEPLOYMENTS_FILE = SettingsFile("deployments file", "experiments/deployments.yaml", paths=DEPLOYMENT_PATH_FIELDS)
-Settings = dict[str, Any]
-PIXELS = "pixels"  # the image side that is the raw pixels (repsim.eval.stage.PIXELS)
-AS_CONFIGURED = "config"  # the image side that an alignment config names itself
-
-
-class _Section(Strict):
-    def needs(self) -> tuple[str, ...]:  # the section kinds that must come before this one
-        return ()
-
-
-class ShardSection(_Section):
-    """Where the data spec's shards go (every experiment shards its data first, with or without this section)."""
-
-    kind: Literal["shard"] = "shard"
-    out: Path | None = Field(None, description="output folder; default: the stage's own under $REPSIM_HOME")
-
-    @field_validator("out", mode="before")
-    @classmethod
-    def _out_is_a_folder(cls, out: Any) -> Any:
-        if is_url(out):
-            raise ValueError("out is a local folder; to put the shards in a bucket run 'repsim shard SPEC --out URL'")
-        return out
-
-
-class PrecomputeSection(_Section):
-    """Caption embeddings, WordNet class similarities and caption neighbors of the data spec."""
-
-    kind: Literal["precompute"] = "precompute"
-    captions: bool = True
-    wordnet: list[Literal[MEASURES]] = Field(["wup"], description="WordNet measures, one stage each")
-    neighbors: int = Field(10, ge=0, description="caption neighbors per sample; 0: none")
-    index: Literal[STAGE_INDEXES] = "auto"
-    metric: Literal[METRICS] = "cosine"
-    model: str | None = Field(None, description="sentence-transformers model; default: all-MiniLM-L6-v2")
-    target_temperature: float = Field(0.1, gt=0, description="of the X-CLR target histograms on the parent run")
-
-    @model_validator(mode="after")
-    def _neighbors_need_captions(self) -> PrecomputeSection:
-        if self.neighbors and not self.captions:
-            raise ValueError("neighbors are found among caption embeddings; set captions: true or neighbors: 0")
-        return self
-
-
-def _once(values: list, what: str, fix: str, checked: Any) -> Any:
-    """``checked`` when no value repeats, else a ValueError naming ``what`` and how to ``fix`` it."""
-    if len(set(values)) != len(values):
-        raise ValueError(f"{what} {values} repeat; {fix}")
-    return checked
-
-
-class MethodRun(Strict):
-    """One method config to train, with ``settings`` (a nested mapping, like the config's YAML) over it."""
-
-    config: Path
-    name: str | None = Field(None, description="label in tables and MLflow; default: the config file's stem")
-    settings: Settings = {}
-    seeds: list[int] | None = Field(None, description="train it at only these of the experiment's seeds, e.g. [0] "
-                                                      "for a costly row ([]: at none); default: at every seed")
-
-    @property
-    def label(self) -> str:
-        return self.name or self.config.stem
-
-    def runs_at(self, seed: int | None) -> bool:
-        return self.seeds is None or seed in self.seeds
-
-
-class TrainSection(_Section):
-    """Train every method config in ``methods``, each with the shared ``settings`` and then its own."""
-
-    kind: Literal["train"] = "train"
-    methods: list[MethodRun] = Field(min_length=1)
-    settings: Settings = Field({}, description="over every method config, e.g. {optim: {epochs: 2}}")
-    launch: TorchrunLaunch = TorchrunLaunch()
-
-    @model_validator(mode="after")
-    def _distinct_labels(self) -> TrainSection:
-        return _once([run.label for run in self.methods], "method labels", "give the runs of one config distinct names",
-                     self)
-
-    def overrides(self, run: MethodRun, data: Path) -> list[str]:
-        """``--set`` overrides of ``run``'s config: the data spec, then the shared settings, then the run's own."""
-        return [f"data.spec={data}", *as_overrides(self.settings), *as_overrides(run.settings)]
-
-
-class LinearProbeOptions(Strict):
-    """The linear probe's search (:func:`repsim.eval.linear.linear_probe`): one fit per weight decay,
-    the best on a held-out tenth of the train split kept, each fit at most ``max_iter`` L-BFGS steps."""
-
-    weight_decays: list[Annotated[float, Field(ge=0)]] = Field(list(DEFAULT_WEIGHT_DECAYS), min_length=1)
-    max_iter: int = Field(1000, gt=0)
-
-
-class EvaluateSection(_Section):
-    """Evaluate every trained encoder (and the raw pixels, if ``pixels``) on the train/test splits."""
-
-    kind: Literal["evaluate"] = "evaluate"
-    suites: list[Literal[SUITES]] = Field(["knn", "linear"], min_length=1)
-    knn_k: list[Annotated[int, Field(gt=0)]] = Field([20], min_length=1)
-    linear: LinearProbeOptions = LinearProbeOptions()
-    pixels: bool = Field(True, description="also evaluate raw pixels, the floor a learned encoder must beat")
-    encoders: dict[str, str] = Field({}, description="label -> encoder to evaluate besides those trained: a train "
-                                                     "stage folder, an encoder.pt or models:/NAME/VERSION")
-    train_split: str = "train"
-    test_split: str = "test"
-    batch_size: int = Field(512, gt=0, description="of feature extraction")
-    device: str | None = Field(None, description="default: the GPU if there is one, else the CPU")
-
-    @model_validator(mode="after")
-    def _pixels_by_name(self) -> EvaluateSection:
-        if PIXELS in self.encoders:
-            raise ValueError(f"encoder label {PIXELS!r} names the raw pixels; set pixels: true instead")
-        return self
-
-    def needs(self) -> tuple[str, ...]:
-        return () if self.pixels or self.encoders else ("train",)
-
-
-class AlignSection(_Section):
-    """Align every trained image encoder with caption embeddings (a GeRA config), then classify zero-shot."""
-
-    kind: Literal["align"] = "align"
-    config: Path = Field(description="alignment config YAML, e.g. configs/gera.yaml")
-    settings: Settings = {}
-    pixels: bool = Field(False, description="also align the raw pixels, the floor a learned image side must beat")
-    as_configured: bool = Field(False, description="also align the image side the config names itself")
-
-    def overrides(self, image: str, data: Path) -> list[str]:
-        """``--set`` overrides of the alignment config: the experiment's data spec, the ``image`` side
-        (a train stage directory, ``pixels``, or ``config``: the config's own), then the section's settings."""
-        sides = {PIXELS: ["image.type=pixels"], AS_CONFIGURED: []}
-        image_sets = sides.get(image, ["image.type=encoder", f"image.path={image}"])
-        return [f"data.spec={data}", *image_sets, *as_overrides(self.settings)]
-
-    def needs(self) -> tuple[str, ...]:
-        return () if self.pixels or self.as_configured else ("train",)
-
-
-Section = Annotated[ShardSection | PrecomputeSection | TrainSection | EvaluateSection | AlignSection,
-                    Field(discriminator="kind")]
-
-
-SEED_KEYS = {"train": ("settings.optim.seed",),  # what one of an experiment's ``seeds`` sets, by section
-             "align": ("settings.optim.seed", "settings.pairing.seed", "settings.text.seed")}
-
-
 CLUSTER_PATTERN = r"^(local:[1-9][0-9]*|[a-z]+://\S+)$"  # a Dask scheduler address, or local:N
 
 
@@ -190,8 +38,8 @@ class Experiment(Strict):
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     data: Path = Field(description="data spec YAML")
-    stages: list[Section] = Field(min_length=1)
-    seeds: list[int] = Field([], description="run once per seed (the seeds of SEED_KEYS); results: mean ± std")
+    stages: list[Annotated[Any, SECTIONS]] = Field(min_length=1, description="sections by kind (repsim.sections)")
+    seeds: list[int] = Field([], description="run once per seed (the sections' seed_keys); results: mean ± std")
     sweep: dict[str, Annotated[list[Any], Field(min_length=1)]] = Field(
         {}, description="--set key -> values, e.g. {train.settings.method.target_temperature: [0.05, 0.1]}; "
                         "every combination runs")
@@ -204,7 +52,7 @@ class Experiment(Strict):
 
     @model_validator(mode="after")
     def _distinct_seeds_and_values(self) -> Experiment:
-        _once(self.seeds, "seeds", "list each seed once", self)
+        distinct(self.seeds, "seeds", "list each seed once", self)
         for key, values in self.sweep.items():
             if key.split(".")[0] in ("seeds", "sweep"):
                 raise ValueError(f"sweep key {key!r} sweeps the sweep; list seeds under seeds:")
@@ -218,7 +66,7 @@ class Experiment(Strict):
         methods = train.methods if train else []
         for run in methods:
             if run.seeds is not None:
-                _once(run.seeds, f"method {run.label}'s seeds", "list each seed once", self)
+                distinct(run.seeds, f"method {run.label}'s seeds", "list each seed once", self)
                 if not set(run.seeds) <= set(self.seeds):
                     raise ValueError(f"method {run.label} runs at seeds {run.seeds}, not all among the experiment's "
                                      f"seeds {self.seeds}; list some of those, or set train.methods.{run.label}.seeds=null")
@@ -241,6 +89,7 @@ class Experiment(Strict):
         return self
 
     def section(self, kind: str) -> Section | None:
+        """The section of ``kind``, if the experiment has one."""
         return next((section for section in self.stages if section.kind == kind), None)
 
 
@@ -303,8 +152,8 @@ def _methods_at(single: Experiment, seed: int | None) -> Experiment:
 
 
 def _member(single: Experiment, point: tuple[tuple[str, Any], ...], seed: int | None) -> Experiment:
-    kinds = [section.kind for section in single.stages]
-    seeds = [] if seed is None else [f"{kind}.{key}={seed}" for kind in kinds for key in SEED_KEYS.get(kind, ())]
+    seeds = [] if seed is None else [f"{section.kind}.{key}={seed}" for section in single.stages
+                                     for key in section.seed_keys]
     sweep = [f"{key}={inline(value)}" for key, value in point]
     try:
         return with_overrides(single, [*sweep, *seeds], origin=f"experiment {single.name}")
@@ -409,7 +258,7 @@ class Deployments(Strict):
 
     @model_validator(mode="after")
     def _distinct_names(self) -> Deployments:
-        return _once([deployment.name for deployment in self.deployments], "deployment names",
+        return distinct([deployment.name for deployment in self.deployments], "deployment names",
                      "give each a distinct name", self)
 
 

@@ -88,7 +88,8 @@ class StageKind:
     ``streams``: ``build`` also takes ``log(metrics, step)`` to stream its curves; ``split``: ``build`` also
     takes ``executor``, a :class:`concurrent.futures.Executor` to run its pieces on (:mod:`repsim.pieces`);
     ``gpu``: those pieces want a GPU (unless its ``device`` parameter or option says ``cpu``); ``facts``: the
-    metrics that are counts or settings the stage found (steps, image size), tracked as parameters."""
+    metrics that are counts or settings the stage found (steps, image size), tracked as parameters;
+    ``describe(config, metrics)``: one line on what an output holds, for summaries (default: its samples)."""
 
     name: str
     plan: Callable[..., Stage]
@@ -98,6 +99,7 @@ class StageKind:
     streams: bool = False
     split: bool = False
     gpu: bool = False
+    describe: Callable[[Mapping[str, Any], Mapping[str, Any]], str] = lambda _, metrics: f"{metrics['samples']} samples"
 
 
 def fingerprint_files(paths: Iterable[Path], root: Path | None = None, content: bool = False) -> str:

@@ -5,7 +5,8 @@ line; only transient failures (a connection) are retried."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import functools
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +18,8 @@ from prefect.logging import get_run_logger
 from prefect.runtime import task_run
 from prefect.states import Completed, State
 
-from repsim.align.stage import ALIGN
-from repsim.data.stage import SHARD
 from repsim.errors import RepsimError
-from repsim.eval.stage import EVALUATE, FEATURES
-from repsim.methods.stage import TRAIN
-from repsim.similarity.stage import CAPTIONS, NEIGHBORS, WORDNET
+from repsim.sections import stage_kinds
 from repsim.stage import SERVE_COMPLETE, Reuse, Stage, StageKind, StageOutput, read_record
 from repsim.tasks.cluster import check_stores, executor
 from repsim.tasks.settings import use_embedded_defaults
@@ -109,25 +106,12 @@ def current_record(stage: Stage, out: Path, reuse: Reuse) -> dict[str, Any] | No
     return record if record is not None and record.get("key") == stage.key and reuse.serves(out, record) else None
 
 
-PRODUCED: dict[str, Callable[[dict, dict], str]] = {  # one line on what a stage produced: (config, metrics) -> line
-    "captions": lambda _, metrics: f"{metrics['samples']} x {metrics['dim']}, {metrics['unique_captions']} distinct captions",
-    "wordnet": lambda config, metrics: f"{config['measure']}, {metrics['classes']} classes",
-    "neighbors": lambda config, metrics: f"{config['index']} k={config['k']}" + (
-        f", recall {metrics['recall_tie_aware']:.3f}" if "recall_tie_aware" in metrics else ""),
-    "features": lambda config, metrics: f"{config['split']}: {metrics['samples']} x {metrics['dim']}",
-    "evaluate": lambda config, _: ", ".join(config["suites"]),
-    "train": lambda config, metrics: (f"{config['method']['name']}, {metrics['steps']} steps, last epoch's loss "
-                                      f"{metrics['loss']:.3f}"),
-    "align": lambda _, metrics: ", ".join(f"{name} {metrics[name]:.3f}" for name in ("zeroshot_top1", "i2t_r1")
-                                          if name in metrics),
-}
-
-
 def produced(record: dict) -> str:
-    """One line on what a stage produced, for summary tables."""
-    describe = PRODUCED.get(record["stage"], lambda _, metrics: f"{metrics['samples']} samples")
-    return describe(record["config"], record["metrics"])
+    """One line on what a stage produced, for summary tables (its kind's ``describe``)."""
+    return stage_kinds()[record["stage"]].describe(record["config"], record["metrics"])
 
 
-KINDS = {kind.name: kind for kind in (SHARD, CAPTIONS, WORDNET, NEIGHBORS, FEATURES, EVALUATE, TRAIN, ALIGN)}
-TASKS = {name: stage_task(kind) for name, kind in KINDS.items()}
+@functools.cache
+def task_of(name: str) -> Task:
+    """The stage task of the stage kind ``name``, made once."""
+    return stage_task(stage_kinds()[name])

@@ -223,7 +223,7 @@ def test_xclr_wires_the_configured_similarity_source(animals, tmp_path, kind):
     torch.testing.assert_close(got, expected.float(), atol=1e-5, rtol=0)
 
 
-ACCEPTED_METHODS = list(method_config.accepted_methods())
+ACCEPTED_METHODS = list(method_config.METHODS.registered())
 SETTINGS = {"xclr": {"similarity": {"type": "labels"}}, "clip": {"text_hidden_dim": 16}}
 TINY_VIT = {"backbone": "vit_tiny", "patch_size": 7, "depth": 1}
 
@@ -301,7 +301,7 @@ class ToyConfig(BaseModel):
 def registry_restored(monkeypatch):
     """The methods registered in the test are forgotten after it, by both registries."""
     monkeypatch.setattr(base, "_methods", dict(base._methods))
-    monkeypatch.setattr(method_config, "_settings", dict(method_config._registered()))
+    monkeypatch.setattr(method_config.METHODS, "_models", dict(method_config.METHODS.registered()))
 
 
 def test_a_method_registered_outside_the_library_with_its_settings_is_read_from_a_config(tmp_path,
@@ -340,8 +340,8 @@ def test_an_unknown_method_name_is_one_line_naming_the_known_methods():
     with pytest.raises(SpecError) as raised:
         method_spec("xclrr")
     assert str(raised.value) == ("method.name is 'xclrr', which is not known; use one of "
-                                 + ", ".join(repr(name) for name in method_config.shipped()))
-    assert method_config.shipped() == tuple(ACCEPTED_METHODS)
+                                 + ", ".join(repr(name) for name in method_config.METHODS.shipped()))
+    assert method_config.METHODS.shipped() == tuple(ACCEPTED_METHODS)
 
 
 @pytest.mark.parametrize("method, needs", [({"name": "supcon"}, "SupCon"),

@@ -1,12 +1,19 @@
 """End to end through the CLI, the Prefect flow and MLflow, on the embedded defaults."""
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from e2e import REPSIM, flow_runs, isolated_env, logged_files, repsim
 from mlflow.tracking import MlflowClient
+
+from repsim.data.manifest import MANIFEST
+from repsim.eval.stage import split_rows
+
+REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = [pytest.mark.slow, pytest.mark.orchestration]
 
@@ -173,31 +180,64 @@ def build(config, data: TrainingData) -> Method:
     simclr = SimCLRConfig(name="simclr", temperature=config.method.temperature)
     return method_spec("simclr").build(config.model_copy(update={"method": simclr}), data)
 '''
-OUTSIDE_PACKAGE = '''[build-system]
+
+
+def install_outside(module: str, text: str, group: str, name: str, tmp_path: Path) -> Path:
+    """Install the one-module package ``module`` (source ``text``), naming it as ``name`` under the entry-point
+    ``group``, into a folder of its own; that folder."""
+    package, site = tmp_path / "package", tmp_path / "site"
+    package.mkdir()
+    (package / f"{module}.py").write_text(text)
+    (package / "pyproject.toml").write_text(f'''[build-system]
 requires = ["setuptools"]
 build-backend = "setuptools.build_meta"
 
 [project]
-name = "repsim-tiny-method"
+name = "repsim-{module.replace("_", "-")}"
 version = "0.1"
 
-[project.entry-points."repsim.methods"]
-tiny = "tiny_method"
+[project.entry-points."{group}"]
+{name} = "{module}"
 
 [tool.setuptools]
-py-modules = ["tiny_method"]
-'''
-
-
-def test_a_method_installed_as_a_package_trains_with_repsim_train(pets_16px, tmp_path):
-    package, site = tmp_path / "package", tmp_path / "site"
-    package.mkdir()
-    (package / "tiny_method.py").write_text(OUTSIDE_METHOD)
-    (package / "pyproject.toml").write_text(OUTSIDE_PACKAGE)
+py-modules = ["{module}"]
+''')
     installed = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
                                 "--no-build-isolation", "--target", str(site), str(package)],
                                capture_output=True, text=True)
     assert installed.returncode == 0, installed.stderr
+    return site
+
+
+def page_module(page: str) -> str:
+    """The module a documentation page shows: its first python block."""
+    return re.search(r"```python\n(.*?)```", (REPO / "docs" / page).read_text(), re.DOTALL).group(1)
+
+
+@pytest.mark.slow
+@pytest.mark.orchestration
+def test_a_stage_installed_as_a_package_runs_in_an_experiment(pets_16px, tmp_path):
+    site = install_outside("count_stage", page_module("adding-a-stage.md"), "repsim.sections", "count", tmp_path)
+    experiment = tmp_path / "counted.yaml"
+    experiment.write_text(f"name: counted\ndata: {pets_16px}\nstages:\n  - kind: count\n    split: test\n")
+    home, command = tmp_path / "home", [REPSIM, "run", str(experiment)]
+    without = subprocess.run(command, capture_output=True, text=True, env=isolated_env(home), timeout=600)
+    assert without.returncode == 2 and ("field 'stages.kind' is 'count', which is not known; use one of 'shard', "
+                                        "'precompute', 'train', 'evaluate', 'align'") in without.stderr
+    env = isolated_env(home) | {"PYTHONPATH": str(site)}
+    runs = [subprocess.run([*command, *extra], capture_output=True, text=True, env=env, timeout=600)
+            for extra in ([], [], ["--force", "count"], ["--force", "cont"])]
+    assert [run.returncode for run in runs] == [0, 0, 0, 2], runs[0].stderr
+    [shards] = (home / "artifacts" / "shard").glob("[!.]*")
+    tests = split_rows(shards / MANIFEST, "test").num_rows
+    counted = [[line.split() for line in run.stdout.splitlines() if line.startswith("count ")] for run in runs[:3]]
+    assert [rows[0][1:4] for rows in counted] == [[str(tests), "test", "samples"]] * 3
+    assert [rows[0][4] for rows in counted] == ["no", "yes", "no"]  # built, cached, forced
+    assert "--force cont: no stage of that name; use one of" in runs[3].stderr
+
+
+def test_a_method_installed_as_a_package_trains_with_repsim_train(pets_16px, tmp_path):
+    site = install_outside("tiny_method", OUTSIDE_METHOD, "repsim.methods", "tiny", tmp_path)
     config = tmp_path / "tiny.yaml"
     config.write_text(f"data: {{spec: {pets_16px}, image_size: 16}}\nmethod: {{name: tiny, temperature: 0.3}}\n")
     command = [REPSIM, "train", str(config), "--set", "optim.epochs=1", "--set", "optim.batch_size=4",

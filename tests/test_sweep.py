@@ -11,7 +11,8 @@ import yaml
 from e2e import REPO, flow_runs, prefect_query, repsim, tiny_experiment
 
 from repsim.errors import SpecError
-from repsim.experiment import SEED_KEYS, check_experiment, expand, load_experiment
+from repsim.experiment import check_experiment, expand, load_experiment
+from repsim.sections import SECTIONS
 from repsim.results import Score, aggregate, as_records, cell, markdown
 from repsim.stage import read_record
 
@@ -30,7 +31,7 @@ def test_seeds_times_grid_points_are_members_with_their_overrides():
         assert member.experiment.seeds == [] and member.experiment.sweep == {}
         # everything the sweep and the seed do not set is the experiment's own
         assert train.settings["optim"]["epochs"] == experiment.section("train").settings["optim"]["epochs"]
-    assert set(SEED_KEYS) == {"train", "align"}
+    assert {model.model_fields["kind"].default for model in SECTIONS.models() if model.seed_keys} == {"train", "align"}
 
 
 def test_a_stage_is_labelled_by_the_grid_values_that_can_change_it():

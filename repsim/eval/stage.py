@@ -500,6 +500,7 @@ def result_rows(results: Mapping[str, Any]) -> list[tuple[str, str, float]]:
     return [(suite, name, value) for suite, metrics in results["suites"].items() for name, value in metrics.items()]
 
 
-FEATURES = StageKind("features", features_stage_of, extract_features, split=True, gpu=True)
+FEATURES = StageKind("features", features_stage_of, extract_features, split=True, gpu=True,
+                     describe=lambda config, m: f"{config['split']}: {m['samples']} x {m['dim']}")
 EVALUATE = StageKind("evaluate", evaluate_stage_of, evaluate_features, ("*.png", RESULTS_FILE), split=True, gpu=True,
-                     facts=("samples_train", "samples_test"))
+                     facts=("samples_train", "samples_test"), describe=lambda config, _: ", ".join(config["suites"]))

@@ -1,7 +1,7 @@
 """Training methods, one per module (:func:`~repsim.methods.base.register`), on the shared
 :class:`~repsim.methods.trainer.Trainer`; the train stage is :func:`repsim.methods.stage.train`.
 
-Methods are found by name when a config is validated (:func:`repsim.methods.config.import_method`);
+Methods are found by name when a config is validated (:data:`repsim.methods.config.METHODS`);
 importing the package imports none of them, and its exports resolve on first use.
 """
 

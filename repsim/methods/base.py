@@ -24,7 +24,7 @@ from repsim.data.loader import Batch
 from repsim.data.stage import ShardResult
 from repsim.data.spec import DataSpec
 from repsim.errors import SpecError
-from repsim.methods.config import Config, accept_method, accepted_methods, import_method
+from repsim.methods.config import METHODS, Config
 from repsim.stage import StageOutput
 
 
@@ -114,7 +114,7 @@ def register(name: str, *, upstream: Callable[[Config, TrainingData], Upstream |
         if taken is not None and taken.build.__module__ != build.__module__:
             raise ValueError(f"method {name!r} is registered by {taken.build.__module__} already")
         if settings is not None:
-            accept_method(name, settings)
+            METHODS.accept(name, settings)
         _methods[name] = MethodSpec(build, upstream, write_figures)
         return build
     return decorate
@@ -122,8 +122,8 @@ def register(name: str, *, upstream: Callable[[Config, TrainingData], Upstream |
 
 def method_spec(name: str) -> MethodSpec:
     """The method registered as ``name`` (an outside one imported through its entry point); else SpecError."""
-    import_method(name)
+    METHODS.load(name)
     if name not in _methods:
-        known = ", ".join(repr(known) for known in dict.fromkeys([*accepted_methods(), *_methods]))
+        known = ", ".join(repr(known) for known in dict.fromkeys([*METHODS.registered(), *_methods]))
         raise SpecError(f"method.name is {name!r}, which is not known", f"use one of {known}")
     return _methods[name]

@@ -6,26 +6,22 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from collections.abc import Sequence
-from functools import cache
-from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union, get_args
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, GetCoreSchemaHandler, TypeAdapter, model_validator
-from pydantic_core import core_schema
+from pydantic import BaseModel, Field, model_validator
 
 from repsim.data.augment import PRESETS, preset_options
-from repsim.errors import SpecError, first_line
 from repsim.layering import KEYED_WHEN_SET, NOT_KEYED, SettingsFile, Strict, load_model
 from repsim.models.backbones import RESNETS
 from repsim.models.vit import VITS
+from repsim.registry import Registry
 from repsim.shipped import packaged
 
 DEFAULT_SPEC = "animal-mnist"  # the shipped data spec a config trains on unless it names one
 ENTRY_POINTS = "repsim.methods"  # the entry-point group under which a package names its methods' modules
 PATH_FIELDS = ("data.spec", "method.similarity.path", "model.init_encoder", "image.path")  # image: alignment configs
 CONFIG_FILE = SettingsFile("config", "configs/simclr.yaml", "optim.lr=0.01", PATH_FIELDS)
-_settings: dict[str, type[BaseModel]] = {}  # method name -> the settings model its module registered
 
 
 class DataConfig(Strict):
@@ -103,96 +99,20 @@ class MonitorConfig(Strict):
     batch_size: int = Field(512, gt=0, json_schema_extra=NOT_KEYED)
 
 
-def _validate_method(value: Any) -> BaseModel:
-    """``value`` (a mapping, or settings already validated) as the settings model its ``name`` registered."""
-    name = value.get("name") if isinstance(value, dict) else getattr(value, "name", None)
-    if isinstance(name, str):
-        import_method(name)
-    registered = _registered()
-    if isinstance(value, BaseModel) and registered.get(name) is type(value):
-        return value
-    return _method_union(tuple(registered.values())).validate_python(value)
-
-
-@cache
-def _method_union(models: tuple[type[BaseModel], ...]) -> TypeAdapter:
-    """The discriminated union of ``models`` by ``name``: its errors are pydantic's own (unknown or missing tag,
-    the field of the member the tag picks)."""
-    return TypeAdapter(Annotated[Union[models], Field(discriminator="name")])  # noqa: UP007 (models known at run time)
-
-
-class MethodSettings:
-    """``Config.method``'s validation: a mapping becomes the settings model registered under its ``name``
-    (:func:`accept_method`), looked up when a config is validated. :meth:`models` lists the candidates
-    (for error descriptions, :mod:`repsim.config_errors`)."""
-
-    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
-        return core_schema.no_info_plain_validator_function(_validate_method)
-
-    @staticmethod
-    def models() -> tuple[type[BaseModel], ...]:
-        return tuple(_registered().values())
+METHODS = Registry("method", "name", ENTRY_POINTS, __package__,
+                   lambda: [importlib.import_module(f"{__package__}.{module.name}")
+                            for module in pkgutil.iter_modules(importlib.import_module(__package__).__path__)])
 
 
 class Config(Strict):
     """One training experiment; ``method`` validates into the settings model its method registered
-    (by ``method.name``, see :func:`accept_method`), so a method's settings live in its own module."""
+    (by ``method.name``, :data:`METHODS`), so a method's settings live in its own module."""
 
-    method: Annotated[Any, MethodSettings()]
+    method: Annotated[Any, METHODS]
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = ModelConfig()
     optim: OptimConfig = OptimConfig()
     monitor: MonitorConfig = MonitorConfig()
-
-
-def accept_method(name: str, settings: type[BaseModel]) -> None:
-    """Let ``method.name: <name>`` validate into ``settings``, a model whose ``name`` is ``Literal["<name>"]``
-    (see :func:`repsim.methods.base.register`); it replaces settings accepted under that name before."""
-    field = settings.model_fields.get("name")
-    if field is None or get_args(field.annotation) != (name,):
-        raise TypeError(f"the settings of method {name!r} must be a model with name: Literal[{name!r}]")
-    _settings[name] = settings
-
-
-def shipped() -> tuple[str, ...]:
-    """The method names the library ships (``method.name``): those registered by its own modules, sorted."""
-    _import_shipped()
-    return tuple(sorted(name for name, settings in _settings.items() if _is_shipped(settings)))
-
-
-def accepted_methods() -> tuple[str, ...]:
-    """The method names a config accepts now: those shipped, then those accepted from outside."""
-    return tuple(_registered())
-
-
-def import_method(name: str) -> None:
-    """Register the shipped methods, then, when none is ``name``, import the module a package names for it under
-    the ``repsim.methods`` entry points (nothing when none does); SpecError in one line when it does not import."""
-    if name in _registered():
-        return
-    for point in entry_points(group=ENTRY_POINTS, name=name):
-        try:
-            point.load()
-        except Exception as err:  # whatever the outside module raises while it imports
-            raise SpecError(f"method {name!r} of {point.value!r} (entry point of {point.dist.name if point.dist else '?'}) "
-                            f"does not import: {first_line(err)}", "fix or reinstall the package") from None
-
-
-def _registered() -> dict[str, type[BaseModel]]:
-    """The settings models by method name, shipped ones first (their modules imported, so registered, first)."""
-    outside = [name for name, settings in _settings.items() if not _is_shipped(settings)]
-    return {name: _settings[name] for name in (*shipped(), *outside)}
-
-
-def _is_shipped(settings: type[BaseModel]) -> bool:
-    return settings.__module__.startswith(f"{__package__}.")
-
-
-@cache
-def _import_shipped() -> None:
-    package = importlib.import_module(__package__)
-    for module in pkgutil.iter_modules(package.__path__):
-        importlib.import_module(f"{__package__}.{module.name}")
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = (), schema: type[BaseModel] = Config) -> Any:

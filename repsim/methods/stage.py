@@ -272,5 +272,6 @@ def summarise(metrics_path: Path, steps_per_epoch: int) -> dict[str, float]:
 
 
 TRAIN = StageKind("train", train_stage_of, launch_training, (METRICS_FILE, "*.png"),
-                  facts=("steps", "epochs", "loader_workers", "channels", "image_size"),
-                  streams=True)
+                  facts=("steps", "epochs", "loader_workers", "channels", "image_size"), streams=True,
+                  describe=lambda config, m: f"{config['method']['name']}, {m['steps']} steps, last epoch's loss "
+                                             f"{m['loss']:.3f}")

@@ -338,7 +338,10 @@ def precomputed_sources(labels: np.ndarray, captions: Path | None,
     return sources | {f"wordnet_{measure}": wordnet_similarity(path) for measure, path in wordnet.items()}
 
 
-CAPTIONS = StageKind("captions", embed_captions_stage_of, embed_captions_stage, split=True, gpu=True)
+CAPTIONS = StageKind("captions", embed_captions_stage_of, embed_captions_stage, split=True, gpu=True, describe=lambda _, m:
+                     f"{m['samples']} x {m['dim']}, {m['unique_captions']} distinct captions")
 WORDNET = StageKind("wordnet", wordnet_similarity_stage_of, wordnet_similarity_stage,
-                    (CLASSES_FILE, SIMILARITY_FILE, HEAT_MAP_FILE))
-NEIGHBORS = StageKind("neighbors", neighbors_stage_of, neighbors_stage, split=True)
+                    (CLASSES_FILE, SIMILARITY_FILE, HEAT_MAP_FILE),
+                    describe=lambda config, m: f"{config['measure']}, {m['classes']} classes")
+NEIGHBORS = StageKind("neighbors", neighbors_stage_of, neighbors_stage, split=True, describe=lambda config, m: (
+    f"{config['index']} k={config['k']}" + (f", recall {m['recall_tie_aware']:.3f}" if "recall_tie_aware" in m else "")))
