@@ -76,14 +76,18 @@ def read_once() -> Iterator[None]:
         _READ.reset(token)
 
 
-def load_model(schema: type[M], path: str | Path, file: SettingsFile, overrides: Sequence[str] = (),
+Override = str | Mapping[str, Any]  # "key.sub=value", or a nested mapping: the overrides of each value it sets
+
+
+def load_model(schema: type[M], path: str | Path, file: SettingsFile, overrides: Sequence[Override] = (),
                explain: Explain = describe) -> M:
-    """The ``file`` at ``path`` (or the shipped file of that name) with each override merged over it in order,
-    validated as ``schema``; a SpecError in one line names the layer that set the failing field and the fix
-    (``explain``)."""
+    """The one merge of settings: the ``file`` at ``path`` (or the shipped file of that name) over the schema's
+    defaults, then each override in order (an experiment's settings come as mappings, the command line's as
+    strings), validated as ``schema``; a SpecError in one line names the layer that set the failing field and
+    the fix (``explain``)."""
     path = locate(path, file.kind)
     layers = [read_layer(path, file.kind, file.example, file.paths)]
-    layers += [override_layer(override, file.override_example, file.paths) for override in overrides]
+    layers += [layer for override in overrides for layer in override_layers(override, file.override_example, file.paths)]
     try:
         return schema.model_validate(merge_layers(layers))
     except ValidationError as err:
@@ -117,9 +121,15 @@ def _read_layer(path: Path, kind: str, example: str, paths: Iterable[str]) -> La
     return Layer(str(path), resolve_paths(values, paths, path.parent.resolve()))
 
 
-def override_layer(override: str, example: str, paths: Iterable[str] = ()) -> Layer:
-    """One ``key.sub=value`` override as a layer, its ``paths`` resolved against the working directory."""
-    keys, value = parse_override(override, example)
+def override_layers(override: Override, example: str, paths: Iterable[str] = ()) -> list[Layer]:
+    """An override as layers, its ``paths`` resolved against the working directory: a ``key.sub=value`` string
+    is one; a nested mapping is one per value it sets, named as the string that would set it."""
+    if isinstance(override, str):
+        return [_layer(override, *parse_override(override, example), paths)]
+    return [_layer(f"{key}={inline(value)}", key.split("."), value, paths) for key, value in flatten(override).items()]
+
+
+def _layer(override: str, keys: Sequence[str], value: Any, paths: Iterable[str]) -> Layer:
     return Layer(f"override {override!r}", resolve_paths(set_dotted({}, keys, value), paths, Path.cwd()))
 
 
@@ -178,13 +188,8 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def as_overrides(tree: Mapping[str, Any]) -> list[str]:
-    """A nested mapping as the ``key=value`` overrides that set it: ``{"optim": {"lr": 0.1}}`` -> ``["optim.lr=0.1"]``."""
-    return [f"{key}={inline(value)}" for key, value in flatten(tree).items()]
-
-
 def as_settings(overrides: Iterable[str], example: str) -> dict[str, Any]:
-    """``key=value`` overrides as the nested mapping they set, in order (the inverse of :func:`as_overrides`)."""
+    """``key=value`` overrides as the nested mapping they set, in order."""
     settings: dict[str, Any] = {}
     for override in overrides:
         settings = set_dotted(settings, *parse_override(override, example))

@@ -17,7 +17,7 @@ from repsim.data.remote import is_url
 from repsim.device import TorchrunLaunch
 from repsim.errors import SpecError
 from repsim.eval.linear import DEFAULT_WEIGHT_DECAYS
-from repsim.layering import Strict, as_overrides
+from repsim.layering import Override, Strict
 from repsim.registry import Registry
 from repsim.similarity.neighbors import METRICS, STAGE_INDEXES
 from repsim.stage import StageKind, StageOutput
@@ -234,9 +234,9 @@ class TrainSection(Section):
         return distinct([run.label for run in self.methods], "method labels", "give the runs of one config distinct names",
                      self)
 
-    def overrides(self, run: MethodRun, data: Path) -> list[str]:
-        """``--set`` overrides of ``run``'s config: the data spec, then the shared settings, then the run's own."""
-        return [f"data.spec={data}", *as_overrides(self.settings), *as_overrides(run.settings)]
+    def overrides(self, run: MethodRun, data: Path) -> list[Override]:
+        """The overrides of ``run``'s config: the data spec, then the shared settings, then the run's own."""
+        return [{"data": {"spec": str(data)}}, self.settings, run.settings]
 
     @classmethod
     def run(cls, stages: StageRunner, members: list[tuple[MemberState, TrainSection]]) -> None:
@@ -326,12 +326,12 @@ class AlignSection(Section):
     stage_kinds: ClassVar = ("repsim.align.stage:ALIGN",)
     seed_keys: ClassVar = ("settings.optim.seed", "settings.pairing.seed", "settings.text.seed")
 
-    def overrides(self, image: str, data: Path) -> list[str]:
-        """``--set`` overrides of the alignment config: the experiment's data spec, the ``image`` side
-        (a train stage directory, ``pixels``, or ``config``: the config's own), then the section's settings."""
-        sides = {PIXELS: ["image.type=pixels"], AS_CONFIGURED: []}
-        image_sets = sides.get(image, ["image.type=encoder", f"image.path={image}"])
-        return [f"data.spec={data}", *image_sets, *as_overrides(self.settings)]
+    def overrides(self, image: str, data: Path) -> list[Override]:
+        """The overrides of the alignment config: the experiment's data spec, the ``image`` side (a train
+        stage directory, ``pixels``, or ``config``: the config's own), then the section's settings."""
+        sides = {PIXELS: [{"image": {"type": "pixels"}}], AS_CONFIGURED: []}
+        side = sides.get(image, [{"image": {"type": "encoder", "path": image}}])
+        return [{"data": {"spec": str(data)}}, *side, self.settings]
 
     def needs(self) -> tuple[str, ...]:
         return () if self.pixels or self.as_configured else ("train",)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from repsim.errors import SpecError
 from repsim.experiment import load_experiment
-from repsim.layering import (TAG_FIELDS, Layer, as_overrides, flatten, merge, merge_layers, origin, override_layer,
+from repsim.layering import (TAG_FIELDS, Layer, flatten, inline, merge, merge_layers, origin, override_layers,
                              parse_override, read_layer, read_once, resolve_path, resolve_paths, set_dotted)
 from repsim.methods.config import load_config
 
@@ -36,17 +36,17 @@ def applied(overrides: list[str]) -> dict:
 
 @settings(max_examples=200, deadline=None, derandomize=True, database=None)
 @given(tree=trees)
-def test_overrides_of_a_tree_set_that_tree_and_flatten_to_its_leaves(tree):
-    overrides = as_overrides(tree)
-    assert applied(overrides) == tree
-    assert [override.partition("=")[0] for override in overrides] == list(flatten(tree))
-    assert merge_layers(override_layer(override, "a=1") for override in overrides) == tree
+def test_a_mapping_overrides_as_the_strings_that_set_each_of_its_values(tree):
+    strings = [f"{key}={inline(value)}" for key, value in flatten(tree).items()]
+    assert applied(strings) == tree
+    assert override_layers(tree, "a=1") == [layer for string in strings for layer in override_layers(string, "a=1")]
+    assert merge_layers(override_layers(tree, "a=1")) == tree
 
 
 @settings(max_examples=100, deadline=None, derandomize=True, database=None)
 @given(dotted=st.lists(keys, min_size=1, max_size=4).map(".".join), value=scalars)
 def test_one_override_flattens_back_to_its_key_and_value(dotted, value):
-    assert flatten(applied(as_overrides({dotted: value}))) == {dotted: value}
+    assert flatten(applied([f"{dotted}={inline(value)}"])) == {dotted: value}
 
 
 @pytest.mark.parametrize("text, value", [
@@ -98,7 +98,7 @@ def test_relative_paths_start_at_the_folder_of_their_file(tmp_path, monkeypatch)
     assert layer.values == {"data": {"spec": str(tmp_path / "specs" / "s.yaml")}, "image": {"path": "/abs/e"},
                             "method": {"similarity": {"path": os.path.expanduser("~/m.csv")}}, "other": "x.yaml"}
     monkeypatch.chdir(tmp_path)
-    overridden = override_layer("data.spec=s.yaml", "a=1", ["data.spec"])
+    [overridden] = override_layers("data.spec=s.yaml", "a=1", ["data.spec"])
     assert overridden.values == {"data": {"spec": str(tmp_path / "s.yaml")}}  # the working directory
 
 

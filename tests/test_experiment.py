@@ -49,7 +49,7 @@ def test_overrides_address_sections_by_kind_and_reach_every_method_config(tmp_pa
     train = experiment.section("train")
     assert experiment.name == "other" and experiment.data == tmp_path / "spec.yaml"
     assert train.overrides(train.methods[0], experiment.data) == [
-        f"data.spec={tmp_path / 'spec.yaml'}", "optim.epochs=2", "optim.lr=0.01"]
+        {"data": {"spec": str(tmp_path / "spec.yaml")}}, {"optim": {"epochs": 2, "lr": 0.01}}, {}]
 
 
 @pytest.mark.parametrize(("stages", "overrides", "expected"), [

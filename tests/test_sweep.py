@@ -291,8 +291,8 @@ def test_gera_reproductions_align_raw_pixels_as_the_floor_under_the_same_setting
     assert len(aligns) == 2 * members  # and the SimCLR encoder's
     section = experiment.section("align")
     encoder, pixels, own = (section.overrides(side, experiment.data) for side in ("/stages/train/key", "pixels", "config"))
-    assert [o for o in encoder if not o.startswith("image.")] == [o for o in pixels if not o.startswith("image.")] == own
-    assert "image.type=pixels" in pixels and "image.path=/stages/train/key" in encoder
+    assert [o for o in encoder if "image" not in o] == [o for o in pixels if "image" not in o] == own
+    assert {"image": {"type": "pixels"}} in pixels and {"image": {"type": "encoder", "path": "/stages/train/key"}} in encoder
 
 
 def test_gera_reproduction_runs_the_alpha_chosen_on_validation():

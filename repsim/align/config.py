@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 
 from repsim.align.asif import BACKENDS
 from repsim.losses.gera import KERNELS
-from repsim.layering import NOT_KEYED, Strict
+from repsim.layering import NOT_KEYED, Override, Strict
 from repsim.methods.config import OptimConfig, load_config
 from repsim.similarity.neighbors import INDEX_KINDS
 
@@ -166,7 +166,7 @@ class AlignConfig(Strict):
         return self
 
 
-def load_align_config(path: str | Path, overrides: Sequence[str] = ()) -> AlignConfig:
+def load_align_config(path: str | Path, overrides: Sequence[Override] = ()) -> AlignConfig:
     """Read the alignment config at ``path`` (or the shipped config of that name: ``gera``) and apply
     ``overrides`` (``"geometry.alpha=0"``); SpecError in one line naming the file and the field."""
     return load_config(path, overrides, schema=AlignConfig)

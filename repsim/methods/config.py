@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, model_validator
 
 from repsim.data.augment import PRESETS, preset_options
-from repsim.layering import KEYED_WHEN_SET, NOT_KEYED, SettingsFile, Strict, load_model
+from repsim.layering import KEYED_WHEN_SET, NOT_KEYED, Override, SettingsFile, Strict, load_model
 from repsim.models.backbones import RESNETS
 from repsim.models.vit import VITS
 from repsim.registry import Registry
@@ -115,7 +115,8 @@ class Config(Strict):
     monitor: MonitorConfig = MonitorConfig()
 
 
-def load_config(path: str | Path, overrides: Sequence[str] = (), schema: type[BaseModel] = Config) -> Any:
-    """The config at ``path`` (or the shipped config of that name) with ``overrides`` (``"optim.lr=0.01"``), as a
+def load_config(path: str | Path, overrides: Sequence[Override] = (), schema: type[BaseModel] = Config) -> Any:
+    """The config at ``path`` (or the shipped config of that name) with ``overrides`` (``"optim.lr=0.01"``, or
+    ``{"optim": {"lr": 0.01}}``), as a
     ``schema`` (default: a training :class:`Config`); SpecError in one line naming file and field."""
     return load_model(schema, path, CONFIG_FILE, overrides)
