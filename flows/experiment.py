@@ -29,9 +29,7 @@ from prefect.runtime import flow_run as prefect_flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from repsim import stopping
-from repsim.align.stage import align_scores
 from repsim.errors import RepsimError, StageError
-from repsim.eval.stage import read_results
 from repsim.experiment import Experiment, Member, check_experiment, with_overrides
 from repsim.layering import read_once
 from repsim.results import Row, Score, aggregate, as_records, headline_metrics, markdown
@@ -182,11 +180,8 @@ class MemberRun:
         return f"{label} [{shown}]" if shown else label
 
     def score(self, encoder: str, output: StageOutput) -> None:
-        """Keep the metrics of an evaluate or align output of ``encoder`` (none from a stage only planned)."""
-        if not output.record:
-            return
-        metrics = (align_scores(output) if output.stage == "align" else
-                   {name: value for suite in read_results(output)["suites"].values() for name, value in suite.items()})
+        """Keep what an output scores ``encoder`` by (its kind's ``scores``; none from a stage only planned)."""
+        metrics = stage_kinds()[output.stage].scores(output) if output.record else {}
         if metrics:
             self.scores.append(Score(self.member.point_label, encoder, output.key, metrics))
 

@@ -61,7 +61,7 @@ class MemberState(Protocol):
         """``label`` with what of the member (seed, grid values) can change its ``kind`` stage."""
 
     def score(self, encoder: str, output: StageOutput) -> None:
-        """Keep the metrics of an evaluate or align output of ``encoder``."""
+        """Keep what ``output`` (of a stage kind that ``scores``) scores ``encoder`` by, for the result table."""
 
 
 class Section(Strict):

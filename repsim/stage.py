@@ -89,7 +89,9 @@ class StageKind:
     takes ``executor``, a :class:`concurrent.futures.Executor` to run its pieces on (:mod:`repsim.pieces`);
     ``gpu``: those pieces want a GPU (unless its ``device`` parameter or option says ``cpu``); ``facts``: the
     metrics that are counts or settings the stage found (steps, image size), tracked as parameters;
-    ``describe(config, metrics)``: one line on what an output holds, for summaries (default: its samples)."""
+    ``describe(config, metrics)``: one line on what an output holds, for summaries (default: its samples);
+    ``scores(output)``: the metrics an output scores an encoder by, in an experiment's result table (None: it
+    scores none)."""
 
     name: str
     plan: Callable[..., Stage]
@@ -100,6 +102,7 @@ class StageKind:
     split: bool = False
     gpu: bool = False
     describe: Callable[[Mapping[str, Any], Mapping[str, Any]], str] = lambda _, metrics: f"{metrics['samples']} samples"
+    scores: Callable[[StageOutput], Mapping[str, float]] | None = None
 
 
 def fingerprint_files(paths: Iterable[Path], root: Path | None = None, content: bool = False) -> str:

@@ -143,5 +143,5 @@ def loss_plot(metrics_path: Path, path: Path) -> Path:
 
 
 ALIGN = StageKind("align", align_stage_of, align, (RESULTS_FILE, LOSS_PLOT_FILE, METRICS_FILE, ALIGNMENT_FILE),
-                  streams=True, describe=lambda _, m: ", ".join(f"{name} {m[name]:.3f}" for name in
+                  streams=True, scores=align_scores, describe=lambda _, m: ", ".join(f"{name} {m[name]:.3f}" for name in
                                                                 ("zeroshot_top1", "i2t_r1") if name in m))

@@ -503,4 +503,5 @@ def result_rows(results: Mapping[str, Any]) -> list[tuple[str, str, float]]:
 FEATURES = StageKind("features", features_stage_of, extract_features, split=True, gpu=True,
                      describe=lambda config, m: f"{config['split']}: {m['samples']} x {m['dim']}")
 EVALUATE = StageKind("evaluate", evaluate_stage_of, evaluate_features, ("*.png", RESULTS_FILE), split=True, gpu=True,
-                     facts=("samples_train", "samples_test"), describe=lambda config, _: ", ".join(config["suites"]))
+                     facts=("samples_train", "samples_test"), describe=lambda config, _: ", ".join(config["suites"]),
+                     scores=lambda output: {name: value for _, name, value in result_rows(read_results(output))})
