@@ -22,6 +22,8 @@ from repsim.stopping import Stopped
 EXIT_USER_ERROR = 2
 MIN_FREE_BYTES = int(float(os.environ.get("REPSIM_MIN_FREE_MB", "100")) * 2**20)  # refused below: a run's records alone
 NEARLY_FULL_BYTES = 2**20  # an error with less free under $REPSIM_HOME is taken for a full disk
+
+
 def cmd_shard(args: argparse.Namespace) -> None:
     from repsim.data import ShardResult, load_spec
     from repsim.data.remote import check_destination, is_url, upload
