@@ -38,6 +38,7 @@ NAMES = {"pixels": "raw pixels (floor)", "sop": "SOP", "sop-no-mim": "SOP withou
          "sop-authors": "SOP, every option above (preset: authors)",
          "sop-authors-ema": "SOP, every option above but the horizon (teacher momentum 0.99)",
          "dino": "DINO-style (learned prototypes)",
+         "untrained": "the untrained encoder (SOP's, before any step: the initialisation's floor)",
          "dino-koleo": "DINO-style + KoLeo (λ = 0.1)",
          "koleo-only": "KoLeo alone (SOP's student and teacher, λ1 = 0)",
          "sop-anchors-64": "SOP, 64 anchors (of 256)",

@@ -53,6 +53,8 @@ RESNET_CLAIMS = (
     Claim("a memory of 4096 beats one of 1024", "rebuttal", "sop", "sop-memory-1024"),
     *(Claim(f"{title} beats the raw pixels", "floor", row, "pixels")
       for row, title in (("sop", "SOP"), ("sop-koleo", "SOP + KoLeo"), ("dino", "DINO-style"))),
+    *(Claim(f"{title} beats its own initialisation (the untrained encoder)", "floor", row, "untrained")
+      for row, title in (("sop", "SOP"), ("sop-koleo", "SOP + KoLeo"), ("dino", "DINO-style"))),
 )
 VIT_CLAIMS = (
     *on_both("SOP beats DINO-style at equal compute (ViT)", "paper", "sop", "dino"),

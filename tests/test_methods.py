@@ -32,7 +32,7 @@ from repsim.methods.config import Config, load_config
 from repsim.methods.xclr import LabelsSimilarity
 from repsim.methods.base import Method, TrainingData, Upstream, method_spec, register
 from repsim.methods.stage import file_digest, prepare, train, train_stage_of, training_data
-from repsim.methods.trainer import init_distributed
+from repsim.methods.trainer import init_distributed, seed_everything
 from repsim.methods.xclr import similarity_source, upstream
 from repsim.models import MaskableViT, backbone, load_encoder, save_encoder
 from repsim.models.backbones import read_encoder
@@ -436,6 +436,22 @@ def test_training_lowers_the_loss_and_writes_a_loadable_encoder(animals):
     assert not (repsim_home() / "scratch" / "train" / output.key).exists()
     again = train(config, device="cpu", progress=False)
     assert again.cached and again.key == output.key == train_stage_of(config).key
+
+
+def test_zero_steps_save_the_initialised_encoder_the_untrained_floor(animals):
+    spec, shards = animals
+    config = tiny_config(spec, {"name": "sop", "mim_weight": 0}, optim={"max_steps": 0, "seed": 4})
+    output = train(config, shards=shards, device="cpu", progress=False)
+    assert output.metrics["steps"] == 0 and "loss" not in output.metrics
+    seed_everything(4)  # the method's networks as the train stage builds them, before any step
+    initialised = method_spec("sop").build(config, training_data(config, load_spec(spec), shards)).encoder.eval()
+    images = first_batch(shards)["views"][0][:4]
+    with torch.no_grad():
+        assert torch.equal(load_encoder(output.path).eval()(images), initialised(images))
+    trained = train(config.model_copy(update={"optim": config.optim.model_copy(update={"max_steps": 1})}),
+                    shards=shards, device="cpu", progress=False)
+    with torch.no_grad():
+        assert not torch.equal(load_encoder(trained.path).eval()(images), initialised(images))
 
 
 @pytest.mark.parametrize("augment", ["sample", "batch"])

@@ -393,11 +393,13 @@ def test_the_sop_run_at_8000_images_is_the_sop_reproduction_on_four_times_the_im
 
 
 def _grid_configs(name: str) -> list[dict]:
-    """The resolved config (as a dict) of every train method of every member of a shipped experiment."""
+    """The resolved config (as a dict) of every train method of every member of a shipped experiment but the
+    untrained floor."""
     from repsim.methods.config import load_config
 
     return [load_config(run.config, member.experiment.section("train").overrides(run, member.experiment.data)).model_dump()
-            for member in expand(load_experiment(name)) for run in member.experiment.section("train").methods]
+            for member in expand(load_experiment(name)) for run in member.experiment.section("train").methods
+            if run.label != "untrained"]
 
 
 def test_each_row_of_the_sop_design_differs_from_its_base_row_in_one_factor():
@@ -406,11 +408,13 @@ def test_each_row_of_the_sop_design_differs_from_its_base_row_in_one_factor():
                "koleo-only": ("sop-koleo", {"cls_weight"}), "sop-fixed": ("sop", {"fixed_anchors", "fixed_supports"}),
                "sop-anchors-64": ("sop", {"num_anchors"}), "sop-support-2": ("sop", {"support_size"}),
                "sop-memory-1024": ("sop", {"cls_memory"})}
-    assert set(rows) == {"sop", "dino", *factors}
+    assert set(rows) == {"sop", "dino", "untrained", *factors}
     for label, (base, fields) in factors.items():
         differ = {name for name, value in rows[label]["method"].items() if rows[base]["method"][name] != value}
         assert differ == fields, label
         assert rows[label] | {"method": None} == rows[base] | {"method": None}, label
+    untrained, sop = rows["untrained"], rows["sop"]  # SOP's encoder before any step: only max_steps differs
+    assert untrained["optim"] == sop["optim"] | {"max_steps": 0} and untrained | {"optim": None} == sop | {"optim": None}
 
 
 @pytest.mark.parametrize(("design", "grid", "methods"), [("sop-resnet", "sop-grid-resnet", {"sop", "dino"}),

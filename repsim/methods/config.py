@@ -71,8 +71,9 @@ class OptimConfig(Strict):
     trust_coefficient: float = Field(1e-3, gt=0, description="LARS trust coefficient")
     batch_size: int = Field(256, gt=0)
     epochs: int = Field(5, gt=0)
-    max_steps: int | None = Field(None, gt=0, description="stop after this many steps, mid-epoch if need be "
-                                  "(the schedule ends there); None: train every epoch")
+    max_steps: int | None = Field(None, ge=0, description="stop after this many steps, mid-epoch if need be "
+                                  "(the schedule ends there); 0: none, the initialised encoder (the untrained "
+                                  "floor); None: train every epoch")
     warmup_epochs: float = Field(1.0, ge=0)
     grad_clip: float | None = Field(None, gt=0)
     precision: Literal["auto", "fp32", "bf16"] = "auto"

@@ -188,7 +188,10 @@ def _builder(config: Config, data: TrainingData, scratch: Path, log: LogFn | Non
             return {}
         if config.optim.keep_checkpoint:
             shutil.copyfile(scratch / CHECKPOINT_FILE, out / CHECKPOINT_FILE)
-        shutil.copyfile(metrics.path, out / METRICS_FILE)
+        if metrics.path.is_file():
+            shutil.copyfile(metrics.path, out / METRICS_FILE)
+        else:  # no step was taken (optim.max_steps: 0)
+            (out / METRICS_FILE).touch()
         save_encoder(method.encoder, out / ENCODER_FILE, data.image_size)
         spec.write_figures(method, out)
         seen = {"loader_workers": plan.workers, "channels": data.channels, "image_size": data.image_size}
@@ -258,9 +261,12 @@ def _read_lines(path: Path) -> list[str]:
 
 def summarise(metrics_path: Path, steps_per_epoch: int) -> dict[str, float]:
     """Stage metrics: ``loss`` and ``last_epoch_loss`` (the mean of the last epoch: MLflow's ``loss`` is the curve
-    of steps), ``final_loss`` (of the last step), ``steps``, ``epochs``, the last kNN accuracies."""
+    of steps), ``final_loss`` (of the last step), ``steps``, ``epochs``, the last kNN accuracies; without a step
+    (``optim.max_steps: 0``), ``steps`` and ``epochs`` alone."""
     records = [json.loads(line) for line in _read_lines(metrics_path)]
     steps = [record for record in records if "loss" in record]
+    if not steps:
+        return {"steps": 0, "epochs": 0}
     last = steps[-1]["step"]
     last_epoch = [record["loss"] for record in steps if record["step"] > last - steps_per_epoch]
     epochs = [record for record in records if "epoch" in record]
@@ -273,5 +279,5 @@ def summarise(metrics_path: Path, steps_per_epoch: int) -> dict[str, float]:
 
 TRAIN = StageKind("train", train_stage_of, launch_training, (METRICS_FILE, "*.png"),
                   facts=("steps", "epochs", "loader_workers", "channels", "image_size"), streams=True,
-                  describe=lambda config, m: f"{config['method']['name']}, {m['steps']} steps, last epoch's loss "
-                                             f"{m['loss']:.3f}")
+                  describe=lambda config, m: f"{config['method']['name']}, {m['steps']} steps" + (
+                      f", last epoch's loss {m['loss']:.3f}" if "loss" in m else ""))

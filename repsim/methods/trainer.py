@@ -299,7 +299,8 @@ class Trainer:
         if self.steps_per_epoch == 0:
             raise TrainingError(f"the training split gives no full batch of {loader.batch_size} per rank",
                                 "lower optim.batch_size or train on more samples")
-        self.total_steps = min(settings.epochs * self.steps_per_epoch, settings.max_steps or math.inf)
+        self.total_steps = min(settings.epochs * self.steps_per_epoch,
+                               math.inf if settings.max_steps is None else settings.max_steps)
         self.warmup_steps = round(settings.warmup_epochs * self.steps_per_epoch)
         self.saved_step: int | None = None  # the step of the checkpoint last written or resumed from
 
