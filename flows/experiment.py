@@ -103,7 +103,7 @@ class Stages:
                 raise StageError(f"task {task} was lost with the cluster that ran it (its scheduler stopped or is "
                                  "unreachable)", "start the scheduler again (or leave out --cluster) and rerun: the "
                                  "stages completed and the pieces done are kept") from None
-            detail = ": ".join(filter(None, [label, produced(read_record(output.path))]))
+            detail = ": ".join(filter(None, [label, produced(stage_kinds()[kind], read_record(output.path))]))
             self.summaries.append({"stage": kind, "detail": detail, "key": output.key, "path": str(output.path),
                                    "cached": output.cached, "members": self._uses[request]})
         return self._outputs[request]

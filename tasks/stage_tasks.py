@@ -62,7 +62,7 @@ def stage_task(kind: StageKind) -> Task:
             tracked.log_stage_output(output.path, output.cached, kind.artifacts, kind.facts)
             if register:
                 tracked.log_encoder(output.path, register)
-        get_run_logger().info(summary_line(output, task_run.get_name()))
+        get_run_logger().info(summary_line(output, kind, task_run.get_name()))
         return Completed(name="Cached", data=output) if output.cached else output
 
     return task(name=kind.name, cache_policy=NO_CACHE, persist_result=False, retries=len(RETRY_DELAYS_S),
@@ -92,12 +92,12 @@ def retry_if_transient(_: Task, __: Any, state: State) -> bool:
     return transient(state.result(raise_on_failure=False))
 
 
-def summary_line(output: StageOutput, name: str | None = None) -> str:
-    """``train simclr: xclr, 186 steps, last epoch's loss 4.120; built in 95.2 s -> /path``: what the stage task
-    ``name`` (default: the stage's name) did."""
+def summary_line(output: StageOutput, kind: StageKind, name: str | None = None) -> str:
+    """``train simclr: xclr, 186 steps, last epoch's loss 4.120; built in 95.2 s -> /path``: what the ``kind``
+    stage task ``name`` (default: the stage's name) did."""
     record = read_record(output.path)
     how = "found complete in the cache" if output.cached else f"built in {record.get('seconds', 0):.1f} s"
-    return f"{name or record['stage']}: {produced(record)}; {how} -> {output.path}"
+    return f"{name or record['stage']}: {produced(kind, record)}; {how} -> {output.path}"
 
 
 def current_record(stage: Stage, out: Path, reuse: Reuse) -> dict[str, Any] | None:
@@ -106,9 +106,10 @@ def current_record(stage: Stage, out: Path, reuse: Reuse) -> dict[str, Any] | No
     return record if record is not None and record.get("key") == stage.key and reuse.serves(out, record) else None
 
 
-def produced(record: dict) -> str:
-    """One line on what a stage produced, for summary tables (its kind's ``describe``)."""
-    return stage_kinds()[record["stage"]].describe(record["config"], record["metrics"])
+def produced(kind: StageKind, record: dict) -> str:
+    """One line on what a ``kind`` stage produced, for summary tables (the kind's ``describe``), from its record;
+    the kind comes with the task, since a cluster's worker knows only the sections of the packages it imported."""
+    return kind.describe(record["config"], record["metrics"])
 
 
 @functools.cache
