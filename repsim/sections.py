@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import pkgutil
+from abc import abstractmethod
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Protocol
@@ -78,9 +79,9 @@ class Section(Strict):
         return ()
 
     @classmethod
+    @abstractmethod
     def run(cls, stages: StageRunner, members: list[tuple[MemberState, Any]]) -> None:
         """Submit this section's stages of every (member, its section), then wait for and keep their outputs."""
-        raise NotImplementedError(f"section {cls.__name__} does not say how it runs")
 
 
 SECTIONS = Registry("section", "kind", ENTRY_POINTS, __name__, lambda: None, in_order=True)
