@@ -7,7 +7,7 @@ the shared settings, the verdict on each claim, then the matched rows' scores, d
     repsim run sop-vit
     python benchmarks/sop_report.py animal-mnist
 
-    repsim run sop-resnet --set data=data_specs/fashion-mnist-10k.yaml --set name=sop-resnet-fashion-mnist \
+    repsim run sop-resnet --set data=data_specs/fashion-mnist-10k-val.yaml --set name=sop-resnet-fashion-mnist \
       --set 'train.methods.sop-fixed.seeds=[]' --set 'train.methods.sop-anchors-64.seeds=[]' \
       --set 'train.methods.sop-support-2.seeds=[]' --set 'train.methods.sop-memory-1024.seeds=[]'
     python benchmarks/sop_report.py fashion-mnist

@@ -52,7 +52,7 @@ def test_console_script_reports_a_missing_spec_without_traceback(tmp_path):
     assert done.returncode == 2
     assert done.stderr.strip() == (f"error: data spec {tmp_path / 'nope.yaml'} does not exist; check the path, "
                                    "or name a shipped data spec: animal-mnist, animal-mnist-2000, animal-mnist-val, "
-                                   "fashion-mnist, fashion-mnist-10k, fashion-mnist-2000")
+                                   "fashion-mnist, fashion-mnist-10k, fashion-mnist-10k-val, fashion-mnist-2000")
 
 
 def test_help_lists_the_pipeline_commands(capsys):

@@ -118,7 +118,7 @@ def test_an_unknown_name_is_one_line_listing_the_shipped_names():
         locate("no-such-spec", "data spec")
     assert str(raised.value) == ("data spec no-such-spec does not exist; "
                                  "check the path, or name a shipped data spec: animal-mnist, animal-mnist-2000, "
-                                 "animal-mnist-val, fashion-mnist, fashion-mnist-10k, fashion-mnist-2000")
+                                 "animal-mnist-val, fashion-mnist, fashion-mnist-10k, fashion-mnist-10k-val, fashion-mnist-2000")
 
 
 def test_loaders_take_names(tmp_path, monkeypatch):
@@ -152,7 +152,7 @@ def test_a_missing_packaged_default_is_an_error_naming_it(tmp_path, monkeypatch)
 @pytest.mark.parametrize(("argv", "expected"), [
     (["shard", "no-such-spec"], "error: data spec no-such-spec does not exist; check the path, or name a shipped "
                                 "data spec: animal-mnist, animal-mnist-2000, animal-mnist-val, fashion-mnist, fashion-mnist-10k, "
-                                "fashion-mnist-2000"),
+                                "fashion-mnist-10k-val, fashion-mnist-2000"),
     (["precompute", "all", "no-such-spec"], "error: data spec no-such-spec does not exist"),
     (["eval", "no-such-spec"], "error: data spec no-such-spec does not exist"),
     (["train", "no-such-config"], "error: config no-such-config does not exist; check the path, or name a shipped "

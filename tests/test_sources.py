@@ -131,14 +131,15 @@ def test_animal_mnist_random_split_is_exact_per_class_and_seeded():
     assert assign_splits(entries, reseeded) != splits
 
 
-@pytest.mark.parametrize("name, train, test", [
-    ("animal-mnist-2000", 200, 100), ("fashion-mnist-10k", 840, 210), ("fashion-mnist-2000", 200, 100),
+@pytest.mark.parametrize("name, sizes", [
+    ("animal-mnist-2000", {"train": 200, "test": 100}), ("fashion-mnist-10k", {"train": 840, "test": 210}),
+    ("fashion-mnist-10k-val", {"train": 672, "val": 168, "test": 210}), ("fashion-mnist-2000", {"train": 200, "test": 100}),
 ])
-def test_subset_specs_cut_the_sizes_their_comments_state(name, train, test):
+def test_subset_specs_cut_the_sizes_their_comments_state(name, sizes):
     spec = load_spec(f"data_specs/{name}.yaml")
     entries = open_source(spec).entries()
     per_class = Counter((e.label, s) for e, s in zip(entries, assign_splits(entries, spec)) if s != "unused")
-    assert per_class == {**{(c, "train"): train for c in range(10)}, **{(c, "test"): test for c in range(10)}}
+    assert per_class == {(c, split): size for c in range(10) for split, size in sizes.items()}
 
 
 def test_source_split_needs_a_source_with_splits(tmp_path):
