@@ -39,13 +39,14 @@ def start_embedded_stores() -> None:
     """Start Prefect's temporary local API and open the MLflow SQLite store (those of them in use), under a
     lock: two processes creating their tables at once fail. Call it before a flow starts."""
     from mlflow.tracking import MlflowClient  # imported here, after this module has set their defaults
-    from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL
 
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)  # repsim_home() with it, by default
     repsim_home().mkdir(parents=True, exist_ok=True)
     with FileLock(repsim_home() / STORES_LOCK):
         if not PREFECT_API_URL.value():  # the timeout passed on: Prefect read its setting when first imported
+            from prefect.server.api.server import SubprocessASGIServer  # seconds to import: a server's alone
+
             SubprocessASGIServer().start(timeout=int(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
         if os.environ["MLFLOW_TRACKING_URI"].startswith("sqlite:"):
             MlflowClient()  # opening the store creates or upgrades its tables

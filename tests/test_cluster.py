@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from e2e import REPO, REPSIM, isolated_env, prefect_query, repsim, tiny_experiment
+from e2e import REPO, REPSIM, free_port, isolated_env, prefect_query, repsim, tiny_experiment
 from repsim.data import load_spec
 from repsim.data.stage import shard_stage
 from repsim.errors import SpecError
@@ -28,12 +27,6 @@ from repsim.tasks.cluster import requested_cluster
 from test_pieces import output_bytes
 
 DASK = str(Path(sys.executable).parent / "dask")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class Cluster:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from dataclasses import replace
 from pathlib import Path
 from typing import Literal
@@ -17,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 from animals import CLASSES, animal_shards
+from e2e import free_port
 import torch
 import torch.multiprocessing as mp
 import yaml
@@ -470,12 +470,6 @@ def test_an_interrupted_train_stage_resumes_to_the_same_result(animals, tmp_path
     resumed = train(config, out_dir=tmp_path / "resumed", shards=shards, device="cpu", progress=False)
     assert read_metrics(resumed.path) == read_metrics(uninterrupted.path)
     assert not scratch.exists()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _train_on_rank(rank: int, world: int, port: int, config: dict, shards: str, out: str) -> None:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from e2e import isolated_env
+from e2e import free_port, isolated_env
 from PIL import Image
 
 from repsim.models.backbones import read_encoder
@@ -58,12 +58,6 @@ def uninterrupted(config, tmp_path_factory) -> Path:
         nodes.start(TorchrunLaunch(nproc_per_node=2), config)
         assert nodes.wait() == [0], nodes.output()
     return trained(home)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Nodes:

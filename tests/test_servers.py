@@ -22,19 +22,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from e2e import REPO, isolated_env, tiny_experiment
+from e2e import REPO, free_port, isolated_env, tiny_experiment
 from prefect.client.schemas.objects import FlowRun
 
 pytestmark = [pytest.mark.slow, pytest.mark.orchestration]
 
 DEPLOYMENT = "experiment/tiny"
 OVERRIDE = "train.settings.optim.lr=0.002"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def read_env_file(path: Path) -> dict[str, str]:
