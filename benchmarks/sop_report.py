@@ -93,11 +93,21 @@ def point_settings(point: str) -> tuple[float, dict]:
     return float(lr_part.removeprefix("lr=")), yaml.safe_load(options)
 
 
-def shared_settings(source: str) -> tuple[float, dict]:
-    """(lr, preset_options) every row of experiment ``source`` shares (its train section's settings)."""
+def train_settings(source: str) -> dict:
+    """The settings every row of experiment ``source`` shares (its train section's)."""
     experiment = yaml.safe_load((HERE.parent / "experiments" / f"{source}.yaml").read_text())
-    train = next(stage for stage in experiment["stages"] if stage["kind"] == "train")["settings"]
+    return next(stage for stage in experiment["stages"] if stage["kind"] == "train")["settings"]
+
+
+def shared_settings(source: str) -> tuple[float, dict]:
+    """(lr, preset_options) every row of experiment ``source`` shares."""
+    train = train_settings(source)
     return train["optim"]["lr"], train["data"]["preset_options"]
+
+
+def monitored(source: str) -> str:
+    """The split experiment ``source``'s online monitor scores after every epoch."""
+    return train_settings(source).get("monitor", {}).get("test_split", "test")
 
 
 def grid_section(grid: FinishedRun, design: FinishedRun, base_rows: tuple[str, ...]) -> str:
@@ -143,7 +153,8 @@ def design_section(design: Design, run: FinishedRun, image: Path) -> str:
         "assignment entropy (→ 0: collapse) and target entropy (→ 1: flat targets).", "",
         scores_table(run.rows, epochs), "",
         "†: below the raw-pixel floor.", "",
-        "The online monitor's kNN top-1 (%) on the test split after every epoch, mean over the seeds:", "",
+        f"The online monitor's kNN top-1 (%) on the {monitored(run.source)} split after every epoch, mean over "
+        "the seeds:", "",
         monitor_table(epochs), "",
         curve_table(epochs), "",
         f"![scores]({image.name})", ""])
