@@ -130,7 +130,6 @@ def cmd_train(args: argparse.Namespace) -> None:
     rank = int(os.environ.get("RANK", "0"))
     if args.direct or rank > 0:
         from repsim.methods.stage import train
-
         from repsim.stage import Reuse
 
         train(config, progress=args.direct and rank == 0, reuse=Reuse.forcing(["train"] if args.rebuild else []))
@@ -165,7 +164,6 @@ def cmd_align(args: argparse.Namespace) -> None:
 def cmd_run(args: argparse.Namespace) -> None:
     from repsim.experiment import check_experiment, load_experiment
     from repsim.results import table
-
     from repsim.sections import check_stage_names
 
     experiment = load_experiment(args.experiment, args.overrides)

@@ -108,8 +108,7 @@ def _built(work: Work, pieces: Sequence[Piece], folder: Path, executor: concurre
            desc: str):
     """Each piece's result as it completes: here in order without ``executor``, else as the executor finishes them."""
     if executor is None:
-        for piece in pieces:
-            yield build_piece(work, piece, folder)
+        yield from (build_piece(work, piece, folder) for piece in pieces)
         return
     futures = {executor.submit(build_piece, work, piece, folder): piece for piece in pieces}
     try:

@@ -95,7 +95,13 @@ def register_section(model: type[Section]) -> type[Section]:
 
 def stage_kinds() -> dict[str, StageKind]:
     """Every stage kind the registered sections run, by name."""
-    return {kind.name: kind for model in SECTIONS.models() for kind in map(_resolved, model.stage_kinds)}
+    return _stage_kinds_of(SECTIONS.models())
+
+
+@functools.cache
+def _stage_kinds_of(models: tuple[type[Section], ...]) -> dict[str, StageKind]:
+    """The stage kinds of ``models``, resolved once per set of registered sections."""
+    return {kind.name: kind for model in models for kind in map(_resolved, model.stage_kinds)}
 
 
 def check_stage_names(names: Iterable[str], what: str = "--force") -> None:

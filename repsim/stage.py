@@ -90,8 +90,8 @@ class StageKind:
     ``gpu``: those pieces want a GPU (unless its ``device`` parameter or option says ``cpu``); ``facts``: the
     metrics that are counts or settings the stage found (steps, image size), tracked as parameters;
     ``describe(config, metrics)``: one line on what an output holds, for summaries (default: its samples);
-    ``scores(output)``: the metrics an output scores an encoder by, in an experiment's result table (None: it
-    scores none)."""
+    ``scores(output)``: the metrics an output scores an encoder by, in an experiment's result table (default:
+    none)."""
 
     name: str
     plan: Callable[..., Stage]
@@ -102,7 +102,7 @@ class StageKind:
     split: bool = False
     gpu: bool = False
     describe: Callable[[Mapping[str, Any], Mapping[str, Any]], str] = lambda _, metrics: f"{metrics['samples']} samples"
-    scores: Callable[[StageOutput], Mapping[str, float]] | None = None
+    scores: Callable[[StageOutput], Mapping[str, float]] = lambda _: {}
 
 
 def fingerprint_files(paths: Iterable[Path], root: Path | None = None, content: bool = False) -> str:
@@ -260,6 +260,15 @@ def _set_aside(path: Path) -> Path:
     aside = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
     os.rename(path, aside)
     return aside
+
+
+@contextlib.contextmanager
+def scratch_folder(stage: Stage) -> Iterator[Path]:
+    """``$REPSIM_HOME/scratch/<stage>/<key>``, where ``stage`` keeps its pieces or checkpoints until its output is
+    complete: removed once the block ends without an error."""
+    scratch = repsim_home() / "scratch" / stage.name / stage.key
+    yield scratch
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 @contextlib.contextmanager

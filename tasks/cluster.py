@@ -110,11 +110,8 @@ def _client(address: str) -> contextlib.AbstractContextManager:
     runner is Dask's), that worker's client, which frees the task's thread for the pieces while it waits."""
     from distributed import Client, get_worker, worker_client
 
-    try:
+    with contextlib.suppress(ValueError):  # not on a worker
         get_worker()
-    except ValueError:  # not on a worker
-        pass
-    else:
         return worker_client(separate_thread=True)
     try:
         return Client(address, timeout=CONNECT_TIMEOUT_S, set_as_default=False)

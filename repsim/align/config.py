@@ -15,7 +15,6 @@ from repsim.methods.config import OptimConfig, load_config
 from repsim.similarity.neighbors import INDEX_KINDS
 
 
-
 class AlignData(Strict):
     """The data spec, the split pairs are drawn from and the split scored; ``holdout`` > 0 scores that
     seeded fraction of ``train_split`` instead of ``test_split`` (a validation split, whatever the pairing seed)."""

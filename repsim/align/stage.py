@@ -28,7 +28,7 @@ from repsim.device import resolve_device
 from repsim.methods.stage import CHECKPOINT_FILE, METRICS_FILE, JsonlMetrics, _tee, summarise
 from repsim.methods.trainer import LogFn, Trainer, seed_everything
 from repsim.layering import keyed_values
-from repsim.stage import SERVE_COMPLETE, Reuse, Stage, StageKind, StageOutput, repsim_home, run_stage
+from repsim.stage import SERVE_COMPLETE, Reuse, Stage, StageKind, StageOutput, run_stage, scratch_folder
 
 VERSION = "1"
 RESULTS_FILE = "results.json"
@@ -66,14 +66,12 @@ def align(config: AlignConfig, out_dir: str | Path | None = None, log: LogFn | N
                                                   progress=progress, reuse=reuse)
                                  for split in (config.data.train_split, config.data.test_split))
     stage = _stage(config, train_tables.key, test_tables.key)
-    scratch = repsim_home() / "scratch" / "align" / stage.key
     train, test = load_tables(train_tables), load_tables(test_tables)
     if config.data.holdout:
         train, test = hold_out(train, config.data.holdout)
-    build = functools.partial(_build, config, spec, train, test, scratch, log, resolve_device(device), progress)
-    output = run_stage(stage, build, out_dir, reuse=reuse)
-    shutil.rmtree(scratch, ignore_errors=True)
-    return output
+    with scratch_folder(stage) as scratch:
+        build = functools.partial(_build, config, spec, train, test, scratch, log, resolve_device(device), progress)
+        return run_stage(stage, build, out_dir, reuse=reuse)
 
 
 def _build(config: AlignConfig, spec: DataSpec, train: EmbeddingTables, test: EmbeddingTables, scratch: Path,

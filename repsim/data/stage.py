@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import shutil
 import tarfile
 import time
 from collections.abc import Iterator, Sequence
@@ -46,7 +45,7 @@ from repsim.data.sources import Entry, Listing, Reader, assign_splits, open_sour
 from repsim.data.spec import DataSpec, load_spec
 from repsim.errors import DataError, StageError
 from repsim.pieces import Piece, link_or_copy, run_pieces
-from repsim.stage import SERVE_COMPLETE, Reuse, Stage, StageKind, completed_output, repsim_home, run_stage
+from repsim.stage import SERVE_COMPLETE, Reuse, Stage, StageKind, completed_output, run_stage, scratch_folder
 
 SHARD_VERSION = "3"
 INDEX = "shards.json"
@@ -109,13 +108,12 @@ def shard(spec: DataSpec | str | Path, out_dir: str | Path | None = None, progre
     spec = spec if isinstance(spec, DataSpec) else load_spec(spec)
     reader = open_source(spec)
     stage = shard_stage(spec, reader)
-    scratch = repsim_home() / "scratch" / "shard" / stage.key
     if getattr(spec.source, "manifest", None):
         output = run_stage(stage, lambda tmp: _in_place(spec, reader, tmp), out_dir, _tar_samples, reuse)
         return ShardResult.from_dir(output.path, cached=output.cached)
-    output = run_stage(stage, lambda tmp: _build(spec, reader, tmp, progress, executor, scratch), out_dir,
-                       _tar_samples, reuse)
-    shutil.rmtree(scratch, ignore_errors=True)
+    with scratch_folder(stage) as scratch:
+        output = run_stage(stage, lambda tmp: _build(spec, reader, tmp, progress, executor, scratch), out_dir,
+                           _tar_samples, reuse)
     result = ShardResult.from_dir(output.path, cached=output.cached)
     if output.cached:  # the tars were right when built: a cache hit checks that none was swapped since
         check_tars([tar for tars in result.shards.values() for tar in tars], result.manifest,

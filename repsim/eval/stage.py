@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import json
-import shutil
 import time
 import zipfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -39,7 +38,7 @@ from repsim.pieces import Piece, run_pieces
 from repsim.similarity.neighbors import QUERY_CHUNK
 from repsim.similarity.stage import CLASSES_FILE, EMBEDDINGS_FILE
 from repsim.stage import (SERVE_COMPLETE, Reuse, Stage, StageKind, StageLike, StageOutput, completed_output,
-                          fingerprint_files, output_dir, read_record, repsim_home, run_stage)
+                          fingerprint_files, output_dir, read_record, run_stage, scratch_folder)
 
 STAGE_VERSION = "1"
 FEATURES_VERSION = "2"  # 2: encoded a piece of FEATURES_PIECE_TARS tars at a time
@@ -119,14 +118,12 @@ def extract_features(shards: ShardsLike, encoder: str | Path = PIXELS, split: st
     tars are a piece, run on ``executor`` (default: here) and kept until the output is complete."""
     shards, source, device = ShardResult.of(shards), encoder_source(encoder), resolve_device(device)
     stage = _features_stage(shards, source, split, device, image_size, preset_options)
-    scratch = repsim_home() / "scratch" / "features" / stage.key
     pieces = [Piece(f"{split}-{start:05d}", FeaturesPiece(tuple(map(str, tars)), str(shards.manifest), source,
                                                           stage.config, batch_size, str(device), num_workers))
               for start, tars in _tar_chunks(shards.shards[split])]
-    output = run_stage(stage, lambda tmp: _write_features(shards, pieces, executor, progress, scratch, tmp), out_dir,
-                       reuse=reuse)
-    shutil.rmtree(scratch, ignore_errors=True)
-    return output
+    with scratch_folder(stage) as scratch:
+        return run_stage(stage, lambda tmp: _write_features(shards, pieces, executor, progress, scratch, tmp), out_dir,
+                         reuse=reuse)
 
 
 def features_stage_of(shards: ShardsLike, encoder: str | Path = PIXELS, split: str = "test",
@@ -191,7 +188,6 @@ def encode_features_piece(piece: FeaturesPiece, folder: Path) -> dict[str, int]:
                                          lambda _: None)
     np.save(folder / INDICES_FILE, indices)
     return {"samples": len(indices), "dim": int(features.shape[1])}
-
 
 
 def _write_features(shards: ShardResult, pieces: list[Piece], executor: Executor | None, progress: bool,
@@ -346,12 +342,10 @@ def evaluate_features(train: StageLike, test: StageLike, suites: Iterable[str] =
     train, test = load_features(train), load_features(test)
     suites, knn_k = check_evaluation(suites, knn_k, train.labelled and test.labelled, text_encoder, captions)
     stage = _evaluate_stage(train, test, suites, knn_k, linear_options, text_encoder, captions)
-    scratch = repsim_home() / "scratch" / "evaluate" / stage.key
-    run = _SuiteRun(train, test, stage.config, resolve_device(device), text_encoder,
-                    _caption_embeddings(captions)[0] if captions is not None else None, executor, scratch)
-    output = run_stage(stage, run.write, out_dir, reuse=reuse)
-    shutil.rmtree(scratch, ignore_errors=True)
-    return output
+    with scratch_folder(stage) as scratch:
+        run = _SuiteRun(train, test, stage.config, resolve_device(device), text_encoder,
+                        _caption_embeddings(captions)[0] if captions is not None else None, executor, scratch)
+        return run_stage(stage, run.write, out_dir, reuse=reuse)
 
 
 def evaluate_stage_of(train: StageLike, test: StageLike, suites: Iterable[str] = DEFAULT_SUITES,

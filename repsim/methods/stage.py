@@ -118,8 +118,9 @@ def launch_training(config: Config, out_dir: str | Path | None = None, log: LogF
         with gpu_slot() as device:
             return train(config, out_dir, log=log, device=device, reuse=reuse)
     stage = train_stage_of(config)
-    record = read_record(stage.output_dir(out_dir))
-    if record is not None and reuse.serves(stage.output_dir(out_dir), record):
+    out = stage.output_dir(out_dir)
+    record = read_record(out)
+    if record is not None and reuse.serves(out, record):
         return train(config, out_dir, progress=False)
     started = time.time()
     resolved = repsim_home() / "scratch" / "launch" / f"{stage.key}.json"

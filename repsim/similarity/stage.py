@@ -18,7 +18,6 @@ workers clean (``mp_context`` spawn or forkserver): torch and FAISS run OpenMP, 
 from __future__ import annotations
 
 import json
-import shutil
 import time
 import warnings
 from collections.abc import Mapping
@@ -42,7 +41,7 @@ from repsim.similarity.neighbors import (CHUNK_ROWS, EXACT_LIMIT, STAGE_INDEXES,
                                         self_searcher)
 from repsim.similarity.wordnet import class_similarity
 from repsim.stage import (SERVE_COMPLETE, Reuse, Stage, StageKind, StageOutput, fingerprint_files, output_dir,
-                          read_record, repsim_home, run_stage)
+                          read_record, run_stage, scratch_folder)
 
 STAGE_VERSION = "1"
 NEIGHBORS_VERSION = "2"  # 2: knn(), scores named for what they are, cosine by default
@@ -72,11 +71,9 @@ def embed_captions_stage(shards: ShardResult | str | Path, model: str | Path | N
     ``$REPSIM_HOME/scratch/captions/<key>/`` until the output is complete."""
     shards = ShardResult.of(shards)
     stage = embed_captions_stage_of(shards, model)
-    scratch = repsim_home() / "scratch" / stage.name / stage.key
-    output = run_stage(stage, lambda tmp: _write_embeddings(shards.manifest, model, batch_size, device, progress,
-                                                            executor, scratch, tmp), out_dir, reuse=reuse)
-    shutil.rmtree(scratch, ignore_errors=True)
-    return output
+    with scratch_folder(stage) as scratch:
+        return run_stage(stage, lambda tmp: _write_embeddings(shards.manifest, model, batch_size, device, progress,
+                                                              executor, scratch, tmp), out_dir, reuse=reuse)
 
 
 def embed_captions_stage_of(shards: ShardResult | str | Path, model: str | Path | None = None) -> Stage:
@@ -210,11 +207,9 @@ def neighbors_stage(embeddings: EmbeddingsLike, k: int = 10, index: str = "auto"
     searched on ``executor`` (default: here), is kept until the output is complete."""
     stage = neighbors_stage_of(embeddings, k, index, metric, recall_queries, seed)
     path, _ = _embeddings_input(embeddings)
-    scratch = repsim_home() / "scratch" / stage.name / stage.key
-    output = run_stage(stage, lambda tmp: _write_neighbors(path, stage.config, progress, executor, scratch, tmp),
-                       out_dir, reuse=reuse)
-    shutil.rmtree(scratch, ignore_errors=True)
-    return output
+    with scratch_folder(stage) as scratch:
+        return run_stage(stage, lambda tmp: _write_neighbors(path, stage.config, progress, executor, scratch, tmp),
+                         out_dir, reuse=reuse)
 
 
 def neighbors_stage_of(embeddings: EmbeddingsLike, k: int = 10, index: str = "auto", metric: str = "cosine",
