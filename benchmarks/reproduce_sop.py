@@ -60,11 +60,11 @@ def name(encoder: str) -> str:
 
 
 def sop_epochs(run: FinishedRun) -> dict[str, list[list[dict]]]:
-    """Each encoder's per-epoch records, one list per seed (:func:`_report.epochs_by_encoder`), the
-    assignment entropy of either kind under ``sop_entropy``."""
+    """Each trained encoder's per-epoch records, one list per seed (:func:`_report.epochs_by_encoder`), the
+    assignment entropy of either kind under ``sop_entropy``; an encoder with no epoch (``max_steps: 0``) has none."""
     found = {encoder: [[record | {"sop_entropy": next((record[e] for e in ENTROPIES if e in record), float("nan"))}
                         for record in epochs] for epochs in seeds]
-             for encoder, seeds in epochs_by_encoder(run).items()}
+             for encoder, seeds in epochs_by_encoder(run).items() if all(seeds)}
     return dict(sorted(found.items(), key=lambda item: list(NAMES).index(item[0]) if item[0] in NAMES else 99))
 
 

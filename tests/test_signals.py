@@ -26,7 +26,7 @@ def test_children_that_ignore_sigterm_are_killed_once_their_time_is_up():
     assert CHILDREN_S <= time.monotonic() - started < CHILDREN_S + 1
 
 
-SETTINGS = ["optim.epochs=150", "optim.batch_size=4", "optim.num_workers=0", "optim.warmup_epochs=0",
+SETTINGS = ["optim.epochs=50", "optim.batch_size=4", "optim.num_workers=0", "optim.warmup_epochs=0",
             "optim.checkpoint_every=0", "monitor.knn=false", "model.small_images=false", "model.projection_dim=8",
             "model.projection_hidden_dim=16"]
 
