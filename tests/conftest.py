@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -13,12 +15,22 @@ from PIL import Image
 AWS_SECRET = "not-a-real-secret-key-5e3c"  # the bucket fixture's secret key: no output may hold it
 
 
+STORES = ("PREFECT_HOME", "PREFECT_API_URL", "MLFLOW_TRACKING_URI")  # where Prefect and MLflow keep their records
+
+
 @pytest.fixture(autouse=True)
-def repsim_home(tmp_path, monkeypatch) -> Path:
-    """Every test gets its own ``$REPSIM_HOME``, so no test reads another's cache."""
+def repsim_home(tmp_path, monkeypatch) -> Iterator[Path]:
+    """Every test gets its own ``$REPSIM_HOME``, so no test reads another's cache, and no store of the shell's or
+    of an earlier test's: what a command run in the test process sets for good (``use_embedded_defaults``) goes
+    with the test."""
     home = tmp_path / "repsim-home"
     monkeypatch.setenv("REPSIM_HOME", str(home))
-    return home
+    for name in STORES:
+        monkeypatch.delenv(name, raising=False)
+    before = set(os.environ)
+    yield home
+    for name in set(os.environ) - before:
+        del os.environ[name]
 
 
 def synthetic_pixels(seed: int, size: int = 8, mode: str = "L") -> np.ndarray:

@@ -91,11 +91,11 @@ def test_serve_without_a_server_says_its_api_is_temporary(tmp_path, monkeypatch,
 def test_the_temporary_api_gets_repsims_startup_timeout_though_prefect_was_imported_first(tmp_path, monkeypatch):
     from prefect.server.api.server import SubprocessASGIServer
 
-    from repsim.tasks.settings import start_embedded_stores
+    from repsim.tasks.settings import start_embedded_stores, use_embedded_defaults
 
-    monkeypatch.delenv("PREFECT_API_URL", raising=False)
     monkeypatch.setenv("REPSIM_HOME", str(tmp_path))
     monkeypatch.setenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "97")
+    use_embedded_defaults()  # what every command does first
     timeouts = []
     monkeypatch.setattr(SubprocessASGIServer, "start", lambda server, timeout=None: timeouts.append(timeout))
     start_embedded_stores()
