@@ -4,8 +4,7 @@ under the shipped names (``animal-mnist``, ``xclr``, ``default``, ``configs/xclr
 shipped ones, as a file at the given path always does, so a page's commands run as written in seconds.
 
 - ``bash``: the block, as one script under ``set -e``; ``<key>`` after ``artifacts/<stage>/`` is the newest
-  output of that stage. A page with bash blocks gets one Prefect server for its commands, which would
-  otherwise each start and stop a temporary one (about 10 s apiece).
+  output of that stage.
 - ``python``: the block, as a script.
 - ``yaml``: read by what reads it: a data spec, an experiment (checked and planned), a deployments file, or
   a fragment (``seeds``, ``sweep``) added to the page's last experiment.
@@ -21,14 +20,9 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 import tomllib
-import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +32,7 @@ import yaml
 from markdown_it import MarkdownIt
 from PIL import Image
 
-from e2e import REPO, TINY_ALIGN, free_port
+from e2e import REPO, TINY_ALIGN
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 RUN = ("bash", "python", "yaml", "toml")
@@ -117,12 +111,7 @@ def test_markers_are_read():
                          ids=lambda page: page.name)
 def test_the_blocks_of_a_page_run_as_written(page, tmp_path):
     workdir = tiny_workdir(tmp_path)
-    runs_bash = any(block.lang == "bash" and "*" not in block.left_out for block in page_blocks(page))
-    with prefect_server(workdir, page_env(workdir)) if runs_bash else nullcontext(page_env(workdir)) as env:
-        run_page(page, workdir, env)
-
-
-def run_page(page: Path, workdir: Path, env: dict[str, str]) -> None:
+    env = page_env(workdir)
     experiment: dict | None = None
     printed = ""
     for block in page_blocks(page):
@@ -138,36 +127,6 @@ def run_page(page: Path, workdir: Path, env: dict[str, str]) -> None:
             experiment = check_yaml(block, workdir, env, experiment)
         elif block.lang == "toml":
             check_toml(block)
-
-
-@contextmanager
-def prefect_server(workdir: Path, env: dict[str, str]) -> Iterator[dict[str, str]]:
-    """``env`` pointing at a Prefect server of its own on 127.0.0.1, started and stopped here."""
-    port = free_port()
-    home, log = {"PREFECT_HOME": str(workdir / "prefect-server")}, workdir / "prefect-server.log"
-    with open(log, "w") as output:
-        server = subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "server", "start", "--host",
-                                   "127.0.0.1", "--port", str(port)], env=env | home, stdout=output,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        api = f"http://127.0.0.1:{port}/api"
-        wait_for(f"{api}/health", server, log)
-        yield env | {"PREFECT_API_URL": api}
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
-
-
-def wait_for(url: str, server: subprocess.Popen, log: Path, seconds: float = 120) -> None:
-    """Return once ``url`` answers; fail if ``server`` exits first or ``seconds`` pass."""
-    for _ in range(int(seconds)):
-        assert server.poll() is None, f"the Prefect server exited; its log:\n{log.read_text()[-3000:]}"
-        try:
-            urllib.request.urlopen(url, timeout=2).close()
-            return
-        except OSError:
-            time.sleep(1)
-    pytest.fail(f"the Prefect server did not answer {url} in {seconds:.0f} s")
 
 
 def run(block: Block, script: str, command: list[str], workdir: Path, env: dict[str, str]) -> str:
