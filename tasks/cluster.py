@@ -110,8 +110,11 @@ def _client(address: str) -> contextlib.AbstractContextManager:
     runner is Dask's), that worker's client, which frees the task's thread for the pieces while it waits."""
     from distributed import Client, get_worker, worker_client
 
-    with contextlib.suppress(ValueError):  # not on a worker
+    try:
         get_worker()
+    except ValueError:  # not on a worker
+        pass
+    else:
         return worker_client(separate_thread=True)
     try:
         return Client(address, timeout=CONNECT_TIMEOUT_S, set_as_default=False)
