@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-from _report import HERE, Claim, FinishedRun, markdown, on_both, optional_run, verdict_table, write_report
+from _report import HERE, Claim, FinishedRun, markdown, on_both, optional_run, stage_runs, verdict_table, write_report
 from reproduce_sop import curve_table, monitor_table, name, plot, scores_table, sop_epochs
 
 @dataclass(frozen=True)
@@ -93,21 +93,16 @@ def point_settings(point: str) -> tuple[float, dict]:
     return float(lr_part.removeprefix("lr=")), yaml.safe_load(options)
 
 
-def train_settings(source: str) -> dict:
-    """The settings every row of experiment ``source`` shares (its train section's)."""
-    experiment = yaml.safe_load((HERE.parent / "experiments" / f"{source}.yaml").read_text())
-    return next(stage for stage in experiment["stages"] if stage["kind"] == "train")["settings"]
-
-
 def shared_settings(source: str) -> tuple[float, dict]:
-    """(lr, preset_options) every row of experiment ``source`` shares."""
-    train = train_settings(source)
+    """(lr, preset_options) every row of experiment ``source`` shares (its train section's settings)."""
+    experiment = yaml.safe_load((HERE.parent / "experiments" / f"{source}.yaml").read_text())
+    train = next(stage for stage in experiment["stages"] if stage["kind"] == "train")["settings"]
     return train["optim"]["lr"], train["data"]["preset_options"]
 
 
-def monitored(source: str) -> str:
-    """The split experiment ``source``'s online monitor scores after every epoch."""
-    return train_settings(source).get("monitor", {}).get("test_split", "test")
+def monitored(run: FinishedRun) -> str:
+    """The split(s) the online monitor of ``run``'s trainings scored after every epoch, as their runs logged it."""
+    return ", ".join(sorted({train.data.params["config.monitor.test_split"] for train in stage_runs(run, "train")}))
 
 
 def grid_section(grid: FinishedRun, design: FinishedRun, base_rows: tuple[str, ...]) -> str:
@@ -153,7 +148,7 @@ def design_section(design: Design, run: FinishedRun, image: Path) -> str:
         "assignment entropy (→ 0: collapse) and target entropy (→ 1: flat targets).", "",
         scores_table(run.rows, epochs), "",
         "†: below the raw-pixel floor.", "",
-        f"The online monitor's kNN top-1 (%) on the {monitored(run.source)} split after every epoch, mean over "
+        f"The online monitor's kNN top-1 (%) on the {monitored(run)} split after every epoch, mean over "
         "the seeds:", "",
         monitor_table(epochs), "",
         curve_table(epochs), "",
