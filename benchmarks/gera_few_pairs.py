@@ -3,8 +3,8 @@ on a validation split held out of the train split, then GeRA against contrastive
 and ASIF on the test split at 10 seeds, with a verdict on each claim.
 
     repsim run tune-gera --set name=tune-gera-few-pairs --set 'seeds=[0, 1, 2]' --set 'sweep={
-      align.settings.pairing.pairs: [20, 50], align.settings.geometry.alpha: [0.0, 100.0, 1000.0, 10000.0],
-      align.settings.neighbors.count: [50, 200, 800]}'
+      align.settings.pairing.pairs: [20, 50], align.settings.geometry.alpha: [0.0, 100.0, 1000.0, 10000.0, 100000.0],
+      align.settings.neighbors.count: [50, 200, 800, 3200]}'
     repsim run reproduce-gera --set name=gera-few-pairs --set 'seeds=[0, 1, 2, 3, 4, 5, 6, 7, 8, 9]' --set 'sweep={
       align.settings.pairing.pairs: [20, 50], align.settings.geometry.alpha: [0.0, <the chosen αs>],
       align.settings.neighbors.count: [<the chosen Ls>]}'
@@ -16,7 +16,9 @@ It writes ``benchmarks/REPORT_gera-few-pairs.md``; a rerun keeps the analysis be
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 
+import matplotlib.pyplot as plt
 from _report import HERE, FinishedRun, finished_run, markdown, mean_std, stage_runs, verdict_table, write_report
 from reproduce_gera import ASIF, ZERO_SHOT, gera_claims, label
 
@@ -90,10 +92,32 @@ def paired_gains(run: FinishedRun, choice: dict[int, tuple[float, float]]) -> di
                f"({sum(gain > 0 for gain in found)}/{len(found)})" for m, found in sorted(gains.items())}
 
 
-def report() -> str:
+ROWS = ("contrastive", "gera", "asif", "gera-pixels")  # the plot's bars at each M, in this order
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Zero-shot top-1 (mean ± std over seeds) of each verdict row, bars grouped by M."""
+    by_encoder = {row["encoder"]: row for row in rows}
+    figure, axes = plt.subplots(figsize=(6.5, 4.0))
+    for index, method in enumerate(ROWS):
+        found = [(position, by_encoder[f"{method}-{m}"]) for position, m in enumerate(PAIRS)
+                 if f"{method}-{m}" in by_encoder]
+        axes.bar([position + 0.2 * (index - 1.5) for position, _ in found], [100 * row[ZERO_SHOT] for _, row in found],
+                 width=0.2, yerr=[100 * (row[f"{ZERO_SHOT}.std"] or 0) for _, row in found], capsize=3,
+                 label=label(f"{method}-M").removesuffix(" (M = M)"))
+    axes.set_xticks(range(len(PAIRS)), [f"M = {m}" for m in PAIRS])
+    axes.set_ylabel("zero-shot top-1 (%), test split")
+    axes.set_title("GeRA at the α and L chosen on validation: mean ± std over seeds")
+    axes.legend(fontsize=7)
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(figure)
+
+
+def report(image: Path) -> str:
     tuning, run = finished_run(TUNING), finished_run(TEST)
     choice = chosen(tuning)
     rows, gains = test_rows(run, choice), paired_gains(run, choice)
+    plot(rows, image)
     return "\n".join([
         "# GeRA at few pairs: α and L chosen on validation, 10 seeds", "",
         f"Commands: `{tuning.command}` ({tuning.wall_time}), `{run.command}` ({run.wall_time}), then "
@@ -107,12 +131,13 @@ def report() -> str:
         "## α and L, chosen on validation", "",
         "GeRA scored on 30 % of the train split held out (never the test split), 3 seeds; per M, the cell of "
         "the best mean with α > 0 is chosen.", "",
-        tuning_table(tuning, choice), ""])
+        tuning_table(tuning, choice), "",
+        f"![scores]({image.name})", ""])
 
 
 def main() -> None:
     path = HERE / "REPORT_gera-few-pairs.md"
-    text = report()
+    text = report(path.with_suffix(".png"))
     write_report(path, text)
     print(text)
 
