@@ -20,7 +20,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 from _report import HERE, FinishedRun, finished_run, markdown, mean_std, stage_runs, verdict_table, write_report
-from reproduce_gera import ASIF, ZERO_SHOT, gera_claims, label
+from reproduce_gera import ASIF, ROW_NAMES, ZERO_SHOT, gera_claims, label
 
 TUNING, TEST = "tune-gera-few-pairs", "gera-few-pairs"
 PAIRS = (20, 50)
@@ -74,37 +74,49 @@ def test_rows(run: FinishedRun, choice: dict[int, tuple[float, float]]) -> list[
     return named
 
 
-def paired_gains(run: FinishedRun, choice: dict[int, tuple[float, float]]) -> dict[int, str]:
-    """Per M, GeRA − contrastive alone paired by seed: ``+1.2 ± 3.4 (6/10)`` (points; seeds GeRA won)."""
-    scores: dict[tuple[int, str], dict[float, float]] = {}
+def paired_scores(run: FinishedRun, choice: dict[int, tuple[float, float]]) -> dict[int, dict[int, tuple[float, float]]]:
+    """Per M and seed, (GeRA, contrastive alone) zero-shot top-1 (%) at the chosen L: the same pairs, pools and
+    initialisation."""
+    scores: dict[tuple[int, int], dict[float, float]] = {}
     for align in stage_runs(run, "align"):
         params = align.data.params
         m, count = int(params["config.pairing.pairs"]), float(params["config.neighbors.count"])
         if align.data.tags.get("repsim.encoder", "").startswith("pixels") or choice.get(m, (0, -1))[1] != count:
             continue
-        scores.setdefault((m, params["config.pairing.seed"]), {})[float(params["config.geometry.alpha"])] = \
-            align.data.metrics[ZERO_SHOT]
-    gains: dict[int, list[float]] = {}
-    for (m, _), by_alpha in scores.items():
+        scores.setdefault((m, int(params["config.pairing.seed"])), {})[float(params["config.geometry.alpha"])] = \
+            100 * align.data.metrics[ZERO_SHOT]
+    paired: dict[int, dict[int, tuple[float, float]]] = {}
+    for (m, seed), by_alpha in sorted(scores.items()):
         if 0.0 in by_alpha and choice[m][0] in by_alpha:
-            gains.setdefault(m, []).append(100 * (by_alpha[choice[m][0]] - by_alpha[0.0]))
+            paired.setdefault(m, {})[seed] = by_alpha[choice[m][0]], by_alpha[0.0]
+    return paired
+
+
+def paired_gains(paired: dict[int, dict[int, tuple[float, float]]]) -> dict[int, str]:
+    """Per M, GeRA − contrastive alone paired by seed: ``+1.2 ± 3.4 (6/10)`` (points; seeds GeRA won)."""
+    gains = {m: [gera - alone for gera, alone in seeds.values()] for m, seeds in paired.items()}
     return {m: f"{statistics.mean(found):+.2f} ± {statistics.stdev(found) if len(found) > 1 else 0:.2f} "
-               f"({sum(gain > 0 for gain in found)}/{len(found)})" for m, found in sorted(gains.items())}
+               f"({sum(gain > 0 for gain in found)}/{len(found)})" for m, found in gains.items()}
 
 
-ROWS = ("contrastive", "gera", "asif", "gera-pixels")  # the plot's bars at each M, in this order
+def seeds_table(paired: dict[int, dict[int, tuple[float, float]]]) -> str:
+    """GeRA, contrastive alone and their difference per M and seed."""
+    return markdown(["M", "seed", "GeRA", "contrastive alone", "GeRA − contrastive"],
+                    [[str(m), str(seed), f"{gera:.1f}", f"{alone:.1f}", f"{gera - alone:+.1f}"]
+                     for m, seeds in paired.items() for seed, (gera, alone) in seeds.items()])
 
 
 def plot(rows: list[dict], path: Path) -> None:
     """Zero-shot top-1 (mean ± std over seeds) of each verdict row, bars grouped by M."""
     by_encoder = {row["encoder"]: row for row in rows}
     figure, axes = plt.subplots(figsize=(6.5, 4.0))
-    for index, method in enumerate(ROWS):
+    width = 0.8 / len(ROW_NAMES)
+    for index, (method, title) in enumerate(ROW_NAMES.items()):
         found = [(position, by_encoder[f"{method}-{m}"]) for position, m in enumerate(PAIRS)
                  if f"{method}-{m}" in by_encoder]
-        axes.bar([position + 0.2 * (index - 1.5) for position, _ in found], [100 * row[ZERO_SHOT] for _, row in found],
-                 width=0.2, yerr=[100 * (row[f"{ZERO_SHOT}.std"] or 0) for _, row in found], capsize=3,
-                 label=label(f"{method}-M").removesuffix(" (M = M)"))
+        axes.bar([position + width * (index - (len(ROW_NAMES) - 1) / 2) for position, _ in found],
+                 [100 * row[ZERO_SHOT] for _, row in found], width=width,
+                 yerr=[100 * (row[f"{ZERO_SHOT}.std"] or 0) for _, row in found], capsize=3, label=title)
     axes.set_xticks(range(len(PAIRS)), [f"M = {m}" for m in PAIRS])
     axes.set_ylabel("zero-shot top-1 (%), test split")
     axes.set_title("GeRA at the α and L chosen on validation: mean ± std over seeds")
@@ -116,7 +128,8 @@ def plot(rows: list[dict], path: Path) -> None:
 def report(image: Path) -> str:
     tuning, run = finished_run(TUNING), finished_run(TEST)
     choice = chosen(tuning)
-    rows, gains = test_rows(run, choice), paired_gains(run, choice)
+    rows, paired = test_rows(run, choice), paired_scores(run, choice)
+    gains = paired_gains(paired)
     plot(rows, image)
     return "\n".join([
         "# GeRA at few pairs: α and L chosen on validation, 10 seeds", "",
@@ -127,7 +140,8 @@ def report(image: Path) -> str:
         "within one pooled standard deviation is not shown, whichever way it points.", "",
         verdict_table(gera_claims(list(PAIRS)), rows, label), "",
         "GeRA − contrastive alone, paired by seed (the same pairs, pools and initialisation): "
-        + "; ".join(f"M = {m}: {gain}" for m, gain in gains.items()) + ".", "",
+        + "; ".join(f"M = {m}: {gain}" for m, gain in gains.items()) + ". Per seed:", "",
+        seeds_table(paired), "",
         "## α and L, chosen on validation", "",
         "GeRA scored on 30 % of the train split held out (never the test split), 3 seeds; per M, the cell of "
         "the best mean with α > 0 is chosen.", "",

@@ -82,11 +82,13 @@ def gera_claims(pairs: list[int]) -> list[Claim]:
               f"gera-pixels-{m}", ZERO_SHOT))]
 
 
+ROW_NAMES = {"contrastive": "contrastive alone", "gera": "GeRA", "asif": "ASIF", "gera-pixels": "GeRA on raw pixels"}
+
+
 def label(encoder: str) -> str:
     """``GeRA (M = 20)`` of a named row's encoder."""
     method, _, m = encoder.rpartition("-")
-    return {"gera": "GeRA", "contrastive": "contrastive alone", "asif": "ASIF",
-            "gera-pixels": "GeRA on raw pixels"}[method] + f" (M = {m})"
+    return f"{ROW_NAMES[method]} (M = {m})"
 
 
 def samples(row: dict) -> str:

@@ -109,6 +109,7 @@ def grid_section(grid: FinishedRun, design: FinishedRun, base_rows: tuple[str, .
     """The grid's cells on val, the chosen one, and whether the design shares it."""
     cells = grid_cells(grid, base_rows)
     floor = next(row[KNN] for row in grid.rows if row["encoder"] == "pixels")
+    untrained = next((row[KNN] for row in grid.rows if row["encoder"] == "untrained"), None)
     chosen = point_settings(cells[0]["point"])
     used = shared_settings(design.source)
     agreement = ("Every row of the design shares this cell." if used == chosen else
@@ -120,7 +121,9 @@ def grid_section(grid: FinishedRun, design: FinishedRun, base_rows: tuple[str, .
         "### The settings, chosen on validation", "",
         f"Command: `{grid.command}` ({grid.wall_time}). Trained on the grid's training split and scored "
         "by kNN top-1 (k = 20, %) on its validation split, cut from the training images; the test split is "
-        f"not read. Raw pixels on val: {100 * floor:.2f}. A cell's score is the mean of its rows' "
+        f"not read. Raw pixels on val: {100 * floor:.2f}"
+        + (f"; the untrained encoder: {100 * untrained:.2f}" if untrained is not None else "")
+        + f". A cell's score is the mean of its rows' "
         f"({', '.join(map(name, base_rows))}), so the method and the baselines choose from the same grid by "
         "the same rule. Seed 0.", "",
         markdown(["lr", "views", *map(name, base_rows), "mean"], lines), "",

@@ -81,6 +81,14 @@ def test_gera_few_pairs_chooses_per_m_on_validation_among_positive_weights_and_p
     assert named == {"gera-20": 0.45, "asif-20": 0.47, "contrastive-20": 0.44, "gera-pixels-20": 0.3}
 
 
+def test_gera_few_pairs_pairs_seeds_and_counts_a_win_only_where_gera_scores_higher():
+    from gera_few_pairs import paired_gains, seeds_table
+
+    paired = {20: {0: (40.0, 50.0), 1: (52.0, 50.0), 2: (50.0, 50.0)}}  # (GeRA, contrastive alone) per seed
+    assert paired_gains(paired) == {20: "-2.67 ± 6.43 (1/3)"}  # −10, +2, 0: a tie is no win
+    assert "| 20 | 0 | 40.0 | 50.0 | -10.0 |" in seeds_table(paired).splitlines()
+
+
 def test_a_logged_row_gets_back_the_columns_the_table_leaves_out_where_they_say_nothing():
     from _report import _complete
 
