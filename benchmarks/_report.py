@@ -38,6 +38,17 @@ def write_report(path: Path, text: str) -> None:
     path.write_text(text.rstrip("\n") + "\n\n" + kept if kept else text)
 
 
+def kept_section(path: Path, heading: str) -> str | None:
+    """The section of the report at ``path`` under ``heading`` (a ``## `` line), up to the next ``## ``
+    heading, as an earlier run wrote it; None when there is no such report or section."""
+    text = path.read_text() if path.is_file() else ""
+    start = text.find(f"\n{heading}\n")
+    if start < 0:
+        return None
+    end = text.find("\n## ", start + 1)
+    return text[start + 1:end if end >= 0 else len(text)].rstrip("\n") + "\n"
+
+
 def synchronise(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -134,12 +145,13 @@ def _complete(row: dict) -> dict:
     return complete
 
 
-def optional_run(name: str) -> FinishedRun | None:
-    """The latest finished run of experiment ``name``, or None (saying so) when there is none."""
+def optional_run(name: str, absent: str = "the report leaves it out") -> FinishedRun | None:
+    """The latest finished run of experiment ``name``, or None (saying so, and what the report does
+    instead: ``absent``) when there is none."""
     try:
         return finished_run(name)
     except SystemExit as missing:
-        print(f"{missing}; the report leaves it out")
+        print(f"{missing}; {absent}")
         return None
 
 

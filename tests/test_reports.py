@@ -64,6 +64,21 @@ def test_the_sop_report_reads_grid_points_as_the_sweep_labels_them_and_picks_the
     assert lr in grid["train.settings.optim.lr"] and views in grid["train.settings.data.preset_options"]
 
 
+def test_the_sop_report_rewrites_the_sections_this_store_ran_and_keeps_the_others_as_written(tmp_path, monkeypatch):
+    import sop_report
+
+    factorial, ablations, vit = sop_report.DATASETS["animal-mnist"]
+    path = tmp_path / "REPORT_sop-animal-mnist.md"
+    path.write_text(f"# SOP\n\n## {factorial.title}\n\nrun elsewhere: 78.75\n\n### Scores\n\n| a |\n\n"
+                    f"## {vit.title}\n\nan older ViT run\n\n## Analysis\n\nhand-written\n")
+    monkeypatch.setattr(sop_report, "optional_run", lambda name, absent: name if name == vit.experiment else None)
+    monkeypatch.setattr(sop_report, "design_section", lambda design, run, image: f"## {design.title}\n\nnew: {run}\n")
+    text = sop_report.report("animal-mnist", path)
+    assert f"## {factorial.title}\n\nrun elsewhere: 78.75\n\n### Scores\n\n| a |\n" in text  # kept whole
+    assert f"## {vit.title}\n\nnew: sop-vit\n" in text and "an older ViT run" not in text
+    assert ablations.title not in text and "Analysis" not in text  # neither run nor held; the analysis is kept apart
+
+
 def test_gera_few_pairs_chooses_per_m_on_validation_among_positive_weights_and_pairs_rows_at_that_choice():
     from gera_few_pairs import chosen, test_rows
 

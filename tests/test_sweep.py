@@ -402,8 +402,10 @@ def _grid_configs(name: str) -> list[dict]:
             if run.label != "untrained"]
 
 
-def test_each_row_of_the_sop_design_differs_from_its_base_row_in_one_factor():
-    rows = _method_configs("sop-resnet")
+def test_each_row_of_the_sop_designs_differs_from_its_base_row_in_one_factor():
+    rows, ablations = _method_configs("sop-resnet"), _method_configs("sop-resnet-ablations")
+    assert ablations["sop"] == rows["sop"]  # one SOP row: a store that holds one design serves it to the other
+    rows |= ablations
     factors = {"sop-koleo": ("sop", {"koleo_weight"}), "dino-koleo": ("dino", {"koleo_weight"}),
                "koleo-only": ("sop-koleo", {"cls_weight"}), "sop-fixed": ("sop", {"fixed_anchors", "fixed_supports"}),
                "sop-anchors-64": ("sop", {"num_anchors"}), "sop-support-2": ("sop", {"support_size"}),
