@@ -29,14 +29,16 @@ from reproduce_sop import curve_table, monitor_table, name, plot, scores_table, 
 
 @dataclass(frozen=True)
 class Design:
-    """A matched design: its experiment, the validation grid that chose its shared settings (Fashion-MNIST's
-    design takes Animal-MNIST's), the rows whose mean scores a grid cell, and the claims its rows decide."""
+    """A matched design: its experiment, the validation grid that chose its shared settings, the rows whose mean
+    scores a grid cell, the claims its rows decide, and, for a design that takes another dataset's choice
+    (Fashion-MNIST's takes Animal-MNIST's), the report whose section prints that grid."""
 
     experiment: str
     grid: str
     base_rows: tuple[str, ...]
     title: str
     claims: tuple[Claim, ...]
+    grid_report: str = ""
 
 
 KNN = "knn_top1_k20"  # what the grid chooses on
@@ -71,7 +73,7 @@ DATASETS = {
                      Design("sop-vit", "sop-grid-vit", ("sop", "dino", "ibot"), "ViT-Tiny: SOP, DINO- and iBOT-style",
                             VIT_CLAIMS)),
     "fashion-mnist": (Design("sop-resnet-fashion-mnist", "sop-grid-resnet", ("sop", "dino"), FACTORIAL,
-                             FACTORIAL_CLAIMS),),
+                             FACTORIAL_CLAIMS, grid_report="REPORT_sop-animal-mnist.md"),),
 }
 
 
@@ -134,9 +136,26 @@ def grid_section(grid: FinishedRun, design: FinishedRun, base_rows: tuple[str, .
         agreement, ""])
 
 
+def borrowed_grid_section(design: Design, run: FinishedRun) -> str:
+    """Where a design that takes another dataset's grid choice got its settings, and what they are."""
+    lr, options = shared_settings(run.source)
+    return "\n".join([
+        "### The settings, chosen on validation", "",
+        f"The design shares lr {lr:g} with {views(options)}: the cell `repsim run {design.grid}` chose on "
+        f"another dataset's validation split (its section in `{design.grid_report}`). No image of this "
+        "dataset was read to choose a setting; its validation split feeds the online monitor only.", ""])
+
+
+def settings_section(design: Design, run: FinishedRun) -> list[str]:
+    """The section on how ``design``'s shared settings were chosen, where this store or another report holds it."""
+    if design.grid_report:
+        return [borrowed_grid_section(design, run)]
+    grid = optional_run(design.grid)
+    return [grid_section(grid, run, design.base_rows)] if grid else []
+
+
 def design_section(design: Design, run: FinishedRun, image: Path) -> str:
     """A design's verdicts, its grid, its scores and curves, and its plot (written to ``image``)."""
-    grid = optional_run(design.grid)
     epochs = sop_epochs(run)
     plot(run, epochs, image)
     return "\n".join([
@@ -147,7 +166,7 @@ def design_section(design: Design, run: FinishedRun, image: Path) -> str:
         "Test split, read once per row. A difference within one pooled standard deviation is not shown, "
         "whichever way it points.", "",
         verdict_table(list(design.claims), run.rows, name), "",
-        *([grid_section(grid, run, design.base_rows)] if grid else []),
+        *settings_section(design, run),
         "### Scores", "",
         "Top-1 accuracy (%) on the test split of a weighted cosine kNN and of a linear probe on frozen features "
         "of the train split; mean ± sample std over the seeds. Diagnostics of the last epoch, mean over the "

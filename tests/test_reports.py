@@ -8,7 +8,7 @@ import pytest
 from e2e import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-from _report import Claim, pooled_std, verdict, verdict_table  # noqa: E402
+from _report import HERE, Claim, kept_section, pooled_std, verdict, verdict_table  # noqa: E402
 
 
 def row(encoder: str, mean: float, std: float, n: int = 3) -> dict:
@@ -62,6 +62,17 @@ def test_the_sop_report_reads_grid_points_as_the_sweep_labels_them_and_picks_the
 
     grid, (lr, views) = load_experiment("sop-grid-resnet").sweep, shared_settings("sop-resnet")
     assert lr in grid["train.settings.optim.lr"] and views in grid["train.settings.data.preset_options"]
+
+
+def test_a_design_on_another_dataset_cites_the_report_whose_grid_chose_its_settings(monkeypatch):
+    import sop_report
+
+    (design,) = sop_report.DATASETS["fashion-mnist"]
+    monkeypatch.setattr(sop_report, "optional_run", lambda *_: pytest.fail("a borrowed grid is not read from the store"))
+    (text,) = sop_report.settings_section(design, type("Run", (), {"source": "sop-resnet"})())
+    assert "lr 0.0001 with 2 global views" in text and f"`{design.grid_report}`" in text
+    cited = kept_section(HERE / design.grid_report, "### The settings, chosen on validation")
+    assert "| 0.0001 | 2 global views |" in next(line for line in cited.splitlines() if "(chosen)" in line)
 
 
 def test_the_sop_report_rewrites_the_sections_this_store_ran_and_keeps_the_others_as_written(tmp_path, monkeypatch):
