@@ -415,7 +415,12 @@ def test_each_row_of_the_sop_designs_differs_from_its_base_row_in_one_factor():
         differ = {name for name, value in rows[label]["method"].items() if rows[base]["method"][name] != value}
         assert differ == fields, label
         assert rows[label] | {"method": None} == rows[base] | {"method": None}, label
-    untrained, sop = rows["untrained"], rows["sop"]  # SOP's encoder before any step: only max_steps differs
+
+
+@pytest.mark.parametrize("design", ["sop-resnet", "sop-vit"])
+def test_the_untrained_floor_of_a_sop_design_is_its_sop_row_before_any_step(design):
+    rows = _method_configs(design)
+    untrained, sop = rows["untrained"], rows["sop"]  # only max_steps differs
     assert untrained["optim"] == sop["optim"] | {"max_steps": 0} and untrained | {"optim": None} == sop | {"optim": None}
 
 
