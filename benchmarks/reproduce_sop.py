@@ -1,11 +1,12 @@
-"""The SOP comparison's report: SOP, its ablations and the DINO- and iBOT-style baselines against the
-raw-pixel floor, from the latest finished run of ``experiments/reproduce-sop.yaml`` (CPU) or
-``reproduce-sop-full.yaml`` (GPU).
+"""The record of a run of one of SOP's earlier experiments (``experiments/reproduce-sop*.yaml``: the ViT
+comparison of ``reproduce-sop`` on CPU, ``reproduce-sop-full`` in the paper's setting on GPUs): SOP, its
+ablations and the DINO- and iBOT-style baselines against the raw-pixel floor.
 
-The experiment file says what runs (one ViT, views, budget and teacher schedule for every variant;
-three seeds); ``repsim run`` runs it as cached, tracked stages, and this script reads its result
-table back from MLflow, with each train stage's ``metrics.jsonl`` (the student's and the teacher's
-kNN after every epoch, the collapse diagnostics), and writes the report and its plot:
+These designs predate the protocol of ``docs/benchmarks.md``: their rows are not matched and their
+settings were not chosen on validation, so the report says so in its first line and gives no verdicts.
+SOP's verdicts come from the matched designs (``benchmarks/sop_report.py``). This script reads the run's
+result table back from MLflow, with each train stage's ``metrics.jsonl`` (the student's and the
+teacher's kNN after every epoch, the collapse diagnostics), and writes the report and its plot:
 
     repsim run reproduce-sop
     python benchmarks/reproduce_sop.py [--experiment reproduce-sop]
@@ -141,6 +142,9 @@ def report(run: FinishedRun, image: Path) -> str:
     seeds = max(int(row["knn_top1_k20.n"]) for row in run.rows)
     plot(run, epochs, image)
     return "\n".join([
+        ("> **Not a matched design:** this experiment predates the protocol of `docs/benchmarks.md`; its rows "
+         "are not matched and its settings were not chosen on validation. Read its figures as the record of "
+         "this run, not as verdicts: `benchmarks/sop_report.py` writes SOP's verdicts."), "",
         "# SOP compared", "",
         f"Command: `{run.command}` ({run.wall_time}), then `python benchmarks/reproduce_sop.py "
         f"--experiment {run.name}`.", "",
