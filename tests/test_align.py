@@ -16,7 +16,7 @@ import torch
 
 from repsim.align.config import AlignConfig, load_align_config
 from repsim.align.pairing import NEIGHBOUR_FILES, Pairing, draw_pairing, neighbor_lists
-from repsim.align.stage import LOSS_PLOT_FILE, RESULTS_FILE, align, align_stage_of
+from repsim.align.stage import LOSS_PLOT_FILE, RESULTS_FILE, align, align_scores, align_stage_of
 from repsim.align import tables as tables_module
 from repsim.align.tables import class_captions, embedding_tables, hold_out, load_tables
 from repsim.align.method import PairedBatches, load_alignment
@@ -153,6 +153,8 @@ def test_align_stage_runs_scores_and_is_cached(animals):
     assert output.metrics["steps"] == 3 * 2 and sorted(set(logged)) == list(range(1, 7))
     assert {"zeroshot_top1", "i2t_r1", "asif_zeroshot_top1", "asif_t2i_r10", "loss"} <= set(output.metrics)
     assert {name: output.metrics[f"{name}_samples"] for name in results["samples"]} == results["samples"]
+    assert align_scores(output) == {name: value for name, value in output.metrics.items()
+                                    if name.startswith(("zeroshot", "i2t", "t2i", "asif_")) or name.endswith("_samples")}
     pairing = Pairing.load(output.path)
     np.testing.assert_array_equal(pairing.paired, draw_pairing(128, 32, seed=1).paired)
     assert np.load(output.path / NEIGHBOUR_FILES["image"]).shape == (32, 20)

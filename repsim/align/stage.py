@@ -107,20 +107,21 @@ def _build(config: AlignConfig, spec: DataSpec, train: EmbeddingTables, test: Em
                "samples": {"paired": len(pairing.paired), "unpaired_image": len(pairing.unpaired_image),
                            "unpaired_text": len(pairing.unpaired_text), "test": len(test.indices)}}
     (out / RESULTS_FILE).write_text(json.dumps(results, indent=2))
-    return {**summarise(out / METRICS_FILE, trainer.steps_per_epoch), **_scores(results),
-            **{f"{name}_samples": count for name, count in results["samples"].items()}}
+    return {**summarise(out / METRICS_FILE, trainer.steps_per_epoch), **_scores(results)}
 
 
 def align_scores(output: StageOutput) -> dict[str, float]:
-    """What an align output scores, for a comparison table: its zero-shot and retrieval results and
-    ASIF's (``asif_*``); not the training's bookkeeping (loss, steps, epochs) that its metrics also hold."""
+    """What an align output scores, for a comparison table: its zero-shot and retrieval results, ASIF's
+    (``asif_*``) and the sample counts they rest on (``unpaired_image_samples``); not the training's
+    bookkeeping (loss, steps, epochs) that its metrics also hold."""
     return _scores(json.loads((output.path / RESULTS_FILE).read_text()))
 
 
 def _scores(results: dict) -> dict[str, float]:
     spaces = {"": results["suites"], "asif_": results["baselines"]["asif"]["suites"]}
     return {f"{prefix}{name}": value for prefix, suites in spaces.items() for metrics in suites.values()
-            for name, value in metrics.items()}
+            for name, value in metrics.items()} | {f"{name}_samples": count
+                                                   for name, count in results["samples"].items()}
 
 
 def loss_plot(metrics_path: Path, path: Path) -> Path:
