@@ -118,10 +118,12 @@ def align_scores(output: StageOutput) -> dict[str, float]:
 
 
 def _scores(results: dict) -> dict[str, float]:
+    """The flat metrics of ``results.json``: each suite's scores (ASIF's prefixed ``asif_``) and each
+    sample count as ``<name>_samples``."""
     spaces = {"": results["suites"], "asif_": results["baselines"]["asif"]["suites"]}
-    return {f"{prefix}{name}": value for prefix, suites in spaces.items() for metrics in suites.values()
-            for name, value in metrics.items()} | {f"{name}_samples": count
-                                                   for name, count in results["samples"].items()}
+    scores = {f"{prefix}{name}": value for prefix, suites in spaces.items() for metrics in suites.values()
+              for name, value in metrics.items()}
+    return scores | {f"{name}_samples": count for name, count in results["samples"].items()}
 
 
 def loss_plot(metrics_path: Path, path: Path) -> Path:
