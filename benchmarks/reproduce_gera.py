@@ -92,7 +92,8 @@ def label(encoder: str) -> str:
 
 
 def samples(row: dict) -> str:
-    """The unpaired pools' sizes N (image / text) of an align row, ``-`` for a stage that predates them."""
+    """The unpaired pools' sizes N (image / text) of an align row, ``-`` for a result table logged before an
+    align's scores carried them (a cached rerun of the experiment fills them in)."""
     sizes = [row.get(f"unpaired_{modality}_samples") for modality in ("image", "text")]
     return "-" if None in sizes else " / ".join(f"{size:.0f}" for size in sizes)
 
