@@ -3,6 +3,7 @@ per-image pipeline's, and the loader's batch mode (same batches, seeded by posit
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
 
 import pytest
@@ -117,6 +118,15 @@ def test_a_seed_fixes_the_views_and_leaves_the_global_rng_alone():
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     assert not any(torch.equal(a, c) for a, c in zip(first, other))
     assert all(not torch.equal(view[0], view[1]) for view in first)  # one image, parameters drawn per sample
+
+
+def test_seeded_views_made_on_threads_at_once_are_the_views_made_alone():
+    """Stages that run at once on threads share torch's default generator: a seed must still fix its views."""
+    views, batch = make_batch_views("simclr", 28, 3), images(1, 3).repeat(32, 1, 1, 1)
+    alone = {seed: views(batch, seed=seed) for seed in range(4)}
+    with ThreadPoolExecutor(4) as pool:
+        at_once = list(pool.map(lambda seed: (seed, views(batch, seed=seed)), [*range(4)] * 8))
+    assert all(torch.equal(a, b) for seed, made in at_once for a, b in zip(alone[seed], made))
 
 
 @cuda

@@ -22,6 +22,7 @@ from repsim.align.pairing import NEIGHBOUR_FILES, draw_pairing, neighbor_lists
 from repsim.align.tables import EmbeddingTables, embedding_tables, embedding_tables_stage_of, hold_out, load_tables
 from repsim.align.method import ALIGNMENT_FILE, AlignmentMethod, PairedBatches, save_alignment
 from repsim.align.asif import ASIF
+from repsim.data.batch_augment import DEFAULT_GENERATORS
 from repsim.data.stage import ShardResult, sharded, sharded_already
 from repsim.data.spec import DataSpec, load_spec
 from repsim.device import resolve_device
@@ -84,8 +85,9 @@ def _build(config: AlignConfig, spec: DataSpec, train: EmbeddingTables, test: Em
                                                ("text", train.text, pairing.unpaired_text))}
     for modality, ids in neighbors.items():
         np.save(out / NEIGHBOUR_FILES[modality], ids)
-    seed_everything(config.optim.seed)
-    method = AlignmentMethod(train.image.shape[1], train.text.shape[1], config)
+    with DEFAULT_GENERATORS:  # the initialisation draws from this seed alone, whatever stages run beside it
+        seed_everything(config.optim.seed)
+        method = AlignmentMethod(train.image.shape[1], train.text.shape[1], config)
     batches = PairedBatches(train.image, train.text, pairing.paired, neighbors["image"], neighbors["text"],
                             config.geometry, config.optim.batch_size, config.optim.seed)
     trainer = Trainer(method, config.optim, batches, checkpoint_path=scratch / CHECKPOINT_FILE,

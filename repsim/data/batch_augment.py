@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -138,15 +139,22 @@ ADJUSTMENTS = (adjust_brightness_accumulative, adjust_contrast_with_mean_subtrac
                adjust_saturation_with_gray_subtraction, _adjust_hue_turns)
 
 
+DEFAULT_GENERATORS = threading.RLock()
+"""Held while a block seeds and draws from torch's default generators, which every thread of a process shares:
+stages that run at once on threads (``repsim run --concurrency``) would otherwise draw from each other's seeds."""
+
+
 @contextlib.contextmanager
 def forked_rng(seed: int | None, device: torch.device) -> Iterator[None]:
     """Run the block with the CPU's and ``device``'s generators seeded to ``seed`` (if not None), then
-    restore them; kornia draws on the CPU, ``device``'s generator is for modules moved there."""
+    restore them; kornia draws on the CPU, ``device``'s generator is for modules moved there. The block
+    holds :data:`DEFAULT_GENERATORS`, so no other thread's seeding or drawing falls inside it."""
     if seed is None:
         yield
         return
     accelerator = device.type != "cpu"
-    with torch.random.fork_rng(devices=[device] if accelerator else [], device_type=device.type):
+    with DEFAULT_GENERATORS, torch.random.fork_rng(devices=[device] if accelerator else [],
+                                                    device_type=device.type):
         torch.default_generator.manual_seed(seed)
         if accelerator:
             module = torch.get_device_module(device.type)

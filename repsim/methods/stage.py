@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from repsim.data.batch_augment import DEFAULT_GENERATORS
 from repsim.data.loader import ShardLoader, make_loader, peek_image
 from repsim.data.stage import ShardResult, sharded, sharded_already
 from repsim.data.spec import DataSpec, load_spec
@@ -175,9 +176,10 @@ def _builder(config: Config, data: TrainingData, scratch: Path, log: LogFn | Non
              progress: bool) -> Callable[[Path | None], dict[str, float]]:
     """``build(out)``: train (resuming from ``scratch``) and write the outputs into ``out`` (None: write nothing)."""
     def build(out: Path | None) -> dict[str, float]:
-        seed_everything(config.optim.seed)
         spec = method_spec(config.method.name)
-        method: Method = spec.build(config, data)
+        with DEFAULT_GENERATORS:  # the initialisation draws from this seed alone, whatever stages run beside it
+            seed_everything(config.optim.seed)
+            method: Method = spec.build(config, data)
         metrics = JsonlMetrics(scratch / METRICS_FILE)
         plan = cpu_plan(device, config.optim.num_workers, config.optim.threads)
         trainer = Trainer(method, config.optim, train_loader(config, data, device, plan.workers),
