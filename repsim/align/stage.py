@@ -22,12 +22,11 @@ from repsim.align.pairing import NEIGHBOUR_FILES, draw_pairing, neighbor_lists
 from repsim.align.tables import EmbeddingTables, embedding_tables, embedding_tables_stage_of, hold_out, load_tables
 from repsim.align.method import ALIGNMENT_FILE, AlignmentMethod, PairedBatches, save_alignment
 from repsim.align.asif import ASIF
-from repsim.data.batch_augment import DEFAULT_GENERATORS
 from repsim.data.stage import ShardResult, sharded, sharded_already
 from repsim.data.spec import DataSpec, load_spec
 from repsim.device import resolve_device
 from repsim.methods.stage import CHECKPOINT_FILE, METRICS_FILE, JsonlMetrics, _tee, summarise
-from repsim.methods.trainer import LogFn, Trainer, seed_everything
+from repsim.methods.trainer import LogFn, Trainer, seeded
 from repsim.layering import keyed_values
 from repsim.stage import SERVE_COMPLETE, Reuse, Stage, StageKind, StageOutput, run_stage, scratch_folder
 
@@ -85,8 +84,7 @@ def _build(config: AlignConfig, spec: DataSpec, train: EmbeddingTables, test: Em
                                                ("text", train.text, pairing.unpaired_text))}
     for modality, ids in neighbors.items():
         np.save(out / NEIGHBOUR_FILES[modality], ids)
-    with DEFAULT_GENERATORS:  # the initialisation draws from this seed alone, whatever stages run beside it
-        seed_everything(config.optim.seed)
+    with seeded(config.optim.seed):
         method = AlignmentMethod(train.image.shape[1], train.text.shape[1], config)
     batches = PairedBatches(train.image, train.text, pairing.paired, neighbors["image"], neighbors["text"],
                             config.geometry, config.optim.batch_size, config.optim.seed)

@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from repsim.data.batch_augment import DEFAULT_GENERATORS
 from repsim.data.loader import ShardLoader, make_loader, peek_image
 from repsim.data.stage import ShardResult, sharded, sharded_already
 from repsim.data.spec import DataSpec, load_spec
@@ -31,7 +30,7 @@ from repsim.errors import SpecError
 from repsim.methods.config import Config
 from repsim.methods.base import Method, TrainingData, Upstream, method_spec
 from repsim.methods.trainer import (KnnMonitor, LogFn, Trainer, TrainingError, init_distributed, is_main_process,
-                                  seed_everything)
+                                  seeded)
 from repsim.models.backbones import ENCODER_FILE, encoder_file, load_encoder, save_encoder
 from repsim.layering import keyed_values
 from repsim.stage import (SERVE_COMPLETE, Reuse, Stage, StageKind, StageOutput, read_record, repsim_home, run_stage,
@@ -177,8 +176,7 @@ def _builder(config: Config, data: TrainingData, scratch: Path, log: LogFn | Non
     """``build(out)``: train (resuming from ``scratch``) and write the outputs into ``out`` (None: write nothing)."""
     def build(out: Path | None) -> dict[str, float]:
         spec = method_spec(config.method.name)
-        with DEFAULT_GENERATORS:  # the initialisation draws from this seed alone, whatever stages run beside it
-            seed_everything(config.optim.seed)
+        with seeded(config.optim.seed):
             method: Method = spec.build(config, data)
         metrics = JsonlMetrics(scratch / METRICS_FILE)
         plan = cpu_plan(device, config.optim.num_workers, config.optim.threads)

@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from repsim import stopping
+from repsim.data.batch_augment import DEFAULT_GENERATORS
 from repsim.data.loader import Batch, ShardLoader
 from repsim.device import distributed, rank_and_world, resolve_device
 from repsim.errors import RepsimError, first_line
@@ -140,6 +141,15 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """:func:`seed_everything`, then the block (a model's initialisation) holding :data:`DEFAULT_GENERATORS`:
+    its draws come from ``seed`` alone, whatever stages run on other threads of the process."""
+    with DEFAULT_GENERATORS:
+        seed_everything(seed)
+        yield
 
 
 def to_device(batch: Batch, device: torch.device, channels_last: bool = False) -> Batch:
