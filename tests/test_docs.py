@@ -1,5 +1,6 @@
 """The README is a short front door whose links resolve; the reference is docs/, every page in the site's nav,
-and the site builds with --strict (no broken link, anchor or included README section)."""
+and the site builds with --strict (no broken link, anchor or included README section); every published report
+is indexed with its command and carries a verdict table."""
 
 import os
 import re
@@ -87,3 +88,12 @@ def test_the_sweep_snippet_of_the_experiments_page_plans_on_the_pages_example(tm
     trainings = {(run.label, str(member.experiment.section("train").overrides(run, member.experiment.data)))
                  for member in expand(loaded) for run in member.experiment.section("train").methods}
     assert sorted(label for label, _ in trainings) == ["simclr"] * 3 + ["xclr"] * 6
+
+
+def test_every_published_report_is_listed_with_its_command_and_opens_a_section_with_verdicts():
+    index = (DOCS / "benchmarks.md").read_text()
+    for report in sorted((REPO / "benchmarks").glob("REPORT_*.md")):
+        assert re.search(rf"^\| `{re.escape(report.name)}` \| `python benchmarks/", index, re.M), \
+            f"docs/benchmarks.md's report table lacks {report.name} and its command"
+        assert re.search(r"^#+ Verdicts\n(.*\n){0,4}\| claim \| whose \| measure \|", report.read_text(), re.M), \
+            f"{report.name} has no verdict table"
